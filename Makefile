@@ -1,0 +1,45 @@
+# koda: the two newcomer commands are `make dev` and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean
+
+## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers; Ctrl-C stops all
+dev: install
+	APP_ENV=$${APP_ENV:-dev} $(BIN)/koda dev
+
+## test: install what is missing, start the services, run the whole suite, stop the services
+test: install
+	APP_ENV=dev $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+install: system-deps $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+## system-deps: PostgreSQL server binaries and Java, via apt-get where missing
+system-deps:
+	@bash deploy/local/system-deps.sh
+
+lint:
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck:
+	$(BIN)/mypy
+
+services-up: install
+	$(BIN)/koda services up
+
+services-down:
+	$(BIN)/koda services down
+
+clean: services-down
+	rm -rf .koda $(VENV)

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install the system programs koda's local stack needs, only where missing:
+# PostgreSQL server binaries (initdb, pg_ctl, postgres) and a Java 17+ runtime.
+set -euo pipefail
+
+need=()
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null; then
+  need+=(postgresql)
+fi
+if ! command -v java >/dev/null; then
+  need+=(openjdk-17-jre-headless)
+fi
+if ! command -v mvn >/dev/null; then
+  echo "note: maven not found; Kafka jars will be fetched from Maven Central with checksums" >&2
+fi
+[ ${#need[@]} -eq 0 ] && exit 0
+
+echo "installing with apt-get: ${need[*]}" >&2
+if [ "$(id -u)" -eq 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo"; else
+  echo "error: ${need[*]} missing and not root: install them with apt-get as root" >&2
+  exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends "${need[@]}"
+# Debian's postgresql package starts a cluster of its own; koda runs its own, so stop that one.
+if [[ " ${need[*]} " == *" postgresql "* ]] && command -v pg_lsclusters >/dev/null; then
+  $SUDO pg_ctlcluster --force "$(ls /usr/lib/postgresql | sort -V | tail -1)" main stop 2>/dev/null || true
+fi

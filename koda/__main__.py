@@ -1,0 +1,3 @@
+from koda.cli import main
+
+main()

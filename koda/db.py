@@ -1,0 +1,53 @@
+"""Engines for Postgres: sync (migrations, CLI) and async (gateway, workers).
+
+Every connection's ``search_path`` is the schema named by the naming function,
+so one database can hold dev, prod and per-test namespaces side by side.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from koda.settings import Settings
+
+
+def sqlalchemy_url(database_url: str) -> str:
+    """Map ``postgresql://`` (what users write) onto the psycopg 3 driver."""
+    for prefix in ("postgresql+psycopg://", "postgresql://", "postgres://"):
+        if database_url.startswith(prefix):
+            return "postgresql+psycopg://" + database_url[len(prefix):]
+    return database_url
+
+
+def _set_search_path(schema: str) -> Any:
+    def on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Runs once per pooled connection; quote_ident via the server, not string pasting.
+        cur = dbapi_conn.cursor()
+        cur.execute("SELECT set_config('search_path', %s, false)", (f'"{schema}"',))
+        cur.close()
+        dbapi_conn.commit()
+
+    return on_connect
+
+
+def sync_engine(settings: Settings, *, pool_size: int = 2) -> Engine:
+    engine = create_engine(
+        sqlalchemy_url(settings.database_url), pool_size=pool_size, pool_pre_ping=True
+    )
+    event.listen(engine, "connect", _set_search_path(settings.names.pg_schema()))
+    return engine
+
+
+def async_engine(settings: Settings, *, pool_size: int = 10) -> AsyncEngine:
+    engine = create_async_engine(
+        sqlalchemy_url(settings.database_url),
+        pool_size=pool_size,
+        max_overflow=0,
+        pool_pre_ping=True,
+        pool_timeout=30,
+    )
+    event.listen(engine.sync_engine, "connect", _set_search_path(settings.names.pg_schema()))
+    return engine

@@ -1,0 +1,63 @@
+"""Client configurations for librdkafka (gateway, admin) and aiokafka (workers).
+
+The gateway produces with confluent-kafka and the workers consume with aiokafka;
+both must put a key into the same partition. librdkafka's default partitioner
+(consistent_random, CRC32) disagrees with Java and aiokafka (murmur2), so the
+producer here is pinned to ``murmur2_random``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from koda.settings import Settings
+
+PARTITIONER = "murmur2_random"
+
+
+def producer_config(settings: Settings, role: str) -> dict[str, Any]:
+    """An idempotent librdkafka producer (acks=all) that partitions like Java."""
+    return {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "client.id": settings.names.client_id(role, _instance(settings)),
+        "enable.idempotence": True,
+        "acks": "all",
+        "partitioner": PARTITIONER,
+        "linger.ms": 2,
+        "compression.type": "lz4",
+        "message.timeout.ms": 30_000,
+        "socket.keepalive.enable": True,
+        **settings.kafka_security.librdkafka(),
+    }
+
+
+def consumer_config(settings: Settings, role: str, group: str | None) -> dict[str, Any]:
+    """A librdkafka consumer; manual commits only (``enable.auto.commit`` off)."""
+    conf: dict[str, Any] = {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "client.id": settings.names.client_id(role, _instance(settings)),
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        **settings.kafka_security.librdkafka(),
+    }
+    if group is not None:
+        conf["group.id"] = group
+    return conf
+
+
+def aiokafka_security(settings: Settings) -> dict[str, Any]:
+    """The same security settings in aiokafka's keyword form."""
+    sec = settings.kafka_security
+    kw: dict[str, Any] = {"security_protocol": sec.protocol}
+    if sec.sasl_mechanism:
+        kw["sasl_mechanism"] = sec.sasl_mechanism
+    if sec.sasl_username is not None:
+        kw["sasl_plain_username"] = sec.sasl_username
+    if sec.sasl_password is not None:
+        kw["sasl_plain_password"] = sec.sasl_password
+    return kw
+
+
+def _instance(settings: Settings) -> str:
+    cleaned = "".join(c if c.isalnum() or c in "-_" else "-" for c in settings.worker_id.lower())
+    return cleaned.strip("-_")[:40] or "local"

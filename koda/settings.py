@@ -1,0 +1,222 @@
+"""The one frozen settings object, read from the environment in one place.
+
+Nothing else in koda reads ``os.environ``: entrypoints call :meth:`Settings.from_env`
+and pass the result down.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from koda.errors import ConfigError
+from koda.naming import AppEnv, Names
+
+DEFAULT_DATABASE_URL = "postgresql://koda@127.0.0.1:5432/koda"
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+
+
+def _int(env: Mapping[str, str], key: str, default: int, *, lo: int, hi: int) -> int:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not an integer") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"{key}={value} is out of range: use {lo}..{hi}")
+    return value
+
+
+def _float(env: Mapping[str, str], key: str, default: float, *, lo: float, hi: float) -> float:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not a number") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"{key}={value} is out of range: use {lo}..{hi}")
+    return value
+
+
+def _bool(env: Mapping[str, str], key: str, default: bool) -> bool:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key}={raw!r} is not a boolean: use true or false")
+
+
+@dataclass(frozen=True)
+class KafkaSecurity:
+    """Client security settings, mapped onto librdkafka and aiokafka configs.
+
+    ``protocol`` is PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL.
+    """
+
+    protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = field(default=None, repr=False)
+    ssl_cafile: str | None = None
+
+    def librdkafka(self) -> dict[str, Any]:
+        conf: dict[str, Any] = {"security.protocol": self.protocol}
+        if self.sasl_mechanism:
+            conf["sasl.mechanism"] = self.sasl_mechanism
+        if self.sasl_username is not None:
+            conf["sasl.username"] = self.sasl_username
+        if self.sasl_password is not None:
+            conf["sasl.password"] = self.sasl_password
+        if self.ssl_cafile:
+            conf["ssl.ca.location"] = self.ssl_cafile
+        return conf
+
+
+_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_HANDLERS = ("demo", "openai")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every knob koda has; units are in the field names (``_s`` seconds, ``_ms`` ms)."""
+
+    app_env: AppEnv
+    kafka_bootstrap: str = DEFAULT_BOOTSTRAP
+    database_url: str = field(default=DEFAULT_DATABASE_URL, repr=False)
+    namespace: str | None = None
+    kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
+    # topics
+    partitions: int = 32
+    replication_factor: int = 1
+    min_insync_replicas: int = 1
+    allow_topic_autocreate: bool = True
+    # gateway
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8080
+    body_limit_bytes: int = 64 * 1024
+    rate_per_s: float = 20.0
+    rate_burst: int = 40
+    sweep_after_s: float = 30.0
+    sweep_interval_s: float = 5.0
+    prod_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # worker
+    worker_id: str = field(default_factory=lambda: socket.gethostname())
+    worker_port: int = 0
+    max_inflight: int = 8
+    handoff_ceiling_s: float = 20.0
+    session_timeout_s: float = 10.0
+    heartbeat_interval_s: float = 3.0
+    rebalance_timeout_s: float = 60.0
+    max_attempts: int = 3
+    retry_base_s: float = 0.5
+    chunk_batch_size: int = 32
+    chunk_batch_ms: int = 20
+    handler: str = "demo"
+    openai_base_url: str = "https://api.openai.com"
+    openai_api_key: str | None = field(default=None, repr=False)
+    openai_model: str = "gpt-4o-mini"
+    metrics_port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.partitions & (self.partitions - 1):
+            raise ConfigError(f"KODA_PARTITIONS={self.partitions} must be a power of two")
+        if self.handoff_ceiling_s >= self.rebalance_timeout_s:
+            raise ConfigError(
+                f"KODA_HANDOFF_CEILING={self.handoff_ceiling_s}s must be below "
+                f"KODA_REBALANCE_TIMEOUT={self.rebalance_timeout_s}s, or a draining worker "
+                "is evicted from the group before its runs finish"
+            )
+        if self.kafka_security.protocol not in _PROTOCOLS:
+            raise ConfigError(
+                f"KODA_KAFKA_SECURITY_PROTOCOL={self.kafka_security.protocol!r}: "
+                f"use one of {', '.join(_PROTOCOLS)}"
+            )
+        if self.handler not in _HANDLERS:
+            raise ConfigError(f"KODA_HANDLER={self.handler!r}: use one of {', '.join(_HANDLERS)}")
+        if self.app_env is AppEnv.PROD:
+            if self.handler == "demo":
+                raise ConfigError(
+                    "KODA_HANDLER=demo is refused in prod: configure a real handler "
+                    "(KODA_HANDLER=openai)"
+                )
+            if self.allow_topic_autocreate:
+                raise ConfigError(
+                    "topic auto-creation is refused in prod: set KODA_TOPIC_AUTOCREATE=false "
+                    "and create topics with `koda topics apply --confirm-prod`"
+                )
+
+    @property
+    def names(self) -> Names:
+        return Names(self.app_env, self.namespace)
+
+    def with_(self, **changes: Any) -> Settings:
+        """A copy with ``changes`` applied (validated again)."""
+        return replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read every setting from ``environ`` (default ``os.environ``)."""
+        env = os.environ if environ is None else environ
+        app_env = AppEnv.parse(env.get("APP_ENV"))
+        prod = app_env is AppEnv.PROD
+        security = KafkaSecurity(
+            protocol=env.get("KODA_KAFKA_SECURITY_PROTOCOL", "PLAINTEXT"),
+            sasl_mechanism=env.get("KODA_KAFKA_SASL_MECHANISM") or None,
+            sasl_username=env.get("KODA_KAFKA_SASL_USERNAME") or None,
+            sasl_password=env.get("KODA_KAFKA_SASL_PASSWORD") or None,
+            ssl_cafile=env.get("KODA_KAFKA_SSL_CAFILE") or None,
+        )
+        tokens: dict[str, str] = {}
+        for pair in filter(None, env.get("KODA_API_TOKENS", "").split(",")):
+            token, sep, user = pair.partition(":")
+            if not sep or not token or not user:
+                raise ConfigError(
+                    "KODA_API_TOKENS must be a comma-separated list of <token>:<user_id>"
+                )
+            tokens[token] = user
+        ceiling = _float(env, "KODA_HANDOFF_CEILING", 20.0, lo=0.1, hi=600)
+        return cls(
+            app_env=app_env,
+            kafka_bootstrap=env.get("KODA_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
+            database_url=env.get("KODA_DATABASE_URL", DEFAULT_DATABASE_URL),
+            namespace=env.get("KODA_NAMESPACE") or None,
+            kafka_security=security,
+            partitions=_int(env, "KODA_PARTITIONS", 32, lo=1, hi=4096),
+            replication_factor=_int(env, "KODA_REPLICATION_FACTOR", 1, lo=1, hi=16),
+            min_insync_replicas=_int(env, "KODA_MIN_INSYNC_REPLICAS", 1, lo=1, hi=16),
+            allow_topic_autocreate=_bool(env, "KODA_TOPIC_AUTOCREATE", not prod),
+            gateway_host=env.get("KODA_GATEWAY_HOST", "127.0.0.1"),
+            gateway_port=_int(env, "KODA_GATEWAY_PORT", 8080, lo=1, hi=65535),
+            body_limit_bytes=_int(env, "KODA_BODY_LIMIT", 64 * 1024, lo=1024, hi=16 << 20),
+            rate_per_s=_float(env, "KODA_RATE_PER_S", 20.0, lo=0.01, hi=1e6),
+            rate_burst=_int(env, "KODA_RATE_BURST", 40, lo=1, hi=1_000_000),
+            sweep_after_s=_float(env, "KODA_SWEEP_AFTER", 30.0, lo=0.1, hi=86400),
+            sweep_interval_s=_float(env, "KODA_SWEEP_INTERVAL", 5.0, lo=0.1, hi=3600),
+            prod_tokens=tokens,
+            worker_id=env.get("KODA_WORKER_ID") or socket.gethostname(),
+            worker_port=_int(env, "KODA_WORKER_PORT", 0, lo=0, hi=65535),
+            max_inflight=_int(env, "KODA_MAX_INFLIGHT", 8, lo=1, hi=1024),
+            handoff_ceiling_s=ceiling,
+            session_timeout_s=_float(env, "KODA_SESSION_TIMEOUT", 10.0, lo=1, hi=300),
+            heartbeat_interval_s=_float(env, "KODA_KAFKA_HEARTBEAT", 3.0, lo=0.1, hi=60),
+            rebalance_timeout_s=_float(env, "KODA_REBALANCE_TIMEOUT", 60.0, lo=1, hi=3600),
+            max_attempts=_int(env, "KODA_MAX_ATTEMPTS", 3, lo=1, hi=10),
+            retry_base_s=_float(env, "KODA_RETRY_BASE", 0.5, lo=0.0, hi=60),
+            chunk_batch_size=_int(env, "KODA_CHUNK_BATCH", 32, lo=1, hi=10_000),
+            chunk_batch_ms=_int(env, "KODA_CHUNK_BATCH_MS", 20, lo=0, hi=10_000),
+            handler=env.get("KODA_HANDLER", "demo"),
+            openai_base_url=env.get("KODA_OPENAI_BASE_URL", "https://api.openai.com"),
+            openai_api_key=env.get("KODA_OPENAI_API_KEY") or None,
+            openai_model=env.get("KODA_OPENAI_MODEL", "gpt-4o-mini"),
+            metrics_port=_int(env, "KODA_METRICS_PORT", 0, lo=0, hi=65535),
+        )

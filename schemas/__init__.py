@@ -1,0 +1,1 @@
+"""Database tables and migrations (DESIGN §3) and Kafka record formats (DESIGN §2)."""

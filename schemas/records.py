@@ -1,0 +1,175 @@
+"""Wire formats of koda's Kafka records: encode, decode, validate.
+
+Every record carries headers ``schema`` (``name/version``) and ``content-type``.
+Values are UTF-8 JSON. Decoding never raises anything but :class:`RecordError`,
+whose ``reason`` becomes the DLQ reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from koda.errors import RecordError
+
+CONTENT_TYPE = "application/json"
+RUN_REQUESTED = "run.requested"
+RUN_CHUNK = "run.chunk"
+RUN_EVENT = "run.event"
+DEAD_LETTER = "run.dead-letter"
+HEARTBEAT = "worker.heartbeat"
+CURRENT_VERSION = {RUN_REQUESTED: 1, RUN_CHUNK: 1, RUN_EVENT: 1, DEAD_LETTER: 1, HEARTBEAT: 1}
+MAX_RUN_RECORD_BYTES = 256 * 1024
+# A dead letter must fit the broker's 1 MiB default after base64: larger originals keep a
+# prefix plus their size and sha256 (the full bytes stay on the source topic until retention).
+MAX_DEAD_LETTER_ORIGINAL = 512 * 1024
+
+Headers = list[tuple[str, bytes]]
+
+
+def headers_for(schema: str, traceparent: str | None = None) -> Headers:
+    """The standard headers of DESIGN §2 for a record of ``schema``."""
+    hs: Headers = [
+        ("schema", f"{schema}/{CURRENT_VERSION[schema]}".encode()),
+        ("content-type", CONTENT_TYPE.encode()),
+    ]
+    if traceparent:
+        hs.append(("traceparent", traceparent.encode()))
+    return hs
+
+
+def header_value(headers: Any, name: str) -> bytes | None:
+    """Find a header in either list-of-pairs or mapping form (clients differ)."""
+    if not headers:
+        return None
+    items = headers.items() if isinstance(headers, dict) else headers
+    for k, v in items:
+        if k == name:
+            return v if isinstance(v, bytes) or v is None else str(v).encode()
+    return None
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True)
+class RunRequested:
+    """``run.requested/1``: the trigger a worker acts on. Postgres holds the truth."""
+
+    run_id: str
+    user_id: str
+    session_id: str
+    created_at: str
+
+    def encode(self) -> bytes:
+        return dumps(
+            {
+                "run_id": self.run_id,
+                "user_id": self.user_id,
+                "session_id": self.session_id,
+                "created_at": self.created_at,
+            }
+        )
+
+
+def _require_str(obj: dict[str, Any], field: str) -> str:
+    value = obj.get(field)
+    if not isinstance(value, str) or not value or len(value) > 200:
+        raise RecordError("invalid", f"field {field!r} must be a non-empty string of <=200 chars")
+    return value
+
+
+def decode_run_requested(key: bytes | None, value: bytes | None, headers: Any) -> RunRequested:
+    """Decode and validate one runs-topic record; raise RecordError with a reason."""
+    if value is None:
+        raise RecordError("null_value", "record has no value")
+    if len(value) > MAX_RUN_RECORD_BYTES:
+        raise RecordError(
+            "oversized", f"value is {len(value)} bytes, limit {MAX_RUN_RECORD_BYTES}"
+        )
+    if key is None:
+        raise RecordError("null_key", "record has no key; runs are keyed by user_id")
+    schema = header_value(headers, "schema")
+    if schema is not None:
+        name, _, version = schema.decode("utf-8", "replace").partition("/")
+        if name != RUN_REQUESTED:
+            raise RecordError("unknown_schema", f"schema {name!r} is not {RUN_REQUESTED}")
+        if version != str(CURRENT_VERSION[RUN_REQUESTED]):
+            raise RecordError(
+                "unknown_schema_version", f"{RUN_REQUESTED} version {version!r} is not supported"
+            )
+    try:
+        obj = json.loads(value.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordError("undecodable", f"value is not UTF-8 JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise RecordError("invalid", "value is not a JSON object")
+    record = RunRequested(
+        run_id=_require_str(obj, "run_id"),
+        user_id=_require_str(obj, "user_id"),
+        session_id=_require_str(obj, "session_id"),
+        created_at=str(obj.get("created_at") or ""),
+    )
+    if key.decode("utf-8", "replace") != record.user_id:
+        raise RecordError("key_mismatch", "record key is not the run's user_id")
+    return record
+
+
+def chunk_value(run_id: str, seq: int, kind: str, content: str, attempt: int) -> bytes:
+    """``run.chunk/1`` value."""
+    return dumps(
+        {"run_id": run_id, "seq": seq, "kind": kind, "content": content, "attempt": attempt}
+    )
+
+
+def event_value(run_id: str, event: str, **fields: Any) -> bytes:
+    """``run.event/1`` value: status transitions and usage records, for the warehouse."""
+    return dumps({"run_id": run_id, "event": event, "at": now_iso(), **fields})
+
+
+def dead_letter_value(
+    *,
+    key: bytes | None,
+    value: bytes | None,
+    headers: Any,
+    topic: str,
+    partition: int,
+    offset: int,
+    attempts: int,
+    reason: str,
+    error: str,
+) -> bytes:
+    """``run.dead-letter/1``: the original bytes (base64) and where they came from."""
+
+    def b64(b: bytes | None) -> str | None:
+        return None if b is None else base64.b64encode(b).decode()
+
+    items = headers.items() if isinstance(headers, dict) else (headers or [])
+    size = 0 if value is None else len(value)
+    kept = value if value is None or size <= MAX_DEAD_LETTER_ORIGINAL else value[:MAX_DEAD_LETTER_ORIGINAL]
+    return dumps(
+        {
+            "original_key": b64(key),
+            "original_value": b64(kept),
+            "original_size": size,
+            "original_sha256": None if value is None else hashlib.sha256(value).hexdigest(),
+            "original_truncated": kept is not value,
+            "original_headers": [[k, b64(v)] for k, v in items],
+            "topic": topic,
+            "partition": partition,
+            "offset": offset,
+            "attempts": attempts,
+            "reason": reason,
+            "error": error[:2000],
+            "at": now_iso(),
+        }
+    )
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat()

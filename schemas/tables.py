@@ -1,0 +1,121 @@
+"""SQLAlchemy table definitions of DESIGN §3 (Postgres is the source of truth).
+
+Tables are declared without a schema: every connection sets ``search_path`` to the
+schema named by :meth:`koda.naming.Names.pg_schema`, so dev, prod and test
+namespaces never share rows.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    Numeric,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+from koda.lifecycle.states import RunStatus
+
+metadata = MetaData()
+
+STATUS_VALUES = ", ".join(f"'{s.value}'" for s in RunStatus)
+
+sessions = Table(
+    "sessions",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("user_id", Text, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ix_sessions_user_id", "user_id"),
+)
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("session_id", Text, ForeignKey("sessions.id"), nullable=False),
+    Column("user_id", Text, nullable=False),
+    Column("idempotency_key", Text, nullable=False),
+    Column("status", Text, nullable=False, server_default=text("'pending'")),
+    Column("input", JSONB, nullable=False),
+    Column("metadata", JSONB, nullable=True),
+    Column("attempt", Integer, nullable=False, server_default=text("0")),
+    Column("fence", BigInteger, nullable=False, server_default=text("0")),
+    Column("worker_id", Text, nullable=True),
+    Column("partition", Integer, nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("published_at", DateTime(timezone=True), nullable=True),
+    Column("started_at", DateTime(timezone=True), nullable=True),
+    Column("first_chunk_at", DateTime(timezone=True), nullable=True),
+    Column("finished_at", DateTime(timezone=True), nullable=True),
+    Column("error", Text, nullable=True),
+    UniqueConstraint("idempotency_key", name="uq_runs_idempotency_key"),
+    CheckConstraint(f"status IN ({STATUS_VALUES})", name="ck_runs_status"),
+    Index("ix_runs_user_id_created_at", "user_id", "created_at"),
+    Index("ix_runs_session_id_created_at", "session_id", "created_at"),
+    Index(
+        "ix_runs_pending_created_at",
+        "created_at",
+        postgresql_where=text("status = 'pending'"),
+    ),
+)
+
+messages = Table(
+    "messages",
+    metadata,
+    Column("run_id", Text, ForeignKey("runs.id"), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("content", Text, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("run_id", "seq", name="pk_messages"),
+    CheckConstraint("seq >= 0", name="ck_messages_seq"),
+)
+
+usage = Table(
+    "usage",
+    metadata,
+    Column("run_id", Text, ForeignKey("runs.id"), nullable=False),
+    Column("call_index", Integer, nullable=False),
+    Column("model", Text, nullable=False),
+    Column("prompt_tokens", Integer, nullable=False),
+    Column("completion_tokens", Integer, nullable=False),
+    Column("cost_usd", Numeric(18, 8), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("run_id", "call_index", name="pk_usage"),
+)
+
+prices = Table(
+    "prices",
+    metadata,
+    Column("model", Text, nullable=False),
+    Column("effective_from", DateTime(timezone=True), nullable=False),
+    Column("prompt_usd_per_mtok", Numeric(18, 8), nullable=False),
+    Column("completion_usd_per_mtok", Numeric(18, 8), nullable=False),
+    PrimaryKeyConstraint("model", "effective_from", name="pk_prices"),
+)
+
+# Fencing: one row per (runs topic, partition); the epoch grows on every assignment.
+partition_epochs = Table(
+    "partition_epochs",
+    metadata,
+    Column("topic", Text, nullable=False),
+    Column("partition", Integer, nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("worker_id", Text, nullable=False),
+    Column("assigned_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("topic", "partition", name="pk_partition_epochs"),
+)

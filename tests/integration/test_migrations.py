@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import inspect, text
+from sqlalchemy.exc import IntegrityError
+
+from koda.db import sync_engine
+from koda.settings import Settings
+from schemas.migrate import upgrade
+from tests.integration.conftest import drop_schema
+
+TABLES = {"sessions", "runs", "messages", "usage", "prices", "partition_epochs"}
+
+
+def test_migrations_build_every_table_on_an_empty_schema(settings: Settings) -> None:
+    try:
+        upgrade(settings)
+        upgrade(settings)  # a second upgrade is a no-op
+        engine = sync_engine(settings)
+        insp = inspect(engine)
+        schema = settings.names.pg_schema()
+        assert TABLES <= set(insp.get_table_names(schema=schema))
+        uniques = {u["name"] for u in insp.get_unique_constraints("runs", schema=schema)}
+        assert "uq_runs_idempotency_key" in uniques
+        pk = insp.get_pk_constraint("messages", schema=schema)
+        assert pk["constrained_columns"] == ["run_id", "seq"]
+        engine.dispose()
+    finally:
+        drop_schema(settings)
+
+
+def _insert_run(conn, run_id: str, key: str) -> None:  # type: ignore[no-untyped-def]
+    conn.execute(
+        text(
+            "INSERT INTO runs (id, session_id, user_id, idempotency_key, input)"
+            " VALUES (:id, 's1', 'u1', :key, '{}')"
+        ),
+        {"id": run_id, "key": key},
+    )
+
+
+def test_unique_constraints_reject_duplicates(database: Settings) -> None:
+    engine = sync_engine(database)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO sessions (id, user_id) VALUES ('s1', 'u1')"))
+        _insert_run(conn, "r1", "k1")
+    with pytest.raises(IntegrityError, match="uq_runs_idempotency_key"):
+        with engine.begin() as conn:
+            _insert_run(conn, "r2", "k1")
+    insert_msg = text(
+        "INSERT INTO messages (run_id, seq, kind, content, attempt)"
+        " VALUES ('r1', 0, 'chunk', 'x', 1)"
+    )
+    with engine.begin() as conn:
+        conn.execute(insert_msg)
+    with pytest.raises(IntegrityError, match="pk_messages"):
+        with engine.begin() as conn:
+            conn.execute(insert_msg)
+    insert_usage = text(
+        "INSERT INTO usage (run_id, call_index, model, prompt_tokens, completion_tokens,"
+        " cost_usd) VALUES ('r1', 0, 'm', 1, 1, 0.1)"
+    )
+    with engine.begin() as conn:
+        conn.execute(insert_usage)
+    with pytest.raises(IntegrityError, match="pk_usage"):
+        with engine.begin() as conn:
+            conn.execute(insert_usage)
+    with pytest.raises(IntegrityError, match="ck_runs_status"):
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE runs SET status = 'exploded' WHERE id = 'r1'"))
+    engine.dispose()
+
+
+def test_namespaces_are_isolated(database: Settings, stack) -> None:  # type: ignore[no-untyped-def]
+    from tests.integration.conftest import make_settings
+
+    other = make_settings(stack)
+    try:
+        upgrade(other)
+        a, b = sync_engine(database), sync_engine(other)
+        with a.begin() as conn:
+            conn.execute(text("INSERT INTO sessions (id, user_id) VALUES ('s1', 'u1')"))
+        with b.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM sessions")).scalar() == 0
+        a.dispose()
+        b.dispose()
+    finally:
+        drop_schema(other)

@@ -1,0 +1,42 @@
+"""Waiting helpers: poll a condition with a deadline instead of sleeping blindly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_until(
+    condition: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.1, what: str = ""
+) -> T:
+    """Return the first truthy value of ``condition()``; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(interval)
+
+
+async def async_wait_until(
+    condition: Callable[[], Awaitable[T]],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.1,
+    what: str = "",
+) -> T:
+    """Async twin of :func:`wait_until`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        await asyncio.sleep(interval)
