@@ -111,6 +111,7 @@ class Settings:
     prod_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
     # worker
     worker_id: str = field(default_factory=lambda: socket.gethostname())
+    worker_group: str = "workers"
     worker_port: int = 0
     max_inflight: int = 8
     handoff_ceiling_s: float = 20.0
@@ -204,6 +205,7 @@ class Settings:
             sweep_interval_s=_float(env, "KODA_SWEEP_INTERVAL", 5.0, lo=0.1, hi=3600),
             prod_tokens=tokens,
             worker_id=env.get("KODA_WORKER_ID") or socket.gethostname(),
+            worker_group=env.get("KODA_WORKER_GROUP") or "workers",
             worker_port=_int(env, "KODA_WORKER_PORT", 0, lo=0, hi=65535),
             max_inflight=_int(env, "KODA_MAX_INFLIGHT", 8, lo=1, hi=1024),
             handoff_ceiling_s=ceiling,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from koda.settings import Settings
 
 DAY_MS = 24 * 3600 * 1000
+RUNS_MAX_MESSAGE_BYTES = 2 * 1024 * 1024
 
 # Catalogue base names (the part after "<env>.koda."); resolved by Names.topic().
 RUNS = "runs"
@@ -50,7 +51,17 @@ def catalogue(settings: Settings) -> list[TopicSpec]:
         return TopicSpec(base, names.topic(base), partitions, rf, dict(config))
 
     return [
-        spec(RUNS, p, **{"cleanup.policy": "delete", "retention.ms": str(7 * DAY_MS)}),
+        spec(
+            RUNS,
+            p,
+            **{
+                "cleanup.policy": "delete",
+                "retention.ms": str(7 * DAY_MS),
+                # Outside producers may write large records; the worker dead-letters
+                # anything over its own limit instead of choking on it.
+                "max.message.bytes": str(RUNS_MAX_MESSAGE_BYTES),
+            },
+        ),
         spec(RUN_CONTROL, p, **{"cleanup.policy": "delete", "retention.ms": str(DAY_MS)}),
         spec(
             RUN_CHUNKS,

@@ -1,0 +1,149 @@
+"""The ``koda`` command: services, topics, db, gateway, worker, runs.
+
+Errors a user can hit print one line naming the problem and the fix, and exit 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Any, TypeVar
+
+import typer
+
+from koda.errors import KodaError
+from koda.settings import Settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+topics_app = typer.Typer(no_args_is_help=True, help="Create and check koda's topics.")
+db_app = typer.Typer(no_args_is_help=True, help="Database migrations.")
+app.add_typer(topics_app, name="topics")
+app.add_typer(db_app, name="db")
+
+
+def fail(message: str) -> None:
+    typer.echo(f"koda: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def friendly(fn: F) -> F:
+    """Turn KodaError into a one-line message and exit status 2."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except KodaError as exc:
+            fail(str(exc))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def load_settings() -> Settings:
+    return Settings.from_env()
+
+
+@topics_app.command("apply")
+@friendly
+def topics_apply(
+    confirm_prod: bool = typer.Option(False, "--confirm-prod", help="Required in prod."),
+) -> None:
+    """Create every missing topic of the catalogue (idempotent)."""
+    from topics.admin import apply_topics
+
+    settings = load_settings()
+    require_confirmation(settings, confirm_prod, "topics apply")
+    created = apply_topics(settings)
+    for name in created:
+        typer.echo(f"created {name}")
+    typer.echo(f"topics ok ({len(created)} created)")
+
+
+@topics_app.command("check")
+@friendly
+def topics_check() -> None:
+    """Report drift between the broker and the catalogue; exit 1 on any."""
+    from topics.admin import check_topics
+
+    drifts = check_topics(load_settings())
+    for d in drifts:
+        typer.echo(f"drift: {d}")
+    if drifts:
+        raise typer.Exit(1)
+    typer.echo("topics match the catalogue")
+
+
+@db_app.command("upgrade")
+@friendly
+def db_upgrade(revision: str = typer.Argument("head")) -> None:
+    """Create the schema if missing and apply migrations up to REVISION."""
+    from schemas.migrate import upgrade
+
+    settings = load_settings()
+    upgrade(settings, revision)
+    typer.echo(f"database schema {settings.names.pg_schema()} at {revision}")
+
+
+def require_confirmation(settings: Settings, confirmed: bool, what: str) -> None:
+    """Destructive or shared-state commands demand ``--confirm-prod`` in prod."""
+    from koda.naming import AppEnv
+
+    if settings.app_env is AppEnv.PROD and not confirmed:
+        raise KodaError(f"`koda {what}` in APP_ENV=prod needs --confirm-prod")
+
+
+@app.command("worker")
+@friendly
+def worker_command() -> None:
+    """Run one worker of the consumer group in the foreground (SIGTERM drains)."""
+    from koda.logs import configure_logging
+    from processors.app import run_worker
+
+    configure_logging()
+    run_worker(load_settings())
+
+
+@app.command("gateway")
+@friendly
+def gateway_command() -> None:
+    """Run the HTTP gateway in the foreground on KODA_GATEWAY_PORT."""
+    from gateway.cli import serve
+    from koda.logs import configure_logging
+
+    configure_logging()
+    serve(load_settings())
+
+
+@app.command("dev")
+@friendly
+def dev_command(
+    state_dir: str = typer.Option(".koda", help="Where the local services keep their data."),
+    workers: int = typer.Option(2, min=1, max=8),
+) -> None:
+    """Local stack + migrations + topics + gateway + workers (demo handler); Ctrl-C stops all."""
+    import os
+    from pathlib import Path
+
+    from koda.devrun import run_dev
+
+    raise typer.Exit(run_dev(Path(state_dir), os.environ, workers=workers))
+
+
+def _add_optional_apps() -> None:
+    from gateway.cli import runs_app
+    from koda.localstack.cli import services_app
+
+    app.add_typer(services_app, name="services")
+    app.add_typer(runs_app, name="runs")
+
+
+def main() -> None:
+    _add_optional_apps()
+    try:
+        app()
+    except KodaError as exc:
+        typer.echo(f"koda: {exc}", err=True)
+        sys.exit(2)

@@ -1,0 +1,68 @@
+"""Chunk kinds and the seq rules of DESIGN §5.
+
+A run's events carry a contiguous ``seq`` from 0 that never resets. A retry or a
+successor that finds earlier output first emits ``reset`` so viewers drop the
+partial answer, then keeps counting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ChunkKind(str, Enum):
+    CHUNK = "chunk"
+    RESET = "reset"
+    STATUS = "status"
+    DONE = "done"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (ChunkKind.DONE, ChunkKind.ERROR, ChunkKind.CANCELLED)
+
+
+SEQ_WIDTH = 10  # zero padding of seq in chunk keys: <run_id>:0000000042
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One output event of a run."""
+
+    run_id: str
+    seq: int
+    kind: ChunkKind
+    content: str
+    attempt: int
+
+
+def chunk_key(run_id: str, seq: int) -> str:
+    """The compacted topic's key: ``<run_id>:<seq>`` with seq zero-padded."""
+    if seq < 0:
+        raise ValueError(f"seq must be >= 0, got {seq}")
+    return f"{run_id}:{seq:0{SEQ_WIDTH}d}"
+
+
+def final_key(run_id: str) -> str:
+    """The key of the one record that carries a compacted run's whole text."""
+    return f"{run_id}:final"
+
+
+class SeqCounter:
+    """Hands out the next seq of one run, starting where earlier attempts stopped."""
+
+    def __init__(self, next_seq: int) -> None:
+        if next_seq < 0:
+            raise ValueError(f"next_seq must be >= 0, got {next_seq}")
+        self._next = next_seq
+
+    @property
+    def next(self) -> int:
+        return self._next
+
+    def take(self) -> int:
+        seq = self._next
+        self._next += 1
+        return seq

@@ -1,0 +1,64 @@
+"""The pluggable job: an async iterator of chunk texts and usage records.
+
+A handler gets a :class:`RunContext` and yields ``str`` (a chunk of the answer) or
+:class:`Usage` (one model call's token counts). It must check
+``ctx.cancel.cancelled`` between steps and return early when set; the worker
+also cancels the task at the handoff ceiling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class CancelToken:
+    """Cooperative cancellation shared by the worker and a handler."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self.reason: str | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def cancel(self, reason: str) -> None:
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One model call: token counts; cost is computed at write time from the price table."""
+
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class RunContext:
+    run_id: str
+    user_id: str
+    input: dict[str, Any]
+    attempt: int
+    cancel: CancelToken = field(default_factory=CancelToken)
+
+
+class Handler(Protocol):
+    name: str
+
+    def stream(self, ctx: RunContext) -> AsyncIterator[str | Usage]:
+        """Yield the run's chunks in order, and usage records."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections (called once at worker shutdown)."""
+        ...

@@ -1,0 +1,54 @@
+"""The run state machine of DESIGN §4.
+
+    pending → running → streaming → done
+    failed and cancelled are reachable from any non-terminal state.
+
+``running`` is also re-entered from ``running``/``streaming`` by a *claim* with
+``attempt + 1``: that is a retry in place or a successor resuming a run whose
+owner was lost. The claim is fenced (see processors/store.py), so only the
+partition's current owner can take that edge.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class RunStatus(str, Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    STREAMING = "streaming"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({RunStatus.DONE, RunStatus.FAILED, RunStatus.CANCELLED})
+ACTIVE = frozenset({RunStatus.RUNNING, RunStatus.STREAMING})
+
+ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
+    RunStatus.PENDING: frozenset({RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED}),
+    RunStatus.RUNNING: frozenset(
+        {RunStatus.RUNNING, RunStatus.STREAMING, RunStatus.DONE, RunStatus.FAILED,
+         RunStatus.CANCELLED}
+    ),
+    RunStatus.STREAMING: frozenset(
+        {RunStatus.RUNNING, RunStatus.DONE, RunStatus.FAILED, RunStatus.CANCELLED}
+    ),
+    RunStatus.DONE: frozenset(),
+    RunStatus.FAILED: frozenset(),
+    RunStatus.CANCELLED: frozenset(),
+}
+
+
+def sources_of(target: RunStatus) -> frozenset[RunStatus]:
+    """Every status from which ``target`` may be entered."""
+    return frozenset(s for s, dests in ALLOWED.items() if target in dests)
+
+
+def can_transition(current: RunStatus, target: RunStatus) -> bool:
+    return target in ALLOWED[current]

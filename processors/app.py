@@ -1,0 +1,234 @@
+"""The worker: a Faust app consuming ``<env>.koda.runs`` with raw values.
+
+Composition (``build_worker``) wires settings → engine, store, emitter, handler,
+executor and the partition chains into a Faust app whose consumer drains and
+commits *before* Faust forgets the revoked partitions' acks.
+
+Faust settings that make the handoff hold (see ARCHITECTURE.md):
+
+* ``stream_wait_empty=False``: Faust's own revoke wait has no ceiling; koda's
+  drain (in ``DrainingConsumer.on_partitions_revoked``) has one.
+* ``table_standby_replicas=0``: plain round-robin assignment, no Faust assignor.
+* ``topic_allow_declare=False``, ``topic_disable_leader=True``: Faust creates no
+  topics; ``koda topics apply`` owns them.
+* ``broker_max_poll_records`` small, and the dispatcher never blocks: fetching
+  continues while runs execute, so ``max.poll.interval`` is never exceeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import faust
+from faust.transport.drivers import aiokafka as faust_aiokafka
+
+from koda.db import async_engine
+from koda.kafka import aiokafka_security
+from koda.lifecycle.handler import CancelToken, Handler
+from koda.metrics import HANDOFF_SECONDS, REBALANCES
+from koda.settings import Settings
+from processors.chains import ChainSet
+from processors.emitter import Emitter
+from processors.handlers import build_handler
+from processors.runner import FencedOut, Record, RunExecutor
+from processors.store import Fence, RunStore
+from topics.catalogue import RUNS
+
+log = logging.getLogger("koda.worker")
+
+
+@dataclass
+class WorkerRuntime:
+    """Everything the agent and the rebalance hooks share."""
+
+    settings: Settings
+    store: RunStore
+    executor: RunExecutor
+    handler: Handler
+    runs_topic: str
+    chains: ChainSet | None = None
+    fences: dict[int, Fence] = field(default_factory=dict)
+    app: faust.App | None = None
+
+    async def fence_for(self, partition: int) -> Fence:
+        fence = self.fences.get(partition)
+        if fence is None:
+            epochs = await self.store.bump_epochs(
+                self.runs_topic, [partition], self.settings.worker_id
+            )
+            fence = Fence(self.runs_topic, partition, epochs[partition])
+            self.fences[partition] = fence
+        return fence
+
+    async def process(self, event: Any, partition: int, cancel: CancelToken) -> None:
+        msg = event.message
+        record = Record(msg.topic, partition, msg.offset, msg.key, msg.value, msg.headers)
+        fence = await self.fence_for(partition)
+        await self.executor.process(record, fence, cancel)
+
+    async def on_assigned(self, partitions: list[int]) -> None:
+        REBALANCES.labels(event="assigned").inc()
+        if self.chains is not None:
+            self.chains.accepting = True
+        if not partitions:
+            return
+        try:
+            epochs = await self.store.bump_epochs(
+                self.runs_topic, partitions, self.settings.worker_id
+            )
+        except Exception:  # noqa: BLE001 - fences are taken lazily on first record instead
+            log.exception("could not take partition epochs; will retry on first record")
+            return
+        for p, epoch in epochs.items():
+            self.fences[p] = Fence(self.runs_topic, p, epoch)
+        log.info("assigned partitions=%s worker_id=%s", partitions, self.settings.worker_id)
+
+    async def on_revoked(self, partitions: list[int]) -> dict[str, Any]:
+        REBALANCES.labels(event="revoked").inc()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        result: dict[str, Any] = {}
+        if self.chains is not None:
+            result = await self.chains.drain(partitions, self.settings.handoff_ceiling_s)
+        for p in partitions:
+            self.fences.pop(p, None)
+        HANDOFF_SECONDS.observe(loop.time() - started)
+        log.info("revoked partitions=%s drain=%s", partitions, result)
+        return result
+
+
+class DrainingConsumer(faust_aiokafka.Consumer):
+    """Drain and commit on revoke *before* Faust drops the revoked partitions' acks."""
+
+    runtime: WorkerRuntime | None = None
+
+    async def on_partitions_revoked(self, revoked: set[Any]) -> None:
+        rt = self.runtime
+        if rt is not None and revoked:
+            ours = sorted(tp.partition for tp in revoked if tp.topic == rt.runs_topic)
+            if ours:
+                await rt.on_revoked(ours)
+                # commit() returns False if another commit was running: ask twice.
+                await self.commit(revoked)
+                await self.commit(revoked)
+        await super().on_partitions_revoked(revoked)
+
+
+class IdempotentProducer(faust_aiokafka.Producer):
+    def _settings_extra(self) -> dict[str, Any]:
+        return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
+
+
+class KodaTransport(faust_aiokafka.Transport):
+    Consumer = DrainingConsumer
+    Producer = IdempotentProducer
+
+
+class KodaApp(faust.App):
+    def _new_transport(self) -> Any:
+        return KodaTransport(self.conf.broker_consumer, self)
+
+    def _new_producer(self) -> Any:
+        return IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
+
+
+def faust_settings(settings: Settings) -> dict[str, Any]:
+    """The Faust configuration derived from koda's settings."""
+    hosts = ";".join(f"kafka://{h}" for h in settings.kafka_bootstrap.split(","))
+    broker_credentials = None
+    sec = aiokafka_security(settings)
+    if sec.get("sasl_mechanism"):
+        broker_credentials = faust.SASLCredentials(
+            username=sec.get("sasl_plain_username"),
+            password=sec.get("sasl_plain_password"),
+            mechanism=sec["sasl_mechanism"],
+        )
+    return {
+        "broker": hosts,
+        "broker_credentials": broker_credentials,
+        "key_serializer": "raw",
+        "value_serializer": "raw",
+        "stream_wait_empty": False,
+        "topic_allow_declare": False,
+        "topic_disable_leader": True,
+        "table_standby_replicas": 0,
+        "web_enabled": False,
+        "datadir": tempfile.mkdtemp(prefix="koda-faust-"),
+        "consumer_auto_offset_reset": "earliest",
+        "broker_session_timeout": settings.session_timeout_s,
+        "broker_heartbeat_interval": settings.heartbeat_interval_s,
+        "broker_rebalance_timeout": settings.rebalance_timeout_s,
+        "broker_request_timeout": max(settings.rebalance_timeout_s, settings.session_timeout_s)
+        + 10,
+        "broker_max_poll_interval": 300.0,
+        "broker_max_poll_records": 100,
+        "broker_commit_interval": 1.0,
+        "stream_buffer_maxsize": 1024,
+        "producer_acks": -1,
+        "producer_linger_ms": 2,
+    }
+
+
+def build_worker(settings: Settings) -> tuple[faust.App, WorkerRuntime]:
+    """Compose the worker: nothing connects until the Faust worker starts."""
+    engine = async_engine(settings, pool_size=settings.max_inflight + 2)
+    store = RunStore(engine)
+    handler = build_handler(settings)
+    app = KodaApp(settings.names.group(settings.worker_group), **faust_settings(settings))
+    emitter = Emitter(settings, app.producer.send)
+    executor = RunExecutor(settings, store, emitter, handler)
+    runs_topic = settings.names.topic(RUNS)
+    rt = WorkerRuntime(settings, store, executor, handler, runs_topic, app=app)
+    DrainingConsumer.runtime = rt
+
+    def ack(event: Any) -> None:
+        event.ack()
+
+    def tp(partition: int) -> Any:
+        return faust.TopicPartition(runs_topic, partition)
+
+    chains = ChainSet(
+        max_inflight=settings.max_inflight,
+        process=rt.process,
+        ack=ack,
+        pause=lambda p: app.consumer.pause_partitions([tp(p)]),
+        resume=lambda p: app.consumer.resume_partitions([tp(p)]),
+        is_fenced=lambda exc: isinstance(exc, FencedOut),
+    )
+    rt.chains = chains
+    source = app.topic(
+        runs_topic, key_type=bytes, value_type=bytes, key_serializer="raw",
+        value_serializer="raw",
+    )
+
+    @app.agent(source)
+    async def dispatch(stream: Any) -> None:
+        async for event in stream.noack().events():
+            msg = event.message
+            if msg.generation_id != app.consumer_generation_id:
+                continue  # fetched before the last rebalance: the new owner re-reads it
+            chains.dispatch(event, msg.tp.partition, msg.offset)
+
+    @app.on_partitions_assigned.connect
+    async def _assigned(sender: Any, assigned: set[Any], **_: Any) -> None:
+        await rt.on_assigned(sorted(t.partition for t in assigned if t.topic == runs_topic))
+
+    @app.on_before_shutdown.connect
+    async def _shutdown(sender: Any, **_: Any) -> None:
+        chains.accepting = False
+        await rt.on_revoked(chains.held())
+
+    return app, rt
+
+
+def run_worker(settings: Settings) -> None:
+    """Run a worker in the foreground until SIGTERM/SIGINT (drains, commits, exits 0)."""
+    app, rt = build_worker(settings)
+    worker = faust.Worker(
+        app, loglevel="INFO", override_logging=False, redirect_stdouts=False, quiet=True
+    )
+    worker.execute_from_commandline()

@@ -1,0 +1,27 @@
+"""Job handlers: ``demo`` (deterministic, for tests and dev) and ``openai``."""
+
+from __future__ import annotations
+
+from koda.errors import ConfigError
+from koda.lifecycle.handler import Handler
+from koda.naming import AppEnv
+from koda.settings import Settings
+
+
+def build_handler(settings: Settings) -> Handler:
+    """The handler named by ``KODA_HANDLER``; prod refuses ``demo``."""
+    if settings.handler == "demo":
+        if settings.app_env is AppEnv.PROD:
+            raise ConfigError("the demo handler is refused in prod")
+        from processors.handlers.demo import DemoHandler
+
+        return DemoHandler()
+    if settings.handler == "openai":
+        from processors.handlers.openai import OpenAIHandler
+
+        return OpenAIHandler(
+            base_url=settings.openai_base_url,
+            api_key=settings.openai_api_key,
+            model=settings.openai_model,
+        )
+    raise ConfigError(f"unknown handler {settings.handler!r}")

@@ -1,0 +1,79 @@
+"""A deterministic demo model: reproducible tokens from the input.
+
+Switches, read from ``input["demo"]`` (all optional):
+
+    tokens          number of chunks (default 12)
+    delay_ms        pause before each chunk (default 20)
+    fail_attempts   attempts 1..N raise after emitting half their chunks (default 0)
+    hang            never finish (until cancelled)
+    token_bytes     approximate size of each chunk (default 6)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+from koda.errors import HandlerError
+from koda.lifecycle.handler import RunContext, Usage
+
+MODEL = "demo-1"
+WORDS = (
+    "the quick brown fox jumps over lazy dogs while kafka keeps every partition in order "
+    "and postgres remembers what was said"
+).split()
+
+
+def _opts(raw: Any) -> dict[str, Any]:
+    return raw if isinstance(raw, dict) else {}
+
+
+def prompt_text(inp: dict[str, Any]) -> str:
+    text = inp.get("text", inp.get("prompt", ""))
+    return text if isinstance(text, str) else str(text)
+
+
+def demo_tokens(inp: dict[str, Any]) -> list[str]:
+    """The exact chunks the demo model produces for ``inp`` (any attempt)."""
+    opts = _opts(inp.get("demo"))
+    n = int(opts.get("tokens", 12))
+    size = int(opts.get("token_bytes", 6))
+    seed = hashlib.sha256(prompt_text(inp).encode()).digest()
+    rng = random.Random(seed)  # noqa: S311 - deterministic text, not crypto
+    out = []
+    for _ in range(n):
+        word = WORDS[rng.randrange(len(WORDS))]
+        token = (word + " ") if size <= len(word) + 1 else (word + " ") * (size // (len(word) + 1))
+        out.append(token)
+    return out
+
+
+class DemoHandler:
+    name = "demo"
+
+    async def stream(self, ctx: RunContext) -> AsyncIterator[str | Usage]:
+        opts = _opts(ctx.input.get("demo"))
+        tokens = demo_tokens(ctx.input)
+        delay = float(opts.get("delay_ms", 20)) / 1000.0
+        fail_attempts = int(opts.get("fail_attempts", 0))
+        fail_at = len(tokens) // 2 if ctx.attempt <= fail_attempts else None
+        for i, token in enumerate(tokens):
+            if ctx.cancel.cancelled:
+                return
+            if fail_at is not None and i == fail_at:
+                raise HandlerError(f"demo failure on attempt {ctx.attempt} (fail_attempts)")
+            if delay:
+                await asyncio.sleep(delay)
+            yield token
+        if fail_at is not None:
+            raise HandlerError(f"demo failure on attempt {ctx.attempt} (fail_attempts)")
+        if opts.get("hang"):
+            await ctx.cancel.wait()
+            return
+        yield Usage(MODEL, len(prompt_text(ctx.input).split()), len(tokens))
+
+    async def aclose(self) -> None:
+        return None

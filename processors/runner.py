@@ -1,0 +1,311 @@
+"""Execute one runs-topic record: decode, claim, stream, retry, finish or dead-letter.
+
+``RunExecutor.process`` returns normally when the record may be acked (its
+outcome is durable in Postgres and on the topics), and raises :class:`FencedOut`
+when this worker no longer owns the partition: then nothing is acked and the
+successor redoes the work. ``asyncio.CancelledError`` (handoff ceiling) also
+leaves the record unacked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from koda.errors import HandlerError, KodaError, RecordError
+from koda.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
+from koda.lifecycle.handler import CancelToken, Handler, RunContext, Usage
+from koda.lifecycle.retry import RetryPolicy
+from koda.lifecycle.states import RunStatus
+from koda.metrics import (
+    RETRIES,
+    RUN_DURATION_SECONDS,
+    RUNS,
+    TIME_TO_FIRST_CHUNK_SECONDS,
+)
+from koda.settings import Settings
+from processors.emitter import Emitter
+from processors.store import Fence, RunStore
+from schemas.records import decode_run_requested
+
+log = logging.getLogger("koda.worker")
+
+
+class FencedOut(KodaError):
+    """This worker lost the partition: its writes match zero rows; do not ack."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """The parts of a Kafka message the executor needs (decoupled from Faust)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Any
+
+
+_END = object()
+
+
+class ChunkBatcher:
+    """Collects chunks and writes them (Postgres first, then the topic) in batches."""
+
+    def __init__(
+        self,
+        store: RunStore,
+        emitter: Emitter,
+        fence: Fence,
+        run_id: str,
+        attempt: int,
+        seq: SeqCounter,
+        futures: list[asyncio.Future[Any]],
+        max_size: int,
+    ) -> None:
+        self.store, self.emitter, self.fence = store, emitter, fence
+        self.run_id, self.attempt, self.seq = run_id, attempt, seq
+        self.futures = futures
+        self.max_size = max_size
+        self.pending: list[Chunk] = []
+        self.streaming = False
+
+    def add(self, kind: ChunkKind, content: str) -> None:
+        self.pending.append(Chunk(self.run_id, self.seq.take(), kind, content, self.attempt))
+
+    @property
+    def full(self) -> bool:
+        return len(self.pending) >= self.max_size
+
+    async def flush(self) -> None:
+        if not self.pending:
+            return
+        batch, self.pending = self.pending, []
+        first = not self.streaming and any(c.kind is ChunkKind.CHUNK for c in batch)
+        inserted = await self.store.write_chunks(self.fence, self.run_id, batch, first_output=first)
+        if inserted is None:
+            raise FencedOut(f"run {self.run_id}: chunk write fenced out")
+        if first:
+            self.streaming = True
+        self.futures += await self.emitter.chunks(self.fence.partition, _only(batch, inserted))
+
+
+def _only(chunks: list[Chunk], seqs: list[int]) -> list[Chunk]:
+    keep = set(seqs)
+    return [c for c in chunks if c.seq in keep]
+
+
+class RunExecutor:
+    """Runs records through the lifecycle; one instance per worker process."""
+
+    def __init__(
+        self, settings: Settings, store: RunStore, emitter: Emitter, handler: Handler
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.emitter = emitter
+        self.handler = handler
+        self.policy = RetryPolicy(settings.max_attempts, settings.retry_base_s)
+        self.worker_id = settings.worker_id
+
+    async def process(self, record: Record, fence: Fence, cancel: CancelToken) -> None:
+        """Do the record's work; return when it may be acked."""
+        ctx_log = {"partition": record.partition, "offset": record.offset}
+        try:
+            req = decode_run_requested(record.key, record.value, record.headers)
+        except RecordError as exc:
+            log.warning("dead-letter reason=%s %s", exc.reason, _kv(ctx_log))
+            await self._dead_letter(record, 0, exc.reason, exc.detail)
+            return
+        run = await self.store.load_run(req.run_id)
+        if run is None:
+            await self._dead_letter(record, 0, "unknown_run", f"no run {req.run_id} in Postgres")
+            return
+        if run.user_id != req.user_id:
+            await self._dead_letter(record, 0, "user_mismatch", "record user is not the run's")
+            return
+        if run.status.terminal:
+            log.info("skip terminal run_id=%s status=%s %s", run.id, run.status.value, _kv(ctx_log))
+            return
+        await self._execute(record, run.id, run.user_id, run.input, fence, cancel)
+
+    async def _execute(
+        self,
+        record: Record,
+        run_id: str,
+        user_id: str,
+        inp: dict[str, Any],
+        fence: Fence,
+        cancel: CancelToken,
+    ) -> None:
+        started = time.monotonic()
+        while True:
+            claim = await self.store.claim(run_id, fence, self.worker_id)
+            if claim is None:
+                current = await self.store.load_run(run_id)
+                if current is not None and current.status.terminal:
+                    return  # someone finished it first; nothing to do
+                raise FencedOut(f"run {run_id}: claim fenced out")
+            attempt = claim.attempt
+            futures: list[asyncio.Future[Any]] = []
+            futures.append(
+                await self.emitter.event(
+                    fence.partition, run_id, "transition", to="running", attempt=attempt,
+                    worker_id=self.worker_id,
+                )
+            )
+            seq = SeqCounter(claim.next_seq)
+            batcher = ChunkBatcher(
+                self.store, self.emitter, fence, run_id, attempt, seq, futures,
+                self.settings.chunk_batch_size,
+            )
+            if attempt > self.settings.max_attempts:
+                await self._give_up(record, batcher, fence, attempt - 1, "attempts exhausted")
+                return
+            if claim.had_output:
+                batcher.add(ChunkKind.RESET, json.dumps({"attempt": attempt}))
+            log.info(
+                "run start run_id=%s user_id=%s attempt=%d partition=%d offset=%d",
+                run_id, user_id, attempt, record.partition, record.offset,
+            )
+            ctx = RunContext(run_id, user_id, inp, attempt, cancel)
+            try:
+                usage = await self._stream(ctx, batcher, started)
+            except HandlerError as exc:
+                # Keep what this attempt already said, so seq stays contiguous.
+                await batcher.flush()
+                error = str(exc)
+                RETRIES.inc()
+                log.warning(
+                    "attempt failed run_id=%s attempt=%d error=%s", run_id, attempt, error[:200]
+                )
+                if self.policy.exhausted(attempt):
+                    await self._give_up(record, batcher, fence, attempt, error)
+                    return
+                # Output already written stays; the next attempt starts with `reset`.
+                await asyncio.sleep(self.policy.backoff_s(attempt))
+                continue
+            batcher.add(ChunkKind.DONE, json.dumps({"status": "done"}))
+            final = batcher.pending
+            batcher.pending = []
+            inserted = await self.store.finish(fence, run_id, RunStatus.DONE, final, usage)
+            if inserted is None:
+                raise FencedOut(f"run {run_id}: finish fenced out")
+            futures += await self.emitter.chunks(fence.partition, _only(final, inserted))
+            futures.append(
+                await self.emitter.event(
+                    fence.partition, run_id, "transition", to="done", attempt=attempt
+                )
+            )
+            for i, u in enumerate(usage):
+                futures.append(
+                    await self.emitter.event(
+                        fence.partition, run_id, "usage", call_index=i, model=u.model,
+                        prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                    )
+                )
+            await asyncio.gather(*futures)
+            RUNS.labels(outcome="done").inc()
+            RUN_DURATION_SECONDS.labels(outcome="done").observe(time.monotonic() - started)
+            log.info("run done run_id=%s attempt=%d", run_id, attempt)
+            return
+
+    async def _stream(self, ctx: RunContext, batcher: ChunkBatcher, started: float) -> list[Usage]:
+        """Pump the handler into the batcher; flush by size or after ``chunk_batch_ms``."""
+        usage: list[Usage] = []
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=4 * batcher.max_size)
+        pump = asyncio.create_task(_pump(self.handler.stream(ctx), queue))
+        window = self.settings.chunk_batch_ms / 1000.0
+        deadline: float | None = None
+        first = True
+        try:
+            while True:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout)
+                except TimeoutError:
+                    await batcher.flush()
+                    deadline = None
+                    continue
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    if isinstance(item, HandlerError):
+                        raise item
+                    raise HandlerError(f"{type(item).__name__}: {item}") from item
+                if isinstance(item, Usage):
+                    usage.append(item)
+                    continue
+                if first:
+                    TIME_TO_FIRST_CHUNK_SECONDS.observe(time.monotonic() - started)
+                    first = False
+                batcher.add(ChunkKind.CHUNK, str(item))
+                if batcher.full or window == 0:
+                    await batcher.flush()
+                    deadline = None
+                elif deadline is None:
+                    deadline = time.monotonic() + window
+            await batcher.flush()
+            return usage
+        finally:
+            if not pump.done():
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
+
+    async def _give_up(
+        self, record: Record, batcher: ChunkBatcher, fence: Fence, attempts: int, error: str
+    ) -> None:
+        """Retries exhausted: DLQ record, ``failed``, an ``error`` event, then ack."""
+        await self._dead_letter(record, attempts, "handler_failed", error)
+        batcher.add(ChunkKind.ERROR, json.dumps({"error": error[:500], "attempts": attempts}))
+        final = batcher.pending
+        batcher.pending = []
+        inserted = await self.store.finish(
+            fence, final[0].run_id, RunStatus.FAILED, final, error=error[:2000]
+        )
+        if inserted is None:
+            raise FencedOut(f"run {final[0].run_id}: fail fenced out")
+        futures = await self.emitter.chunks(fence.partition, _only(final, inserted))
+        futures.append(
+            await self.emitter.event(
+                fence.partition, final[0].run_id, "transition", to="failed", attempt=attempts
+            )
+        )
+        await asyncio.gather(*futures, *batcher.futures)
+        RUNS.labels(outcome="failed").inc()
+        log.warning("run failed run_id=%s attempts=%d", final[0].run_id, attempts)
+
+    async def _dead_letter(self, record: Record, attempts: int, reason: str, error: str) -> None:
+        await self.emitter.dead_letter(
+            key=record.key,
+            value=record.value,
+            headers=record.headers,
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            attempts=attempts,
+            reason=reason,
+            error=error,
+        )
+
+
+async def _pump(source: AsyncIterator[str | Usage], queue: asyncio.Queue[Any]) -> None:
+    try:
+        async for item in source:
+            await queue.put(item)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - handed to the consumer side
+        await queue.put(exc)
+        return
+    await queue.put(_END)
+
+
+def _kv(fields: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in fields.items())

@@ -1,0 +1,312 @@
+"""The worker's Postgres adapter: fenced claims, transitions and chunk writes.
+
+Fencing (DESIGN §6): every assignment of a runs partition bumps
+``partition_epochs.epoch``; the worker carries that epoch as its owner token. A
+write succeeds only while (a) the partition's epoch is still the worker's and
+(b) the run's ``fence`` column is that epoch. Writes take ``FOR SHARE`` locks on
+both rows, so a new owner's epoch bump or claim waits for an in-flight write of
+the old owner to finish and then sees it; afterwards the old owner's writes
+match zero rows. A frozen worker that wakes up cannot write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from koda.lifecycle.chunks import Chunk
+from koda.lifecycle.handler import Usage
+from koda.lifecycle.states import ACTIVE, RunStatus, sources_of
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The owner token of one partition: carried into every conditional write."""
+
+    topic: str
+    partition: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class RunRow:
+    id: str
+    user_id: str
+    session_id: str
+    status: RunStatus
+    input: dict[str, Any]
+    attempt: int
+    fence: int
+
+
+@dataclass(frozen=True)
+class Claim:
+    attempt: int
+    next_seq: int
+    had_output: bool
+
+
+_OWNED = """
+    SELECT 1 FROM runs r JOIN partition_epochs e
+      ON e.topic = :topic AND e.partition = :partition AND e.epoch = :epoch
+     WHERE r.id = :run_id AND r.fence = :epoch AND r.status = ANY(:active)
+       FOR SHARE
+"""
+
+
+def _fence_params(fence: Fence, run_id: str) -> dict[str, Any]:
+    return {
+        "topic": fence.topic,
+        "partition": fence.partition,
+        "epoch": fence.epoch,
+        "run_id": run_id,
+        "active": [s.value for s in ACTIVE],
+    }
+
+
+class RunStore:
+    """Every write the worker makes; each is conditional and idempotent."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def bump_epochs(self, topic: str, partitions: Sequence[int], worker_id: str) -> dict[
+        int, int
+    ]:
+        """Take ownership of ``partitions``: their epochs grow by one; returns the new ones."""
+        if not partitions:
+            return {}
+        async with self.engine.begin() as conn:
+            rows = await conn.execute(
+                text(
+                    """
+                    INSERT INTO partition_epochs (topic, partition, epoch, worker_id)
+                    SELECT :topic, p, 1, :worker FROM unnest(CAST(:parts AS int[])) AS p
+                    ON CONFLICT (topic, partition) DO UPDATE
+                       SET epoch = partition_epochs.epoch + 1,
+                           worker_id = EXCLUDED.worker_id, assigned_at = now()
+                    RETURNING partition, epoch
+                    """
+                ),
+                {"topic": topic, "parts": sorted(partitions), "worker": worker_id},
+            )
+            return {int(p): int(e) for p, e in rows}
+
+    async def load_run(self, run_id: str) -> RunRow | None:
+        async with self.engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    text(
+                        "SELECT id, user_id, session_id, status, input, attempt, fence"
+                        " FROM runs WHERE id = :id"
+                    ),
+                    {"id": run_id},
+                )
+            ).first()
+        if row is None:
+            return None
+        return RunRow(
+            row.id, row.user_id, row.session_id, RunStatus(row.status), row.input, row.attempt,
+            row.fence,
+        )
+
+    async def claim(self, run_id: str, fence: Fence, worker_id: str) -> Claim | None:
+        """``→ running`` with ``attempt + 1`` under ``fence``; None if someone moved first.
+
+        The next seq is read in a second statement of the same transaction: under
+        READ COMMITTED it sees any write of a previous owner that the row lock
+        made this claim wait for.
+        """
+        async with self.engine.begin() as conn:
+            row = (
+                await conn.execute(
+                    text(
+                        """
+                        UPDATE runs SET status = 'running', attempt = attempt + 1,
+                               fence = :epoch, worker_id = :worker, partition = :partition,
+                               started_at = COALESCE(started_at, now())
+                         WHERE id = :run_id AND status = ANY(:sources)
+                           AND fence <= :epoch
+                           AND EXISTS (SELECT 1 FROM partition_epochs e
+                                        WHERE e.topic = :topic AND e.partition = :partition
+                                          AND e.epoch = :epoch FOR SHARE)
+                        RETURNING attempt
+                        """
+                    ),
+                    {
+                        **_fence_params(fence, run_id),
+                        "worker": worker_id,
+                        "sources": [s.value for s in sources_of(RunStatus.RUNNING)],
+                    },
+                )
+            ).first()
+            if row is None:
+                return None
+            nxt = (
+                await conn.execute(
+                    text(
+                        "SELECT COALESCE(MAX(seq) + 1, 0), COUNT(*) FILTER (WHERE kind = 'chunk')"
+                        " FROM messages WHERE run_id = :id"
+                    ),
+                    {"id": run_id},
+                )
+            ).one()
+            return Claim(attempt=int(row.attempt), next_seq=int(nxt[0]), had_output=nxt[1] > 0)
+
+    async def write_chunks(
+        self, fence: Fence, run_id: str, chunks: Sequence[Chunk], *, first_output: bool
+    ) -> list[int] | None:
+        """Insert ``chunks`` (ON CONFLICT DO NOTHING) if still the owner.
+
+        Returns the seqs actually inserted, or None when fenced out. With
+        ``first_output`` the run moves ``running → streaming`` in the same transaction.
+        """
+        async with self.engine.begin() as conn:
+            if not await self._owned(conn, fence, run_id):
+                return None
+            if first_output:
+                await self._transition(conn, fence, run_id, RunStatus.STREAMING)
+            rows = await conn.execute(
+                text(
+                    """
+                    INSERT INTO messages (run_id, seq, kind, content, attempt)
+                    SELECT :run_id, s.seq, s.kind, s.content, s.attempt
+                      FROM unnest(CAST(:seqs AS int[]), CAST(:kinds AS text[]),
+                                  CAST(:contents AS text[]), CAST(:attempts AS int[]))
+                           AS s(seq, kind, content, attempt)
+                    ON CONFLICT (run_id, seq) DO NOTHING
+                    RETURNING seq
+                    """
+                ),
+                {
+                    "run_id": run_id,
+                    "seqs": [c.seq for c in chunks],
+                    "kinds": [c.kind.value for c in chunks],
+                    "contents": [c.content for c in chunks],
+                    "attempts": [c.attempt for c in chunks],
+                },
+            )
+            return sorted(int(r[0]) for r in rows)
+
+    async def finish(
+        self,
+        fence: Fence,
+        run_id: str,
+        status: RunStatus,
+        final: Sequence[Chunk],
+        usage: Sequence[Usage] = (),
+        error: str | None = None,
+    ) -> list[int] | None:
+        """Write the trailing chunks, usage and the terminal transition atomically.
+
+        Returns the inserted seqs, or None when fenced out (nothing written).
+        """
+        async with self.engine.begin() as conn:
+            if not await self._owned(conn, fence, run_id):
+                return None
+            if final:
+                rows = await conn.execute(
+                    text(
+                        """
+                        INSERT INTO messages (run_id, seq, kind, content, attempt)
+                        SELECT :run_id, s.seq, s.kind, s.content, s.attempt
+                          FROM unnest(CAST(:seqs AS int[]), CAST(:kinds AS text[]),
+                                      CAST(:contents AS text[]), CAST(:attempts AS int[]))
+                               AS s(seq, kind, content, attempt)
+                        ON CONFLICT (run_id, seq) DO NOTHING
+                        RETURNING seq
+                        """
+                    ),
+                    {
+                        "run_id": run_id,
+                        "seqs": [c.seq for c in final],
+                        "kinds": [c.kind.value for c in final],
+                        "contents": [c.content for c in final],
+                        "attempts": [c.attempt for c in final],
+                    },
+                )
+                inserted = sorted(int(r[0]) for r in rows)
+            else:
+                inserted = []
+            for index, u in enumerate(usage):
+                await conn.execute(
+                    text(
+                        """
+                        INSERT INTO usage (run_id, call_index, model, prompt_tokens,
+                                           completion_tokens, cost_usd)
+                        SELECT :run_id, :idx, :model, :pt, :ct,
+                               COALESCE((SELECT (:pt * p.prompt_usd_per_mtok
+                                                 + :ct * p.completion_usd_per_mtok) / 1000000
+                                           FROM prices p
+                                          WHERE p.model = :model AND p.effective_from <= now()
+                                          ORDER BY p.effective_from DESC LIMIT 1), 0)
+                        ON CONFLICT (run_id, call_index) DO NOTHING
+                        """
+                    ),
+                    {
+                        "run_id": run_id,
+                        "idx": index,
+                        "model": u.model,
+                        "pt": u.prompt_tokens,
+                        "ct": u.completion_tokens,
+                    },
+                )
+            await self._transition(conn, fence, run_id, status, error=error)
+            return inserted
+
+    async def _owned(self, conn: AsyncConnection, fence: Fence, run_id: str) -> bool:
+        row = (await conn.execute(text(_OWNED), _fence_params(fence, run_id))).first()
+        return row is not None
+
+    async def _transition(
+        self,
+        conn: AsyncConnection,
+        fence: Fence,
+        run_id: str,
+        to: RunStatus,
+        *,
+        error: str | None = None,
+    ) -> None:
+        """The one transition function: a conditional UPDATE on expected status and fence."""
+        sets = ["status = :to"]
+        if to is RunStatus.STREAMING:
+            sets.append("first_chunk_at = COALESCE(first_chunk_at, now())")
+        if to.terminal:
+            sets.append("finished_at = now()")
+            sets.append("error = :error")
+        result = await conn.execute(
+            text(
+                f"UPDATE runs SET {', '.join(sets)}"  # noqa: S608 - fixed column list
+                " WHERE id = :run_id AND status = ANY(:sources) AND fence = :epoch"
+            ),
+            {
+                **_fence_params(fence, run_id),
+                "to": to.value,
+                "error": error,
+                "sources": [s.value for s in sources_of(to)],
+            },
+        )
+        if result.rowcount != 1:
+            from koda.errors import TransitionRejected
+
+            raise TransitionRejected(f"run {run_id}: transition to {to.value} matched no row")
+
+    async def fail_unclaimed(self, run_id: str, error: str) -> bool:
+        """``pending|running|streaming → failed`` for a run that could not even be claimed."""
+        async with self.engine.begin() as conn:
+            result = await conn.execute(
+                text(
+                    "UPDATE runs SET status = 'failed', finished_at = now(), error = :error"
+                    " WHERE id = :id AND status = ANY(:sources)"
+                ),
+                {
+                    "id": run_id,
+                    "error": error,
+                    "sources": [s.value for s in sources_of(RunStatus.FAILED)],
+                },
+            )
+            return bool(result.rowcount)

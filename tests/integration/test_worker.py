@@ -1,0 +1,218 @@
+"""The run pipeline's guarantees, against the real broker, database and worker processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from koda.settings import Settings
+from processors.handlers.demo import demo_tokens
+from tests.support import wait_until
+from tests.workers import Submitter, WorkerProcess, committed_offsets, read_topic
+from topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ, WORKER_GROUP, partition_for_key
+
+
+@pytest.fixture
+def submitter(env: Settings) -> Iterator[Submitter]:
+    s = Submitter(env)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def workers(env: Settings) -> Iterator[list[WorkerProcess]]:
+    started: list[WorkerProcess] = []
+    yield started
+    for w in started:
+        if w.alive():
+            w.stop()
+
+
+def start(env: Settings, workers: list[WorkerProcess], worker_id: str, **extra: str) -> WorkerProcess:
+    w = WorkerProcess(env, worker_id, extra).start()
+    workers.append(w)
+    return w
+
+
+def wait_terminal(submitter: Submitter, ids: list[str], timeout: float = 90.0, *procs: WorkerProcess) -> None:
+    def done() -> bool:
+        for p in procs:
+            assert p.alive(), f"worker {p.worker_id} died:\n{p.log()[-3000:]}"
+        return submitter.all_terminal(ids)
+
+    try:
+        wait_until(done, timeout=timeout, interval=0.2, what=f"{len(ids)} runs terminal")
+    except AssertionError as exc:
+        counts: dict[str, int] = {}
+        for status in submitter.statuses(ids).values():
+            counts[status] = counts.get(status, 0) + 1
+        logs = "\n".join(f"--- {p.worker_id}\n{p.log()[-4000:]}" for p in procs)
+        raise AssertionError(f"{exc}; statuses={counts}\n{logs}") from None
+
+
+def output_of(submitter: Submitter, run_id: str) -> str:
+    rows = submitter.messages(run_id)
+    last_reset = max((r.seq for r in rows if r.kind == "reset"), default=-1)
+    return "".join(r.content for r in rows if r.kind == "chunk" and r.seq > last_reset)
+
+
+def test_runs_reach_done_with_contiguous_chunks_and_events(env, submitter, workers) -> None:
+    w = start(env, workers, "w1")
+    inputs = [{"text": f"hello {i}", "demo": {"tokens": 7, "delay_ms": 1}} for i in range(6)]
+    ids = [submitter.submit(f"user-{i % 3}", inp) for i, inp in enumerate(inputs)]
+    wait_terminal(submitter, ids, 60, w)
+    assert set(submitter.statuses(ids).values()) == {"done"}
+    for run_id, inp in zip(ids, inputs, strict=True):
+        rows = submitter.messages(run_id)
+        assert [r.seq for r in rows] == list(range(len(rows)))
+        assert [r.kind for r in rows] == ["chunk"] * 7 + ["done"]
+        assert output_of(submitter, run_id) == "".join(demo_tokens(inp))
+    # Postgres first, then the topic: every row is on the chunk topic under <run_id>:<seq>.
+    chunks = read_topic(env, env.names.topic(RUN_CHUNKS))
+    keys = {m.key().decode() for m in chunks}
+    for run_id in ids:
+        assert {f"{run_id}:{i:010d}" for i in range(8)} <= keys
+        user_partition = {m.partition() for m in chunks if m.key().decode().startswith(run_id)}
+        run_row = submitter.query("SELECT user_id FROM runs WHERE id = :r", r=run_id)[0]
+        assert user_partition == {partition_for_key(run_row.user_id.encode(), env.partitions)}
+    events = [json.loads(m.value()) for m in read_topic(env, env.names.topic(RUN_EVENTS))]
+    assert sum(1 for e in events if e.get("to") == "done") == len(ids)
+    usage = submitter.query("SELECT count(*) AS n, sum(cost_usd) AS c FROM usage WHERE run_id = ANY(:ids)", ids=ids)
+    assert usage[0].n == len(ids) and usage[0].c > 0
+
+
+def test_per_user_order_with_two_workers(env, submitter, workers) -> None:
+    ws = [start(env, workers, "w1"), start(env, workers, "w2")]
+    ids_by_user: dict[str, list[str]] = {}
+    for i in range(10):
+        for u in range(20):
+            user = f"order-user-{u}"
+            inp = {"text": f"{user} run {i}", "demo": {"tokens": 3, "delay_ms": 5}}
+            ids_by_user.setdefault(user, []).append(submitter.submit(user, inp))
+    all_ids = [r for ids in ids_by_user.values() for r in ids]
+    wait_terminal(submitter, all_ids, 180, *ws)
+    assert set(submitter.statuses(all_ids).values()) == {"done"}
+    for user, ids in ids_by_user.items():
+        rows = submitter.query(
+            "SELECT id, started_at, finished_at FROM runs WHERE user_id = :u ORDER BY started_at",
+            u=user,
+        )
+        assert [r.id for r in rows] == ids, f"{user}: runs started out of submission order"
+        for prev, nxt in zip(rows, rows[1:]):
+            assert prev.finished_at <= nxt.started_at, f"{user}: runs overlapped"
+
+
+def test_a_long_run_does_not_delay_other_partitions(env, submitter, workers) -> None:
+    w = start(env, workers, "w1")
+    slow_user = "slow-user"
+    slow_p = partition_for_key(slow_user.encode(), env.partitions)
+    others = [u for u in (f"fast-{i}" for i in range(40))
+              if partition_for_key(u.encode(), env.partitions) != slow_p][:10]
+    slow = submitter.submit(slow_user, {"text": "slow", "demo": {"tokens": 20, "delay_ms": 1000}})
+    wait_until(lambda: submitter.statuses([slow])[slow] == "streaming", timeout=60, what="slow run streaming")
+    fast = [submitter.submit(u, {"text": u, "demo": {"tokens": 3, "delay_ms": 1}}) for u in others]
+    wait_terminal(submitter, fast, 15, w)
+    assert submitter.statuses([slow])[slow] == "streaming"  # still running: not waited for
+    wait_terminal(submitter, [slow], 60, w)
+
+
+def test_redelivery_into_a_fresh_group_changes_nothing(env, submitter, workers) -> None:
+    w = start(env, workers, "w1")
+    ids = [submitter.submit(f"redo-{i}", {"text": str(i), "demo": {"tokens": 4, "delay_ms": 1}}) for i in range(8)]
+    wait_terminal(submitter, ids, 60, w)
+    before_rows = submitter.query("SELECT id, status, attempt, finished_at FROM runs ORDER BY id")
+    before_msgs = submitter.query("SELECT count(*) AS n FROM messages")[0].n
+    events_topic = env.names.topic(RUN_EVENTS)
+    before_events = len(read_topic(env, events_topic))
+    assert w.stop() == 0
+    # A fresh consumer group replays the runs topic from offset 0.
+    w2 = start(env, workers, "w2", KODA_WORKER_GROUP="workers-replay")
+    group = env.names.group("workers-replay")
+    runs_topic = env.names.topic(RUNS)
+    total = sum(1 for _ in read_topic(env, runs_topic))
+    wait_until(
+        lambda: sum(max(o, 0) for o in committed_offsets(env, group, runs_topic).values()) >= total,
+        timeout=60, what="replay group committed the whole topic",
+    )
+    assert w2.alive()
+    assert submitter.query("SELECT id, status, attempt, finished_at FROM runs ORDER BY id") == before_rows
+    assert submitter.query("SELECT count(*) AS n FROM messages")[0].n == before_msgs
+    assert len(read_topic(env, events_topic)) == before_events
+
+
+POISON = [
+    (b"p-user", b"not json at all \xff\xfe", None, "undecodable"),
+    (b"p-user", b'{"run_id": "x", "user_id": "p-user", "session_id": "s"}',
+     [("schema", b"run.requested/9")], "unknown_schema_version"),
+    (b"p-user", b'{"run_id": "x", "session_id": "s"}', None, "invalid"),
+    (b"p-user", b"x" * (1024 * 1024), None, "oversized"),
+    (None, b'{"run_id": "x", "user_id": "p-user", "session_id": "s"}', None, "null_key"),
+]
+
+
+def test_poison_records_go_to_the_dlq_and_the_worker_carries_on(env, submitter, workers) -> None:
+    w = start(env, workers, "w1")
+    before = submitter.submit("p-user", {"text": "before", "demo": {"tokens": 2, "delay_ms": 1}})
+    for key, value, headers, _ in POISON:
+        submitter.produce_raw(key, value, headers)
+    after = submitter.submit("p-user", {"text": "after", "demo": {"tokens": 2, "delay_ms": 1}})
+    wait_terminal(submitter, [before, after], 60, w)
+    assert set(submitter.statuses([before, after]).values()) == {"done"}
+    dlq_topic = env.names.topic(RUNS_DLQ)
+    dead = wait_until(lambda: len(read_topic(env, dlq_topic)) >= len(POISON) and read_topic(env, dlq_topic),
+                      timeout=30, what="dead letters")
+    reasons = sorted(json.loads(m.value())["reason"] for m in dead)
+    assert reasons == sorted(r for *_, r in POISON)
+    letter = json.loads(dead[0].value())
+    assert {"original_value", "topic", "partition", "offset", "attempts", "reason", "error"} <= set(letter)
+    assert letter["topic"] == env.names.topic(RUNS)
+    assert w.alive() and "Restarting" not in w.log() and "MaxRestartsExceeded" not in w.log()
+
+
+def test_retries_then_success_and_exhaustion(env, submitter, workers) -> None:
+    w = start(env, workers, "w1")
+    flaky = submitter.submit("retry-user", {"text": "flaky", "demo": {"tokens": 6, "delay_ms": 1, "fail_attempts": 2}})
+    broken = submitter.submit("retry-user", {"text": "broken", "demo": {"tokens": 6, "delay_ms": 1, "fail_attempts": 99}})
+    after = submitter.submit("retry-user", {"text": "after", "demo": {"tokens": 2, "delay_ms": 1}})
+    wait_terminal(submitter, [flaky, broken, after], 60, w)
+    rows = {r.id: r for r in submitter.query("SELECT id, status, attempt, error FROM runs WHERE id = ANY(:i)", i=[flaky, broken, after])}
+    assert (rows[flaky].status, rows[flaky].attempt) == ("done", 3)
+    assert (rows[broken].status, rows[broken].attempt) == ("failed", 3)
+    assert "fail_attempts" in rows[broken].error
+    assert rows[after].status == "done"  # the partition moved on
+    kinds = [m.kind for m in submitter.messages(flaky)]
+    assert kinds.count("reset") == 2 and kinds[-1] == "done"
+    assert [m.seq for m in submitter.messages(flaky)] == list(range(len(kinds)))
+    assert output_of(submitter, flaky) == "".join(demo_tokens({"text": "flaky", "demo": {"tokens": 6}}))
+    assert submitter.messages(broken)[-1].kind == "error"
+    dead = [json.loads(m.value()) for m in read_topic(env, env.names.topic(RUNS_DLQ))]
+    assert [(d["reason"], d["attempts"]) for d in dead] == [("handler_failed", 3)]
+
+
+def test_kill_9_mid_run_hands_the_run_to_another_worker(env, submitter, workers) -> None:
+    w1 = start(env, workers, "w1")
+    user = "kill-user"
+    inp = {"text": "survive", "demo": {"tokens": 30, "delay_ms": 200}}
+    run_id = submitter.submit(user, inp)
+    wait_until(lambda: len(submitter.messages(run_id)) >= 5, timeout=60, what="run streaming")
+    partition = partition_for_key(user.encode(), env.partitions)
+    w1.kill()
+    group, runs_topic = env.names.group(WORKER_GROUP), env.names.topic(RUNS)
+    assert committed_offsets(env, group, runs_topic)[partition] < 1  # the run was not committed
+    w2 = start(env, workers, "w2")
+    wait_terminal(submitter, [run_id], 90, w2)
+    rows = submitter.messages(run_id)
+    assert [r.seq for r in rows] == list(range(len(rows)))  # 0..n exactly once
+    kinds = [r.kind for r in rows]
+    assert kinds.count("reset") == 1 and kinds[-1] == "done"
+    reset_at = kinds.index("reset")
+    assert {r.attempt for r in rows[:reset_at]} == {1}
+    assert {r.attempt for r in rows[reset_at:]} == {2}
+    assert output_of(submitter, run_id) == "".join(demo_tokens(inp))
+    run = submitter.query("SELECT status, attempt, worker_id FROM runs WHERE id = :r", r=run_id)[0]
+    assert (run.status, run.attempt, run.worker_id) == ("done", 2, "w2")
+    wait_until(lambda: committed_offsets(env, group, runs_topic)[partition] == 1, timeout=30,
+               what="successor committed after finishing")
