@@ -25,7 +25,7 @@ def producer_config(settings: Settings, role: str) -> dict[str, Any]:
         "partitioner": PARTITIONER,
         "linger.ms": 2,
         "compression.type": "lz4",
-        "message.timeout.ms": 30_000,
+        "message.timeout.ms": int(settings.publish_timeout_s * 1000),
         "socket.keepalive.enable": True,
         **settings.kafka_security.librdkafka(),
     }

@@ -107,6 +107,7 @@ class Settings:
     rate_per_s: float = 20.0
     rate_burst: int = 40
     sweep_after_s: float = 30.0
+    publish_timeout_s: float = 30.0
     sweep_interval_s: float = 5.0
     prod_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
     # worker
@@ -203,6 +204,7 @@ class Settings:
             rate_burst=_int(env, "KODA_RATE_BURST", 40, lo=1, hi=1_000_000),
             sweep_after_s=_float(env, "KODA_SWEEP_AFTER", 30.0, lo=0.1, hi=86400),
             sweep_interval_s=_float(env, "KODA_SWEEP_INTERVAL", 5.0, lo=0.1, hi=3600),
+            publish_timeout_s=_float(env, "KODA_PUBLISH_TIMEOUT", 30.0, lo=1, hi=600),
             prod_tokens=tokens,
             worker_id=env.get("KODA_WORKER_ID") or socket.gethostname(),
             worker_group=env.get("KODA_WORKER_GROUP") or "workers",

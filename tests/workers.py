@@ -214,3 +214,64 @@ def committed_offsets(settings: Settings, group: str, topic: str) -> dict[int, i
     got = consumer.committed([TopicPartition(topic, p) for p in md.partitions], timeout=10)
     consumer.close()
     return {tp.partition: tp.offset for tp in got}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class GatewayProcess:
+    """One ``koda gateway`` child process."""
+
+    settings: Settings
+    extra_env: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    def start(self) -> GatewayProcess:
+        import httpx
+
+        from tests.support import wait_until
+
+        self.port = self.port or free_port()
+        fd, name = tempfile.mkstemp(prefix="koda-gateway-", suffix=".log")
+        self.log_path = Path(name)
+        env = settings_env(self.settings, KODA_GATEWAY_PORT=str(self.port), **self.extra_env)
+        self.proc = subprocess.Popen(  # noqa: S603
+            [sys.executable, "-m", "koda", "gateway"],
+            env=env, cwd=ROOT, stdout=fd, stderr=fd, start_new_session=True,
+        )
+        os.close(fd)
+
+        def live() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, self.log()
+            try:
+                return httpx.get(f"{self.url}/livez", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(live, timeout=30, what="gateway /livez")
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()

@@ -1,0 +1,152 @@
+"""Admit a validated request: choose ids and key, persist idempotently, publish.
+
+The gateway never runs a job and never retries one: it writes the run, produces
+one ``run.requested`` record, and waits up to ``publish_wait_s`` for the broker's
+acknowledgement before answering. A slow or failed publish does not fail the
+request: the run is durable in Postgres and the sweeper publishes it later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from gateway.errors import PublishError
+from gateway.intake import RunRequest
+from gateway.publisher import RunPublisher
+from gateway.store import AdmittedRun, NewRun, RunStore
+from koda import metrics
+from koda.errors import DatabaseError
+from koda.lifecycle.ids import derived_idempotency_key, scoped_idempotency_key, uuid7
+from schemas.records import RunRequested
+from topics.catalogue import partition_for_key
+
+log = logging.getLogger(__name__)
+
+PUBLISH_WAIT_S = 2.0
+
+
+def idempotency_key_for(user_id: str, request: RunRequest, client_key: str | None) -> str:
+    """The stored key: the client's own scoped to the user, else one derived from intent."""
+    if client_key is not None:
+        return scoped_idempotency_key(user_id, client_key)
+    return derived_idempotency_key(
+        user_id, request.session_id, request.client_message_id, request.canonical()
+    )
+
+
+class Admissions:
+    """Turns requests into durable, published runs."""
+
+    def __init__(
+        self,
+        store: RunStore,
+        publisher: RunPublisher,
+        *,
+        partitions: int,
+        publish_wait_s: float = PUBLISH_WAIT_S,
+    ) -> None:
+        self.store = store
+        self.publisher = publisher
+        self.partitions = partitions
+        self.publish_wait_s = publish_wait_s
+        self._deliveries: set[asyncio.Task[None]] = set()
+
+    async def submit(
+        self, user_id: str, request: RunRequest, client_key: str | None
+    ) -> AdmittedRun:
+        """Persist the run for this key (or find the existing one) and publish a new one.
+
+        Raises NotFound when the session belongs to another user, DatabaseError
+        when Postgres fails. Nothing is written in either case.
+        """
+        new = NewRun(
+            run_id=uuid7(),
+            user_id=user_id,
+            session_id=request.session_id or uuid7(),
+            create_session=request.session_id is None,
+            idempotency_key=idempotency_key_for(user_id, request, client_key),
+            input=request.input,
+            metadata=request.metadata,
+            partition=partition_for_key(user_id.encode(), self.partitions),
+        )
+        run = await self.store.admit(new)
+        if not run.created:
+            metrics.ADMISSIONS.labels(outcome="replayed").inc()
+            log.info(
+                "event=run_replayed run_id=%s user_id=%s status=%s",
+                run.run_id,
+                user_id,
+                run.status,
+            )
+            return run
+        metrics.ADMISSIONS.labels(outcome="created").inc()
+        log.info(
+            "event=run_admitted run_id=%s user_id=%s session_id=%s partition=%d",
+            run.run_id,
+            user_id,
+            run.session_id,
+            new.partition,
+        )
+        await self._publish(run)
+        return run
+
+    async def _publish(self, run: AdmittedRun) -> None:
+        task = asyncio.create_task(self._deliver(run), name=f"publish-{run.run_id}")
+        self._deliveries.add(task)
+        task.add_done_callback(self._deliveries.discard)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.publish_wait_s)
+        except TimeoutError:
+            log.warning(
+                "event=publish_slow run_id=%s user_id=%s wait_s=%.1f",
+                run.run_id,
+                run.user_id,
+                self.publish_wait_s,
+            )
+
+    async def _deliver(self, run: AdmittedRun) -> None:
+        record = RunRequested(
+            run_id=run.run_id,
+            user_id=run.user_id,
+            session_id=run.session_id,
+            created_at=run.created_at.isoformat(),
+        )
+        try:
+            delivery = await self.publisher.publish(record)
+        except PublishError as exc:
+            log.warning(
+                "event=publish_failed run_id=%s user_id=%s error=%s (the sweeper retries)",
+                run.run_id,
+                run.user_id,
+                exc,
+            )
+            return
+        try:
+            await self.store.mark_published([run.run_id])
+        except DatabaseError as exc:
+            # The record is out; the worst case is one harmless duplicate from the sweeper.
+            log.warning("event=mark_published_failed run_id=%s error=%s", run.run_id, exc)
+        log.info(
+            "event=run_published run_id=%s user_id=%s partition=%d offset=%d",
+            run.run_id,
+            run.user_id,
+            delivery.partition,
+            delivery.offset,
+        )
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for outstanding deliveries, then abandon the rest.
+
+        An abandoned run keeps ``published_at`` NULL, so a sweeper publishes it.
+        """
+        pending = set(self._deliveries)
+        if not pending:
+            return
+        _done, still = await asyncio.wait(pending, timeout=timeout_s)
+        for task in still:
+            task.cancel()
+        for task in still:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,201 @@
+"""Errors the gateway answers with, and the one JSON shape they all take.
+
+    KodaError
+    ├── GatewayError               an HTTP request is refused; carries status and code
+    │   ├── Unauthorized           401 missing, malformed or unknown bearer token
+    │   ├── NotFound               404 unknown run or session, or another user's
+    │   ├── PayloadTooLarge        413 body over the limit (Content-Length or streamed)
+    │   ├── UnsupportedMediaType   415 body is not application/json
+    │   ├── BadRequest             400 undecodable body or bad header
+    │   ├── InvalidField           422 a field of the body is missing or wrong
+    │   ├── RateLimited            429 over the per-user quota; carries Retry-After
+    │   └── Unavailable            503 Postgres could not answer; carries Retry-After
+    └── PublishError               the broker did not acknowledge a record (the sweeper
+                                   publishes the run again later)
+
+Every error body is ``{"error": {"code", "message", "field"}}``; ``field`` names
+the body field or header at fault, or is null. Errors raised by FastAPI itself
+(unknown route, wrong method, bad path parameter) are rendered in the same shape
+by :func:`install_error_handlers`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from koda.errors import DatabaseError, KodaError
+
+log = logging.getLogger(__name__)
+
+
+class GatewayError(KodaError):
+    """A refused request: ``status`` and ``code`` are what the client sees."""
+
+    status = 400
+    code = "bad_request"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.code, self.message, self.field)
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    code = "unauthorized"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="koda"'})
+
+
+class NotFound(GatewayError):
+    status = 404
+    code = "not_found"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    code = "unsupported_media_type"
+
+
+class BadRequest(GatewayError):
+    status = 400
+    code = "bad_request"
+
+
+class InvalidField(GatewayError):
+    status = 422
+    code = "invalid_field"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    code = "rate_limited"
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(
+            f"too many runs submitted: retry after {retry_after_s} s",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(GatewayError):
+    status = 503
+    code = "unavailable"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class PublishError(KodaError):
+    """The broker refused or did not acknowledge a record within its delivery timeout."""
+
+
+def error_body(code: str, message: str, field: str | None = None) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "field": field}}
+
+
+def error_response(exc: GatewayError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+_HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_field",
+    429: "rate_limited",
+}
+
+
+def _field_of(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    # FastAPI locations look like ("path", "run_id") or ("body", "input", 0).
+    parts = list(loc)
+    if parts and parts[0] in ("path", "query", "header", "body"):
+        parts = parts[1:]
+    return ".".join(str(p) for p in parts) or None
+
+
+async def _on_gateway_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, GatewayError)
+    return error_response(exc)
+
+
+async def _on_database_error(request: Request, exc: Exception) -> JSONResponse:
+    log.warning(
+        "event=database_unavailable method=%s path=%s error=%s",
+        request.method,
+        request.url.path,
+        exc,
+    )
+    return error_response(Unavailable("the database is unavailable; retry shortly"))
+
+
+async def _on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    field = _field_of(first.get("loc", ()))
+    message = str(first.get("msg", "invalid request"))
+    if field:
+        message = f"{field}: {message}"
+    return JSONResponse(error_body("invalid_field", message, field), status_code=422)
+
+
+async def _on_http_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "error")
+    detail = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
+    return JSONResponse(error_body(code, detail), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error(
+        "event=unhandled_error method=%s path=%s error=%s",
+        request.method,
+        request.url.path,
+        type(exc).__name__,
+        exc_info=exc,
+    )
+    return JSONResponse(
+        error_body("internal", "the gateway failed to handle this request; retry later"),
+        status_code=500,
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Render every error, ours and FastAPI's, as ``{"error": {...}}``."""
+    app.add_exception_handler(GatewayError, _on_gateway_error)
+    app.add_exception_handler(DatabaseError, _on_database_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

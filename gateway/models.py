@@ -1,0 +1,79 @@
+"""Response bodies and the documented request body, for OpenAPI and serialisation.
+
+Requests are validated by :mod:`gateway.intake` (it must name the field at fault
+in koda's error shape, and refuse deep nesting before building objects);
+:class:`RunSubmission` only documents the same contract in ``/openapi.json``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RunSubmission(BaseModel):
+    """Body of ``POST /v1/runs``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str | None = Field(
+        None,
+        description="An existing session of yours, or a new id to create one; "
+        "omitted: a new session.",
+        pattern=r"^[A-Za-z0-9._:@-]{1,128}$",
+    )
+    input: dict[str, Any] | str = Field(
+        description='The job input; a string is shorthand for {"text": <string>}. '
+        "At most 32 levels of nesting."
+    )
+    metadata: dict[str, Any] | None = Field(None, description="Opaque to koda; stored as given.")
+    client_message_id: str | None = Field(
+        None,
+        max_length=200,
+        description="Without an Idempotency-Key header, part of the derived key.",
+    )
+
+
+class RunAccepted(BaseModel):
+    """``202`` answer of ``POST /v1/runs``; the same key always yields the same run_id."""
+
+    run_id: str
+    status: str
+    events_url: str
+    merged: bool = False
+
+
+class RunDetail(BaseModel):
+    """``GET /v1/runs/{run_id}``: the run as Postgres holds it."""
+
+    run_id: str
+    status: str
+    attempt: int
+    session_id: str
+    created_at: datetime
+    started_at: datetime | None
+    first_chunk_at: datetime | None
+    finished_at: datetime | None
+    error: str | None
+    output: str = Field(description="Concatenated chunks emitted after the last reset.")
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="Machine-readable, e.g. invalid_field, rate_limited.")
+    message: str = Field(description="What was wrong and how to fix it.")
+    field: str | None = Field(description="The body field or header at fault, if any.")
+
+
+class ErrorBody(BaseModel):
+    """Every error answer has this shape."""
+
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    """``/livez`` and ``/readyz``: ``ok`` or ``unavailable``, with one entry per check."""
+
+    status: str
+    checks: dict[str, str] = Field(default_factory=dict)

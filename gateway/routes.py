@@ -1,0 +1,200 @@
+"""HTTP handlers: decode, call the admission service or the store, answer.
+
+``POST /v1/runs`` checks, in order: bearer token (401), per-user quota (429),
+content type (415), ``Idempotency-Key`` (400), size (413), UTF-8 and JSON (400),
+fields (422). Every refusal happens before anything is written and is counted
+in ``koda_admissions_rejected_total{reason}`` (reason = the error code; a
+Postgres outage, answered 503, counts as ``unavailable``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request, Response, Security
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPBearer
+from starlette.requests import ClientDisconnect
+
+from gateway.components import Components, components_of
+from gateway.errors import BadRequest, GatewayError, NotFound, RateLimited
+from gateway.intake import (
+    check_content_type,
+    check_idempotency_key,
+    decode_json,
+    parse_run_request,
+    read_body,
+)
+from gateway.models import ErrorBody, Health, RunAccepted, RunDetail, RunSubmission
+from koda import metrics
+from koda.errors import DatabaseError, KodaError
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 2.0
+MAX_RUN_ID_CHARS = 128
+
+router = APIRouter()
+# Declares the scheme in OpenAPI; the check itself is Authenticator's.
+_bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": description}
+    for status, description in {
+        400: "Undecodable body or bad header",
+        401: "Missing or invalid bearer token",
+        404: "Unknown run or session (or another user's)",
+        413: "Body larger than the limit",
+        415: "Body is not application/json",
+        422: "A field is missing or invalid",
+        429: "Over the per-user quota; see Retry-After",
+        503: "Postgres is unavailable; see Retry-After",
+    }.items()
+}
+
+
+def _authenticate(request: Request, gw: Components) -> str:
+    user_id = gw.auth.authenticate(request.headers.get("authorization"))
+    request.state.user_id = user_id  # for the request log line
+    return user_id
+
+
+def _events_url(run_id: str) -> str:
+    return f"/v1/runs/{run_id}/events"
+
+
+@router.post(
+    "/v1/runs",
+    status_code=202,
+    response_model=RunAccepted,
+    responses=_ERRORS,
+    dependencies=[Security(_bearer)],
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": RunSubmission.model_json_schema()}},
+        },
+        "parameters": [
+            {
+                "name": "Idempotency-Key",
+                "in": "header",
+                "required": False,
+                "description": "Up to 200 printable ASCII chars; the same key returns the "
+                "same run. Without it the key is derived from session_id, "
+                "client_message_id and the body.",
+                "schema": {"type": "string", "maxLength": 200},
+            }
+        ],
+    },
+    summary="Submit a run",
+)
+async def submit_run(request: Request) -> RunAccepted:
+    gw = components_of(request)
+    user_id: str | None = None
+    try:
+        user_id = _authenticate(request, gw)
+        decision = gw.limiter.take(user_id)
+        if not decision.allowed:
+            raise RateLimited(decision.retry_after_s)
+        check_content_type(request.headers.get("content-type"))
+        client_key = check_idempotency_key(request.headers.getlist("idempotency-key"))
+        try:
+            body = await read_body(
+                request.headers.get("content-length"),
+                request.stream(),
+                gw.settings.body_limit_bytes,
+            )
+        except ClientDisconnect:
+            raise BadRequest(
+                "the client disconnected before sending the whole body",
+                field="body",
+                code="client_disconnected",
+            ) from None
+        run_request = parse_run_request(decode_json(body))
+        run = await gw.admissions.submit(user_id, run_request, client_key)
+    except DatabaseError:
+        metrics.ADMISSIONS_REJECTED.labels(reason="unavailable").inc()
+        raise
+    except GatewayError as exc:
+        metrics.ADMISSIONS_REJECTED.labels(reason=exc.code).inc()
+        log.info(
+            "event=admission_rejected user_id=%s reason=%s field=%s",
+            user_id or "-",
+            exc.code,
+            exc.field or "-",
+        )
+        raise
+    return RunAccepted(
+        run_id=run.run_id, status=run.status, events_url=_events_url(run.run_id), merged=False
+    )
+
+
+@router.get(
+    "/v1/runs/{run_id}",
+    response_model=RunDetail,
+    responses={k: _ERRORS[k] for k in (401, 404, 503)},
+    dependencies=[Security(_bearer)],
+    summary="Read a run and its output so far",
+)
+async def get_run(run_id: str, request: Request) -> RunDetail:
+    gw = components_of(request)
+    user_id = _authenticate(request, gw)
+    view = None
+    if len(run_id) <= MAX_RUN_ID_CHARS:
+        view = await gw.store.get_run(run_id, user_id)
+    if view is None:
+        # Another user's run answers exactly like a run that does not exist.
+        raise NotFound("run not found: check the run id and the token's user", field="run_id")
+    return RunDetail(
+        run_id=view.run_id,
+        status=view.status,
+        attempt=view.attempt,
+        session_id=view.session_id,
+        created_at=view.created_at,
+        started_at=view.started_at,
+        first_chunk_at=view.first_chunk_at,
+        finished_at=view.finished_at,
+        error=view.error,
+        output=view.output,
+    )
+
+
+@router.get("/livez", response_model=Health, summary="The process is alive")
+async def livez() -> Health:
+    return Health(status="ok")
+
+
+@router.get(
+    "/readyz",
+    response_model=Health,
+    responses={503: {"model": Health, "description": "A hard dependency is unavailable"}},
+    summary="Postgres answers and the producer reaches a broker that has the runs topic",
+)
+async def readyz(request: Request) -> Response:
+    gw = components_of(request)
+
+    async def check(name: str, probe: Any) -> tuple[str, str]:
+        try:
+            await asyncio.wait_for(probe, READY_TIMEOUT_S)
+        except TimeoutError:
+            return name, f"timed out after {READY_TIMEOUT_S}s"
+        except KodaError as exc:
+            return name, str(exc)
+        return name, "ok"
+
+    results = dict(
+        await asyncio.gather(
+            check("postgres", gw.store.ping()),
+            check("kafka", gw.publisher.check(READY_TIMEOUT_S)),
+        )
+    )
+    ready = all(v == "ok" for v in results.values())
+    health = Health(status="ok" if ready else "unavailable", checks=results)
+    return JSONResponse(health.model_dump(), status_code=200 if ready else 503)
+
+
+@router.get("/metrics", include_in_schema=False)
+async def prometheus_metrics() -> Response:
+    return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)

@@ -1,0 +1,301 @@
+"""The gateway's Postgres adapter: idempotent admission, reads, publish bookkeeping.
+
+Admission is one transaction: upsert the session, then ``INSERT ... ON CONFLICT
+(idempotency_key) DO NOTHING RETURNING``. When the key already exists the
+transaction is rolled back (so a replay writes nothing, not even a session) and
+the existing run is read back. Postgres's unique index serialises concurrent
+requests with one key: the losers wait for the winner's commit, then see its row.
+There is no check-then-insert anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.errors import NotFound
+from koda.errors import DatabaseError
+from koda.lifecycle.states import RunStatus
+from schemas.tables import runs, sessions
+
+# A conflicting row vanished between the conflict and the read (deleted by hand):
+# try again a bounded number of times rather than loop.
+_ADMIT_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class NewRun:
+    """Everything the gateway decides about a run before writing it."""
+
+    run_id: str
+    user_id: str
+    session_id: str
+    create_session: bool
+    idempotency_key: str
+    input: dict[str, Any]
+    metadata: dict[str, Any] | None
+    partition: int
+
+
+@dataclass(frozen=True)
+class AdmittedRun:
+    """The run a request maps to; ``created`` is False for a replay of an earlier key."""
+
+    run_id: str
+    user_id: str
+    session_id: str
+    status: str
+    created_at: datetime
+    created: bool
+
+
+@dataclass(frozen=True)
+class RunView:
+    """What ``GET /v1/runs/{id}`` shows its owner."""
+
+    run_id: str
+    status: str
+    attempt: int
+    session_id: str
+    created_at: datetime
+    started_at: datetime | None
+    first_chunk_at: datetime | None
+    finished_at: datetime | None
+    error: str | None
+    output: str
+
+
+@dataclass(frozen=True)
+class PendingRun:
+    """A run claimed by the sweeper for publishing again."""
+
+    run_id: str
+    user_id: str
+    session_id: str
+    created_at: datetime
+
+
+_GET_RUN = text(
+    """
+    SELECT r.id, r.status, r.attempt, r.session_id, r.created_at, r.started_at,
+           r.first_chunk_at, r.finished_at, r.error,
+           COALESCE((
+               SELECT string_agg(m.content, '' ORDER BY m.seq)
+                 FROM messages m
+                WHERE m.run_id = r.id AND m.kind = 'chunk'
+                  AND m.seq > COALESCE((SELECT max(x.seq) FROM messages x
+                                         WHERE x.run_id = r.id AND x.kind = 'reset'), -1)
+           ), '') AS output
+      FROM runs r
+     WHERE r.id = :run_id AND r.user_id = :user_id
+    """
+)
+
+# A pending run published this many sweep thresholds ago is republished: its record
+# may be gone (unclean broker loss) or its claiming gateway died before delivery.
+STALE_FACTOR = 10
+
+_CLAIM_UNPUBLISHED = text(
+    """
+    UPDATE runs SET published_at = now()
+     WHERE id IN (
+           SELECT id FROM runs
+            WHERE status = 'pending'
+              AND created_at < now() - make_interval(secs => :after_s)
+              -- Never published, or published so long ago that the record (or the
+              -- gateway that claimed it before dying) must be presumed lost.
+              AND (published_at IS NULL
+                   OR published_at < now() - make_interval(secs => :after_s * :stale_factor))
+            ORDER BY created_at
+            LIMIT :batch
+              FOR UPDATE SKIP LOCKED)
+    RETURNING id, user_id, session_id, created_at
+    """
+)
+
+
+class RunStore:
+    """Every read and write the gateway makes; no other gateway module speaks SQL."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def ping(self) -> None:
+        """``SELECT 1``; raises DatabaseError when Postgres cannot answer."""
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+        except (SQLAlchemyError, OSError) as exc:
+            raise DatabaseError(f"postgres is unreachable: {type(exc).__name__}") from exc
+
+    async def admit(self, run: NewRun) -> AdmittedRun:
+        """Insert ``run`` unless its idempotency key exists; either way return the key's run.
+
+        Raises NotFound when ``run.session_id`` belongs to another user.
+        """
+        for _ in range(_ADMIT_ATTEMPTS):
+            try:
+                inserted = await self._insert(run)
+                if inserted is not None:
+                    return inserted
+                existing = await self._by_key(run.idempotency_key)
+            except SQLAlchemyError as exc:
+                raise DatabaseError(f"admitting a run failed: {type(exc).__name__}") from exc
+            if existing is not None:
+                return existing
+        raise DatabaseError(
+            f"idempotency key conflicted but no run was found after {_ADMIT_ATTEMPTS} tries"
+        )
+
+    async def _insert(self, run: NewRun) -> AdmittedRun | None:
+        async with self.engine.connect() as conn:
+            trans = await conn.begin()
+            try:
+                if run.create_session:
+                    await conn.execute(
+                        sessions.insert().values(id=run.session_id, user_id=run.user_id)
+                    )
+                else:
+                    await conn.execute(
+                        pg_insert(sessions)
+                        .values(id=run.session_id, user_id=run.user_id)
+                        .on_conflict_do_nothing(index_elements=[sessions.c.id])
+                    )
+                    owner = (
+                        await conn.execute(
+                            select(sessions.c.user_id).where(sessions.c.id == run.session_id)
+                        )
+                    ).scalar_one()
+                    if owner != run.user_id:
+                        raise NotFound(
+                            "session not found: omit session_id to start a new session",
+                            field="session_id",
+                        )
+                row = (
+                    await conn.execute(
+                        pg_insert(runs)
+                        .values(
+                            id=run.run_id,
+                            session_id=run.session_id,
+                            user_id=run.user_id,
+                            idempotency_key=run.idempotency_key,
+                            input=run.input,
+                            metadata=run.metadata,
+                            partition=run.partition,
+                        )
+                        .on_conflict_do_nothing(index_elements=[runs.c.idempotency_key])
+                        .returning(runs.c.status, runs.c.created_at)
+                    )
+                ).first()
+                if row is None:
+                    await trans.rollback()
+                    return None
+                await trans.commit()
+            except BaseException:
+                if trans.is_active:
+                    await trans.rollback()
+                raise
+        return AdmittedRun(
+            run_id=run.run_id,
+            user_id=run.user_id,
+            session_id=run.session_id,
+            status=row.status,
+            created_at=row.created_at,
+            created=True,
+        )
+
+    async def _by_key(self, idempotency_key: str) -> AdmittedRun | None:
+        async with self.engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    select(
+                        runs.c.id,
+                        runs.c.user_id,
+                        runs.c.session_id,
+                        runs.c.status,
+                        runs.c.created_at,
+                    ).where(runs.c.idempotency_key == idempotency_key)
+                )
+            ).first()
+        if row is None:
+            return None
+        return AdmittedRun(
+            run_id=row.id,
+            user_id=row.user_id,
+            session_id=row.session_id,
+            status=row.status,
+            created_at=row.created_at,
+            created=False,
+        )
+
+    async def get_run(self, run_id: str, user_id: str) -> RunView | None:
+        """The run if it exists and belongs to ``user_id``; None otherwise (indistinguishable)."""
+        try:
+            async with self.engine.connect() as conn:
+                row = (await conn.execute(_GET_RUN, {"run_id": run_id, "user_id": user_id})).first()
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"reading a run failed: {type(exc).__name__}") from exc
+        if row is None:
+            return None
+        return RunView(
+            run_id=row.id,
+            status=row.status,
+            attempt=row.attempt,
+            session_id=row.session_id,
+            created_at=row.created_at,
+            started_at=row.started_at,
+            first_chunk_at=row.first_chunk_at,
+            finished_at=row.finished_at,
+            error=row.error,
+            output=row.output,
+        )
+
+    async def mark_published(self, run_ids: list[str]) -> None:
+        """Record that the broker acknowledged the runs' records."""
+        if not run_ids:
+            return
+        try:
+            async with self.engine.begin() as conn:
+                await conn.execute(
+                    runs.update().where(runs.c.id.in_(run_ids)).values(published_at=func.now())
+                )
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"marking runs published failed: {type(exc).__name__}") from exc
+
+    async def claim_unpublished(self, after_s: float, batch: int) -> list[PendingRun]:
+        """Claim up to ``batch`` pending runs never published and older than ``after_s``.
+
+        The claim sets ``published_at`` so a concurrent sweeper (another gateway)
+        skips them; :meth:`release` undoes it for the ones that failed.
+        """
+        try:
+            async with self.engine.begin() as conn:
+                rows = (
+                    await conn.execute(
+                        _CLAIM_UNPUBLISHED,
+                        {"after_s": after_s, "batch": batch, "stale_factor": STALE_FACTOR},
+                    )
+                ).all()
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"claiming unpublished runs failed: {type(exc).__name__}") from exc
+        return [PendingRun(r.id, r.user_id, r.session_id, r.created_at) for r in rows]
+
+    async def release(self, run_ids: list[str]) -> None:
+        """Make claimed runs eligible for the next sweep again."""
+        if not run_ids:
+            return
+        try:
+            async with self.engine.begin() as conn:
+                await conn.execute(
+                    runs.update()
+                    .where(runs.c.id.in_(run_ids), runs.c.status == RunStatus.PENDING.value)
+                    .values(published_at=None)
+                )
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"releasing claimed runs failed: {type(exc).__name__}") from exc

@@ -1,0 +1,204 @@
+"""The one Prometheus registry of koda, and every metric family in it (DESIGN §8).
+
+Every process (gateway, workers) imports its metrics from here and exposes
+:data:`REGISTRY` on ``/metrics``; nothing else creates a metric. Creating the
+families does no I/O; :func:`start_metrics_server` is the only function that
+opens a socket.
+
+Names follow Prometheus conventions: a ``koda_`` prefix, counters end in
+``_total``, durations are histograms in seconds (``_seconds``). Label values are
+drawn from small fixed sets (outcomes, reasons, route templates, partitions),
+never from user ids, run ids or free text.
+
+    runs          koda_runs_total{outcome}, koda_run_duration_seconds{outcome},
+                  koda_time_to_first_chunk_seconds, koda_queue_age_seconds,
+                  koda_runs_in_flight, koda_retries_total, koda_dead_letters_total{reason}
+    consumer      koda_consumer_lag{topic,partition}, koda_rebalances_total{event},
+                  koda_handoff_seconds
+    gateway       koda_admissions_total{outcome}, koda_admissions_rejected_total{reason},
+                  koda_http_requests_total{method,route,status},
+                  koda_http_request_seconds{method,route},
+                  koda_publish_total{outcome}, koda_publish_seconds,
+                  koda_sweeper_republished_total, koda_sse_connections
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
+)
+
+__all__ = [
+    "ADMISSIONS",
+    "ADMISSIONS_REJECTED",
+    "CONSUMER_LAG",
+    "CONTENT_TYPE",
+    "DEAD_LETTERS",
+    "HANDOFF_SECONDS",
+    "HTTP_REQUESTS",
+    "HTTP_REQUEST_SECONDS",
+    "PUBLISH",
+    "PUBLISH_SECONDS",
+    "QUEUE_AGE_SECONDS",
+    "REBALANCES",
+    "REGISTRY",
+    "RETRIES",
+    "RUNS",
+    "RUNS_IN_FLIGHT",
+    "RUN_DURATION_SECONDS",
+    "SSE_CONNECTIONS",
+    "SWEEPER_REPUBLISHED",
+    "TIME_TO_FIRST_CHUNK_SECONDS",
+    "render",
+    "start_metrics_server",
+]
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Runs take seconds to tens of seconds; queue age can reach minutes under backlog.
+_RUN_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_FAST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10)
+
+# --- runs (workers) ---------------------------------------------------------
+
+RUNS = Counter(
+    "koda_runs_total",
+    "Runs that reached an outcome: done, failed, cancelled.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+RUN_DURATION_SECONDS = Histogram(
+    "koda_run_duration_seconds",
+    "Wall time from claim (started_at) to the terminal state, by outcome.",
+    ["outcome"],
+    buckets=_RUN_BUCKETS,
+    registry=REGISTRY,
+)
+TIME_TO_FIRST_CHUNK_SECONDS = Histogram(
+    "koda_time_to_first_chunk_seconds",
+    "Time from a run's creation to its first output chunk (running -> streaming).",
+    buckets=_RUN_BUCKETS,
+    registry=REGISTRY,
+)
+QUEUE_AGE_SECONDS = Histogram(
+    "koda_queue_age_seconds",
+    "Time a run waited between creation and its claim by a worker (created -> started).",
+    buckets=_RUN_BUCKETS,
+    registry=REGISTRY,
+)
+RUNS_IN_FLIGHT = Gauge(
+    "koda_runs_in_flight",
+    "Runs this process is executing right now.",
+    registry=REGISTRY,
+)
+RETRIES = Counter(
+    "koda_retries_total",
+    "Attempts started again in place after a handler failure.",
+    registry=REGISTRY,
+)
+DEAD_LETTERS = Counter(
+    "koda_dead_letters_total",
+    "Records written to the dead-letter topic, by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+
+# --- consumer group (workers) -------------------------------------------------
+
+CONSUMER_LAG = Gauge(
+    "koda_consumer_lag",
+    "Records between the committed offset and the end of each held partition.",
+    ["topic", "partition"],
+    registry=REGISTRY,
+)
+REBALANCES = Counter(
+    "koda_rebalances_total",
+    "Partition assignment changes seen by this worker, by event: assigned or revoked.",
+    ["event"],
+    registry=REGISTRY,
+)
+HANDOFF_SECONDS = Histogram(
+    "koda_handoff_seconds",
+    "Time spent draining in-flight runs when partitions were revoked.",
+    buckets=_RUN_BUCKETS,
+    registry=REGISTRY,
+)
+
+# --- gateway ------------------------------------------------------------------
+
+ADMISSIONS = Counter(
+    "koda_admissions_total",
+    "POST /v1/runs accepted, by outcome: created (new run) or replayed (same key).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+ADMISSIONS_REJECTED = Counter(
+    "koda_admissions_rejected_total",
+    "POST /v1/runs refused before anything was written, by reason "
+    "(unauthorized, rate_limited, too_large, unsupported_media_type, invalid_json, ...).",
+    ["reason"],
+    registry=REGISTRY,
+)
+HTTP_REQUESTS = Counter(
+    "koda_http_requests_total",
+    "HTTP requests answered by the gateway, by method, route template and status.",
+    ["method", "route", "status"],
+    registry=REGISTRY,
+)
+HTTP_REQUEST_SECONDS = Histogram(
+    "koda_http_request_seconds",
+    "Gateway request latency up to the response start, by method and route template.",
+    ["method", "route"],
+    buckets=_FAST_BUCKETS,
+    registry=REGISTRY,
+)
+PUBLISH = Counter(
+    "koda_publish_total",
+    "Run-requested records produced by the gateway, by outcome: delivered or failed.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+PUBLISH_SECONDS = Histogram(
+    "koda_publish_seconds",
+    "Time from produce to the broker's delivery report.",
+    buckets=_FAST_BUCKETS,
+    registry=REGISTRY,
+)
+SWEEPER_REPUBLISHED = Counter(
+    "koda_sweeper_republished_total",
+    "Pending runs whose first publish was lost and that the sweeper delivered again.",
+    registry=REGISTRY,
+)
+SSE_CONNECTIONS = Gauge(
+    "koda_sse_connections",
+    "Server-Sent Events streams open on this gateway.",
+    registry=REGISTRY,
+)
+
+
+def render() -> bytes:
+    """The registry in the Prometheus text format (serve with :data:`CONTENT_TYPE`)."""
+    return generate_latest(REGISTRY)
+
+
+def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:  # noqa: S104
+    """Serve :data:`REGISTRY` on ``http://host:port/metrics`` from a daemon thread.
+
+    For processes without an HTTP server of their own (workers). ``port`` 0 is
+    refused: pick a port, or skip the server.
+    """
+    if port <= 0:
+        raise ValueError(f"metrics port must be 1..65535, got {port}")
+    start_http_server(port, addr=host, registry=REGISTRY)
