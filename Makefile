@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: dev test install system-deps lint typecheck services-up services-down clean
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline
 
 ## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers; Ctrl-C stops all
 dev: install
@@ -43,3 +43,7 @@ services-down:
 
 clean: services-down
 	rm -rf .koda $(VENV)
+
+## bench-pipeline: 1,000 runs x 20 chunks through the gateway to two workers (prints figures)
+bench-pipeline: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.pipeline $(BENCH_ARGS)

@@ -115,6 +115,7 @@ class Settings:
     worker_group: str = "workers"
     worker_port: int = 0
     max_inflight: int = 8
+    chain_high_water: int = 64
     handoff_ceiling_s: float = 20.0
     session_timeout_s: float = 10.0
     heartbeat_interval_s: float = 3.0
@@ -210,6 +211,7 @@ class Settings:
             worker_group=env.get("KODA_WORKER_GROUP") or "workers",
             worker_port=_int(env, "KODA_WORKER_PORT", 0, lo=0, hi=65535),
             max_inflight=_int(env, "KODA_MAX_INFLIGHT", 8, lo=1, hi=1024),
+            chain_high_water=_int(env, "KODA_CHAIN_HIGH_WATER", 64, lo=2, hi=100_000),
             handoff_ceiling_s=ceiling,
             session_timeout_s=_float(env, "KODA_SESSION_TIMEOUT", 10.0, lo=1, hi=300),
             heartbeat_interval_s=_float(env, "KODA_KAFKA_HEARTBEAT", 3.0, lo=0.1, hi=60),

@@ -25,6 +25,7 @@ from typing import Any
 
 import faust
 from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types import TP
 
 from koda.db import async_engine
 from koda.kafka import aiokafka_security
@@ -136,7 +137,7 @@ class KodaApp(faust.App):
         return IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
 
 
-def faust_settings(settings: Settings) -> dict[str, Any]:
+def faust_settings(settings: Settings, datadir: str) -> dict[str, Any]:
     """The Faust configuration derived from koda's settings."""
     hosts = ";".join(f"kafka://{h}" for h in settings.kafka_bootstrap.split(","))
     broker_credentials = None
@@ -157,7 +158,7 @@ def faust_settings(settings: Settings) -> dict[str, Any]:
         "topic_disable_leader": True,
         "table_standby_replicas": 0,
         "web_enabled": False,
-        "datadir": tempfile.mkdtemp(prefix="koda-faust-"),
+        "datadir": datadir,
         "consumer_auto_offset_reset": "earliest",
         "broker_session_timeout": settings.session_timeout_s,
         "broker_heartbeat_interval": settings.heartbeat_interval_s,
@@ -173,12 +174,17 @@ def faust_settings(settings: Settings) -> dict[str, Any]:
     }
 
 
-def build_worker(settings: Settings) -> tuple[faust.App, WorkerRuntime]:
-    """Compose the worker: nothing connects until the Faust worker starts."""
+def build_worker(settings: Settings, datadir: str) -> tuple[faust.App, WorkerRuntime]:
+    """Compose the worker: nothing connects until the Faust worker starts.
+
+    ``datadir`` is Faust's scratch directory (koda keeps no tables in it).
+    """
     engine = async_engine(settings, pool_size=settings.max_inflight + 2)
     store = RunStore(engine)
     handler = build_handler(settings)
-    app = KodaApp(settings.names.group(settings.worker_group), **faust_settings(settings))
+    app = KodaApp(
+        settings.names.group(settings.worker_group), **faust_settings(settings, datadir)
+    )
     emitter = Emitter(settings, app.producer.send)
     executor = RunExecutor(settings, store, emitter, handler)
     runs_topic = settings.names.topic(RUNS)
@@ -189,15 +195,20 @@ def build_worker(settings: Settings) -> tuple[faust.App, WorkerRuntime]:
         event.ack()
 
     def tp(partition: int) -> Any:
-        return faust.TopicPartition(runs_topic, partition)
+        return TP(runs_topic, partition)
 
     chains = ChainSet(
         max_inflight=settings.max_inflight,
         process=rt.process,
         ack=ack,
-        pause=lambda p: app.consumer.pause_partitions([tp(p)]),
-        resume=lambda p: app.consumer.resume_partitions([tp(p)]),
+        # Not pause_partitions(): Faust then silently drops records of that partition
+        # already fetched, and the consumer position has moved past them. The
+        # buffer-full path stops new fetches but still delivers what is in memory.
+        pause=lambda p: app.consumer.on_buffer_full(tp(p)),
+        resume=lambda p: app.consumer.on_buffer_drop(tp(p)),
         is_fenced=lambda exc: isinstance(exc, FencedOut),
+        high_water=settings.chain_high_water,
+        low_water=max(1, settings.chain_high_water // 4),
     )
     rt.chains = chains
     source = app.topic(
@@ -227,8 +238,13 @@ def build_worker(settings: Settings) -> tuple[faust.App, WorkerRuntime]:
 
 def run_worker(settings: Settings) -> None:
     """Run a worker in the foreground until SIGTERM/SIGINT (drains, commits, exits 0)."""
-    app, rt = build_worker(settings)
-    worker = faust.Worker(
-        app, loglevel="INFO", override_logging=False, redirect_stdouts=False, quiet=True
-    )
-    worker.execute_from_commandline()
+    with tempfile.TemporaryDirectory(prefix="koda-faust-") as datadir:
+        app, _ = build_worker(settings, datadir)
+        worker = faust.Worker(
+            app, loglevel="INFO", override_logging=False, redirect_stdouts=False, quiet=True
+        )
+        try:
+            worker.execute_from_commandline()
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                raise

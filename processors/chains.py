@@ -98,10 +98,18 @@ class ChainSet:
         if chain.closed:
             return False
         chain.queue.put_nowait(Item(event, partition, offset))
-        if not chain.paused and chain.queue.qsize() >= self.high_water:
+        if chain.queue.qsize() >= self.high_water:
+            # Repeated on purpose: Faust's own buffer pressure may have resumed it.
             chain.paused = True
-            self._pause(partition)
+            self._flow(self._pause, partition)
         return True
+
+    def _flow(self, fn: Callable[[int], None], partition: int) -> None:
+        # Flow control is an optimisation: a failure must never stop dispatching.
+        try:
+            fn(partition)
+        except Exception:  # noqa: BLE001
+            log.exception("flow control failed partition=%d", partition)
 
     async def _run(self, chain: Chain) -> None:
         while True:
@@ -110,7 +118,7 @@ class ChainSet:
                 return
             if chain.paused and chain.queue.qsize() <= self.low_water:
                 chain.paused = False
-                self._resume(chain.partition)
+                self._flow(self._resume, chain.partition)
             delay = 0.2
             while not chain.closed:
                 async with self.slots:

@@ -41,6 +41,7 @@ def settings_env(settings: Settings, **extra: str) -> dict[str, str]:
         KODA_RETRY_BASE=str(settings.retry_base_s),
         KODA_CHUNK_BATCH_MS=str(settings.chunk_batch_ms),
         KODA_MAX_INFLIGHT=str(settings.max_inflight),
+        KODA_CHAIN_HIGH_WATER=str(settings.chain_high_water),
         KODA_HANDLER=settings.handler,
     )
     env.update(extra)

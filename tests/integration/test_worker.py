@@ -41,6 +41,8 @@ def wait_terminal(submitter: Submitter, ids: list[str], timeout: float = 90.0, *
     def done() -> bool:
         for p in procs:
             assert p.alive(), f"worker {p.worker_id} died:\n{p.log()[-3000:]}"
+            log = p.log()
+            assert "Crashed" not in log and "Traceback" not in log, log[-4000:]
         return submitter.all_terminal(ids)
 
     try:
@@ -85,7 +87,9 @@ def test_runs_reach_done_with_contiguous_chunks_and_events(env, submitter, worke
 
 
 def test_per_user_order_with_two_workers(env, submitter, workers) -> None:
-    ws = [start(env, workers, "w1"), start(env, workers, "w2")]
+    # A tiny high-water mark makes the chains pause and resume their partitions.
+    ws = [start(env, workers, "w1", KODA_CHAIN_HIGH_WATER="4"),
+          start(env, workers, "w2", KODA_CHAIN_HIGH_WATER="4")]
     ids_by_user: dict[str, list[str]] = {}
     for i in range(10):
         for u in range(20):

@@ -1,0 +1,81 @@
+"""The openai handler against a local HTTP server speaking the streaming wire format."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from koda.errors import HandlerError
+from koda.lifecycle.handler import RunContext, Usage
+from processors.handlers.openai import OpenAIHandler
+
+PIECES = ["Hel", "lo", ", ", "wor", "ld"]
+
+
+class FakeCompletions(BaseHTTPRequestHandler):
+    seen: list[dict] = []
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeCompletions.seen.append({"body": body, "auth": self.headers.get("Authorization")})
+        if body["model"] == "broken":
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b'{"error": "boom"}')
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for piece in PIECES:
+            event = {"choices": [{"index": 0, "delta": {"content": piece}}], "model": "m-1"}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.flush()
+        usage = {"choices": [], "model": "m-1", "usage": {"prompt_tokens": 7, "completion_tokens": 5}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeCompletions)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+async def collect(handler: OpenAIHandler, inp: dict) -> list:
+    ctx = RunContext("r1", "u1", inp, 1)
+    return [item async for item in handler.stream(ctx)]
+
+
+async def test_streams_chunks_and_usage(server: str) -> None:
+    handler = OpenAIHandler(base_url=server, api_key="sk-test", model="m-1")
+    items = await collect(handler, {"text": "hi"})
+    await handler.aclose()
+    assert [i for i in items if isinstance(i, str)] == PIECES
+    assert [i for i in items if isinstance(i, Usage)] == [Usage("m-1", 7, 5)]
+    request = FakeCompletions.seen[-1]
+    assert request["auth"] == "Bearer sk-test"
+    assert request["body"]["stream"] is True
+    assert request["body"]["messages"] == [{"role": "user", "content": "hi"}]
+
+
+async def test_an_error_status_is_a_handler_error(server: str) -> None:
+    handler = OpenAIHandler(base_url=server, api_key=None, model="broken")
+    with pytest.raises(HandlerError, match="500"):
+        await collect(handler, {"text": "hi"})
+    await handler.aclose()
+
+
+async def test_an_unreachable_endpoint_is_a_handler_error() -> None:
+    handler = OpenAIHandler(base_url="http://127.0.0.1:9", api_key=None, model="m")
+    with pytest.raises(HandlerError, match="model endpoint failed"):
+        await collect(handler, {"text": "hi"})
+    await handler.aclose()
