@@ -1,0 +1,143 @@
+"""``koda services up|down|status|env``: the local Kafka and PostgreSQL from the shell.
+
+Errors print one line to stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from koda.errors import KodaError
+from koda.localstack import kafka_cluster, stack
+
+services_app = typer.Typer(
+    help="Start, stop and inspect the local Kafka and PostgreSQL.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+StateDir = Annotated[
+    Path,
+    typer.Option("--state-dir", help="Where data, logs and pid files live.", file_okay=False),
+]
+DEFAULT_STATE_DIR = Path(".koda")
+
+
+@contextmanager
+def _exit_on_error() -> Iterator[None]:
+    try:
+        yield
+    except KodaError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        typer.echo(f"error: {first}", err=True)
+        raise typer.Exit(2) from None
+
+
+@services_app.callback()
+def _main() -> None:
+    """Local services for development and tests."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    # Progress (jar downloads, nodes starting) is worth seeing on a terminal.
+    logging.getLogger("koda.localstack").setLevel(logging.INFO)
+
+
+@services_app.command()
+def up(
+    brokers: Annotated[
+        int | None,
+        typer.Option(
+            "--brokers", help="Kafka nodes: 1 or 3 [default: the state dir's cluster, else 1]."
+        ),
+    ] = None,
+    state_dir: StateDir = DEFAULT_STATE_DIR,
+) -> None:
+    """Start Kafka and PostgreSQL (reusing running ones) and write <state-dir>/services.env."""
+    with _exit_on_error():
+        if brokers is None:
+            cluster = kafka_cluster.load_cluster(state_dir.resolve())
+            brokers = cluster.brokers if cluster is not None else 1
+        info = stack.up(state_dir, brokers=brokers)
+        _apply_catalogue(info)
+    for line in stack.env_lines(info):
+        typer.echo(line)
+    typer.echo(f"wrote {state_dir / stack.ENV_FILE}", err=True)
+
+
+def _apply_catalogue(info: stack.StackInfo) -> None:
+    """Migrations and topics for APP_ENV on the stack just started (DESIGN §11)."""
+    import os
+
+    from koda.settings import Settings
+    from schemas.migrate import upgrade
+    from topics.admin import apply_topics
+
+    env = dict(os.environ)
+    env.update(line.split("=", 1) for line in stack.env_lines(info))  # type: ignore[misc]
+    if info.brokers == 3:
+        env.setdefault("KODA_REPLICATION_FACTOR", "3")
+        env.setdefault("KODA_MIN_INSYNC_REPLICAS", "2")
+    settings = Settings.from_env(env)
+    upgrade(settings)
+    created = apply_topics(settings)
+    typer.echo(
+        f"schema {settings.names.pg_schema()} migrated; {len(created)} topics created", err=True
+    )
+
+
+@services_app.command()
+def down(state_dir: StateDir = DEFAULT_STATE_DIR) -> None:
+    """Stop every local service of the state dir (data is kept)."""
+    with _exit_on_error():
+        stack.down(state_dir)
+
+
+@services_app.command()
+def status(
+    state_dir: StateDir = DEFAULT_STATE_DIR,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Show each service's port, pid and state; exit 1 unless all run."""
+    with _exit_on_error():
+        report = stack.status(state_dir)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        for line in _status_lines(report):
+            typer.echo(line)
+    if not report["running"]:
+        raise typer.Exit(1)
+
+
+def _status_lines(report: dict[str, Any]) -> list[str]:
+    def state(entry: dict[str, Any]) -> str:
+        return f"running pid={entry['pid']}" if entry["running"] else "stopped"
+
+    lines = [f"state dir  {report['state_dir']}"]
+    if report["kafka"] is None:
+        lines.append("kafka      not set up")
+    else:
+        for node in report["kafka"]["nodes"]:
+            lines.append(
+                f"kafka {node['node_id']}    127.0.0.1:{node['port']} "
+                f"(controller {node['controller_port']})  {state(node)}"
+            )
+    pg = report["postgres"]
+    lines.append("postgres   not set up" if pg is None else f"postgres   {pg['url']}  {state(pg)}")
+    return lines
+
+
+@services_app.command()
+def env(state_dir: StateDir = DEFAULT_STATE_DIR) -> None:
+    """Print the KODA_KAFKA_BOOTSTRAP and KODA_DATABASE_URL lines of the state dir."""
+    with _exit_on_error():
+        info = stack.read_info(state_dir)
+    for line in stack.env_lines(info):
+        typer.echo(line)

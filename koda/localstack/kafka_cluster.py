@@ -1,0 +1,258 @@
+"""What a local Kafka cluster is: its nodes, ports, config files and on-disk layout.
+
+Layout under ``<state_dir>/kafka``::
+
+    cluster.json              cluster id, version and the ports of every node
+    node-<id>/server.properties
+    node-<id>/data/           log.dirs (meta.properties is written by the storage format)
+    node-<id>/logs/server.log the broker's own log (deploy/local/log4j2.properties)
+    node-<id>/console.log     JVM stdout/stderr (crashes before logging starts)
+    node-<id>/kafka.pid
+
+Ports are chosen once and remembered in ``cluster.json``, so a restart reuses them.
+Pure apart from reading and writing files in the state dir; processes are in
+:mod:`koda.localstack.kafka`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from koda.errors import ConfigError, ServiceError
+from koda.localstack import procs
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_BROKERS = (1, 3)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One combined broker+controller node on 127.0.0.1."""
+
+    node_id: int
+    port: int
+    controller_port: int
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What ``cluster.json`` remembers: enough to restart the same cluster on the same ports."""
+
+    cluster_id: str
+    version: str
+    nodes: tuple[NodeSpec, ...]
+
+    @property
+    def brokers(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+
+    def node(self, node_id: int) -> NodeSpec:
+        for node in self.nodes:
+            if node.node_id == node_id:
+                return node
+        ids = ", ".join(str(n.node_id) for n in self.nodes)
+        raise ConfigError(f"Kafka node {node_id} does not exist: this cluster has nodes {ids}")
+
+    def to_json(self) -> str:
+        nodes = [vars(node) for node in self.nodes]
+        doc = {"cluster_id": self.cluster_id, "version": self.version, "nodes": nodes}
+        return json.dumps(doc, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> ClusterSpec:
+        doc = json.loads(text)
+        nodes = tuple(NodeSpec(**node) for node in doc["nodes"])
+        return cls(cluster_id=doc["cluster_id"], version=doc["version"], nodes=nodes)
+
+
+def new_cluster_id() -> str:
+    """A random Kafka cluster id: url-safe base64 of 16 bytes, unpadded, not starting with '-'."""
+    while True:
+        cid = base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
+
+
+def new_cluster(brokers: int, version: str) -> ClusterSpec:
+    """A cluster of ``brokers`` nodes with ids 1..n on fresh free ports."""
+    check_brokers(brokers)
+    ports = procs.free_ports(2 * brokers)
+    nodes = tuple(
+        NodeSpec(node_id=i + 1, port=ports[2 * i], controller_port=ports[2 * i + 1])
+        for i in range(brokers)
+    )
+    return ClusterSpec(cluster_id=new_cluster_id(), version=version, nodes=nodes)
+
+
+def check_brokers(brokers: int) -> None:
+    if brokers not in SUPPORTED_BROKERS:
+        raise ConfigError(f"--brokers {brokers} is not supported: use 1 or 3")
+
+
+def render_server_properties(cluster: ClusterSpec, node: NodeSpec, data_dir: Path) -> str:
+    """The ``server.properties`` of ``node``: KRaft, static quorum of every node, loopback only.
+
+    With three nodes, internal topics and new topics default to replication 3 and
+    ``min.insync.replicas=2``, so one node can be down without losing acks=all writes.
+    """
+    replication = min(cluster.brokers, 3)
+    min_isr = 2 if cluster.brokers >= 3 else 1
+    voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in cluster.nodes)
+    props: dict[str, object] = {
+        "process.roles": "broker,controller",
+        "node.id": node.node_id,
+        "controller.quorum.voters": voters,
+        "listeners": f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.port}",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "log.dirs": data_dir,
+        "auto.create.topics.enable": "false",
+        "num.partitions": 1,
+        "default.replication.factor": replication,
+        "min.insync.replicas": min_isr,
+        # The defaults of 50 partitions make the first group join and the first
+        # transactional producer slow on a laptop.
+        "offsets.topic.num.partitions": 4,
+        "offsets.topic.replication.factor": replication,
+        "transaction.state.log.num.partitions": 4,
+        "transaction.state.log.replication.factor": replication,
+        "transaction.state.log.min.isr": min_isr,
+        "share.coordinator.state.topic.num.partitions": 4,
+        "share.coordinator.state.topic.replication.factor": replication,
+        "share.coordinator.state.topic.min.isr": min_isr,
+        "group.initial.rebalance.delay.ms": 0,
+        # Fence a killed broker after 6 s instead of 9 s so fault tests fail over sooner.
+        "broker.session.timeout.ms": 6000,
+        "broker.heartbeat.interval.ms": 1000,
+        "num.network.threads": 2,
+        "num.io.threads": 2,
+        "num.recovery.threads.per.data.dir": 1,
+    }
+    lines = ["# Written by `koda services up` on every start; edits are overwritten."]
+    lines += [f"{key}={value}" for key, value in props.items()]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class NodePaths:
+    """Where one node keeps its config, data, logs and pid file."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, state_dir: Path, node_id: int) -> NodePaths:
+        return cls(kafka_dir(state_dir) / f"node-{node_id}")
+
+    @property
+    def config(self) -> Path:
+        return self.root / "server.properties"
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def console(self) -> Path:
+        return self.root / "console.log"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.root / "kafka.pid"
+
+    @property
+    def formatted(self) -> bool:
+        return (self.data / "meta.properties").is_file()
+
+    def failure_tail(self) -> str:
+        parts = [procs.tail(self.logs / "server.log"), procs.tail(self.console, 10)]
+        return "\n".join(p for p in parts if p)
+
+
+def kafka_dir(state_dir: Path) -> Path:
+    return state_dir / "kafka"
+
+
+def cluster_file(state_dir: Path) -> Path:
+    return kafka_dir(state_dir) / "cluster.json"
+
+
+def load_cluster(state_dir: Path) -> ClusterSpec | None:
+    """The cluster remembered in ``state_dir``, or None if there is none."""
+    path = cluster_file(state_dir)
+    try:
+        return ClusterSpec.from_json(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ServiceError(
+            f"{path} is unreadable ({exc}): run `koda services down` and delete "
+            f"{kafka_dir(state_dir)} to start Kafka afresh"
+        ) from exc
+
+
+def _meta_cluster_id(paths: NodePaths) -> str | None:
+    try:
+        text = (paths.data / "meta.properties").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^cluster\.id=(\S+)", text, re.M)
+    return match.group(1) if match else None
+
+
+def prepare_cluster(state_dir: Path, brokers: int, version: str) -> ClusterSpec:
+    """Load the remembered cluster, or create ``cluster.json`` for a new one.
+
+    Raises ServiceError, naming what to delete, when the state dir holds a cluster of
+    another size or another cluster's data.
+    """
+    check_brokers(brokers)
+    cluster = load_cluster(state_dir)
+    kdir = kafka_dir(state_dir)
+    if cluster is None:
+        leftovers = [p for p in kdir.glob("node-*") if NodePaths(p).formatted]
+        if leftovers:
+            raise ServiceError(
+                f"{leftovers[0]} holds Kafka data but {cluster_file(state_dir)} is missing: "
+                f"delete {kdir} to start Kafka afresh"
+            )
+        if kdir.exists():
+            shutil.rmtree(kdir)
+        cluster = new_cluster(brokers, version)
+        procs.write_text(cluster_file(state_dir), cluster.to_json())
+        return cluster
+    if cluster.brokers != brokers:
+        raise ServiceError(
+            f"{state_dir} holds a {cluster.brokers}-broker Kafka cluster, not {brokers}: "
+            f"run `koda services down`, delete {kdir}, then `koda services up --brokers {brokers}`"
+        )
+    if cluster.version != version:
+        raise ServiceError(
+            f"{state_dir} holds Kafka {cluster.version} data but the lock pins {version}: "
+            f"run `koda services down` and delete {kdir}"
+        )
+    for node in cluster.nodes:
+        found = _meta_cluster_id(NodePaths.of(state_dir, node.node_id))
+        if found is not None and found != cluster.cluster_id:
+            raise ServiceError(
+                f"{NodePaths.of(state_dir, node.node_id).data} belongs to cluster {found}, "
+                f"not {cluster.cluster_id}: run `koda services down` and delete {kdir}"
+            )
+    return cluster
