@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff
 
 ## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers; Ctrl-C stops all
 dev: install
@@ -47,3 +47,7 @@ clean: services-down
 ## bench-pipeline: 1,000 runs x 20 chunks through the gateway to two workers (prints figures)
 bench-pipeline: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.pipeline $(BENCH_ARGS)
+
+## bench-handoff: planned (SIGTERM) versus crash (kill -9) handoff times
+bench-handoff: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.handoff $(BENCH_ARGS)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from koda import __version__
 from koda.errors import ConfigError
 from koda.naming import AppEnv, Names
 
@@ -110,9 +111,18 @@ class Settings:
     publish_timeout_s: float = 30.0
     sweep_interval_s: float = 5.0
     prod_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # server-sent events and the live feed (gateway)
+    sse_keepalive_s: float = 15.0
+    sse_retry_ms: int = 2000
+    sse_queue_bytes: int = 256 * 1024
+    sse_write_timeout_s: float = 10.0
+    feed_discovery_interval_s: float = 30.0
+    # compaction of the chunk topic
+    compact_after_s: float = 24 * 3600.0
     # worker
     worker_id: str = field(default_factory=lambda: socket.gethostname())
     worker_group: str = "workers"
+    static_membership: bool = False
     worker_port: int = 0
     max_inflight: int = 8
     chain_high_water: int = 64
@@ -129,6 +139,16 @@ class Settings:
     openai_api_key: str | None = field(default=None, repr=False)
     openai_model: str = "gpt-4o-mini"
     metrics_port: int = 0
+    # operations: heartbeats, health endpoints, admin (DESIGN §8)
+    version: str = __version__
+    worker_host: str = "127.0.0.1"
+    beat_interval_s: float = 5.0
+    beat_stale_after_s: float = 15.0
+    beat_forget_after_s: float = 3600.0
+    expected_workers: int = 1
+    admin_token: str | None = field(default=None, repr=False)
+    loop_stall_s: float = 10.0
+    lag_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.partitions & (self.partitions - 1):
@@ -143,6 +163,11 @@ class Settings:
             raise ConfigError(
                 f"KODA_KAFKA_SECURITY_PROTOCOL={self.kafka_security.protocol!r}: "
                 f"use one of {', '.join(_PROTOCOLS)}"
+            )
+        if self.beat_stale_after_s <= self.beat_interval_s:
+            raise ConfigError(
+                f"KODA_BEAT_STALE_AFTER={self.beat_stale_after_s}s must be above "
+                f"KODA_BEAT_INTERVAL={self.beat_interval_s}s (three beats is the usual choice)"
             )
         if self.handler not in _HANDLERS:
             raise ConfigError(f"KODA_HANDLER={self.handler!r}: use one of {', '.join(_HANDLERS)}")
@@ -207,8 +232,17 @@ class Settings:
             sweep_interval_s=_float(env, "KODA_SWEEP_INTERVAL", 5.0, lo=0.1, hi=3600),
             publish_timeout_s=_float(env, "KODA_PUBLISH_TIMEOUT", 30.0, lo=1, hi=600),
             prod_tokens=tokens,
+            sse_keepalive_s=_float(env, "KODA_SSE_KEEPALIVE", 15.0, lo=0.05, hi=3600),
+            sse_retry_ms=_int(env, "KODA_SSE_RETRY_MS", 2000, lo=0, hi=600_000),
+            sse_queue_bytes=_int(env, "KODA_SSE_QUEUE_BYTES", 256 * 1024, lo=1024, hi=1 << 30),
+            sse_write_timeout_s=_float(env, "KODA_SSE_WRITE_TIMEOUT", 10.0, lo=0.05, hi=3600),
+            feed_discovery_interval_s=_float(
+                env, "KODA_FEED_DISCOVERY_INTERVAL", 30.0, lo=0.1, hi=3600
+            ),
+            compact_after_s=_float(env, "KODA_COMPACT_AFTER", 24 * 3600.0, lo=0, hi=365 * 86400),
             worker_id=env.get("KODA_WORKER_ID") or socket.gethostname(),
             worker_group=env.get("KODA_WORKER_GROUP") or "workers",
+            static_membership=_bool(env, "KODA_STATIC_MEMBERSHIP", False),
             worker_port=_int(env, "KODA_WORKER_PORT", 0, lo=0, hi=65535),
             max_inflight=_int(env, "KODA_MAX_INFLIGHT", 8, lo=1, hi=1024),
             chain_high_water=_int(env, "KODA_CHAIN_HIGH_WATER", 64, lo=2, hi=100_000),
@@ -225,4 +259,13 @@ class Settings:
             openai_api_key=env.get("KODA_OPENAI_API_KEY") or None,
             openai_model=env.get("KODA_OPENAI_MODEL", "gpt-4o-mini"),
             metrics_port=_int(env, "KODA_METRICS_PORT", 0, lo=0, hi=65535),
+            version=env.get("KODA_VERSION") or __version__,
+            worker_host=env.get("KODA_WORKER_HOST", "127.0.0.1"),
+            beat_interval_s=_float(env, "KODA_BEAT_INTERVAL", 5.0, lo=0.05, hi=300),
+            beat_stale_after_s=_float(env, "KODA_BEAT_STALE_AFTER", 15.0, lo=0.1, hi=3600),
+            beat_forget_after_s=_float(env, "KODA_BEAT_FORGET_AFTER", 3600.0, lo=0, hi=30 * 86400),
+            expected_workers=_int(env, "KODA_EXPECTED_WORKERS", 1, lo=0, hi=10_000),
+            admin_token=env.get("KODA_ADMIN_TOKEN") or None,
+            loop_stall_s=_float(env, "KODA_LOOP_STALL", 10.0, lo=0.1, hi=600),
+            lag_interval_s=_float(env, "KODA_LAG_INTERVAL", 10.0, lo=0.1, hi=3600),
         )

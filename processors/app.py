@@ -35,6 +35,7 @@ from koda.settings import Settings
 from processors.chains import ChainSet
 from processors.emitter import Emitter
 from processors.handlers import build_handler
+from processors.ops import WorkerOps
 from processors.runner import FencedOut, Record, RunExecutor
 from processors.store import Fence, RunStore
 from topics.catalogue import RUNS
@@ -130,11 +131,27 @@ class KodaTransport(faust_aiokafka.Transport):
 
 
 class KodaApp(faust.App):
+    ops: WorkerOps | None = None
+
     def _new_transport(self) -> Any:
         return KodaTransport(self.conf.broker_consumer, self)
 
     def _new_producer(self) -> Any:
         return IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
+
+    async def on_started(self) -> None:
+        await super().on_started()
+        if self.ops is not None:
+            await self.ops.start()
+
+    async def on_stop(self) -> None:
+        # Heartbeat tombstone and health server go last: after the drain and the
+        # final commit (in super().on_stop), while the producer still runs.
+        try:
+            await super().on_stop()
+        finally:
+            if self.ops is not None:
+                await self.ops.stop(crashed=self.crashed)
 
 
 def faust_settings(settings: Settings, datadir: str) -> dict[str, Any]:
@@ -148,8 +165,13 @@ def faust_settings(settings: Settings, datadir: str) -> dict[str, Any]:
             password=sec.get("sasl_plain_password"),
             mechanism=sec["sasl_mechanism"],
         )
+    # Static membership (KIP-345): a worker restarting within the session timeout gets its
+    # partitions back without a rebalance; the price is that a clean exit does not leave
+    # the group, so its successor waits out the session timeout. Off by default.
+    instance_id = settings.worker_id if settings.static_membership else None
     return {
         "broker": hosts,
+        "consumer_group_instance_id": instance_id,
         "broker_credentials": broker_credentials,
         "key_serializer": "raw",
         "value_serializer": "raw",
@@ -211,6 +233,7 @@ def build_worker(settings: Settings, datadir: str) -> tuple[faust.App, WorkerRun
         low_water=max(1, settings.chain_high_water // 4),
     )
     rt.chains = chains
+    app.ops = WorkerOps(settings, app, rt)
     source = app.topic(
         runs_topic, key_type=bytes, value_type=bytes, key_serializer="raw",
         value_serializer="raw",

@@ -13,6 +13,7 @@ import pytest
 
 from koda.errors import ServiceError
 from koda.localstack import procs
+from tests.support import wait_until
 
 
 def _pid_file(tmp_path: Path, content: str) -> Path:
@@ -143,7 +144,8 @@ def test_find_pid_finds_a_process_by_its_command_line(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     try:
-        assert procs.find_pid(marker) == pid
+        # Between fork and exec the child still shows the parent's command line.
+        assert wait_until(lambda: procs.find_pid(marker), timeout=10, what="exec") == pid
     finally:
         procs.kill(pid, name="sleeper")
     assert procs.find_pid(marker) is None
