@@ -23,6 +23,7 @@ from koda.lifecycle.handler import CancelToken, Handler, RunContext, Usage
 from koda.lifecycle.retry import RetryPolicy
 from koda.lifecycle.states import RunStatus
 from koda.metrics import (
+    QUEUE_AGE_SECONDS,
     RETRIES,
     RUN_DURATION_SECONDS,
     RUNS,
@@ -31,7 +32,7 @@ from koda.metrics import (
 from koda.settings import Settings
 from processors.emitter import Emitter
 from processors.store import Fence, RunStore
-from schemas.records import decode_run_requested
+from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, headers_for
 
 log = logging.getLogger("koda.worker")
 
@@ -133,6 +134,14 @@ class RunExecutor:
         if run.status.terminal:
             log.info("skip terminal run_id=%s status=%s %s", run.id, run.status.value, _kv(ctx_log))
             return
+        for pred in await self.store.pending_predecessors(run):
+            log.info("predecessor first run_id=%s before=%s", pred.id, run.id)
+            trigger = Record(
+                record.topic, record.partition, -1, pred.user_id.encode(),
+                RunRequested(pred.id, pred.user_id, pred.session_id, "").encode(),
+                headers_for(RUN_REQUESTED),
+            )
+            await self._execute(trigger, pred.id, pred.user_id, pred.input, fence, cancel)
         await self._execute(record, run.id, run.user_id, run.input, fence, cancel)
 
     async def _execute(
@@ -153,6 +162,8 @@ class RunExecutor:
                     return  # someone finished it first; nothing to do
                 raise FencedOut(f"run {run_id}: claim fenced out")
             attempt = claim.attempt
+            if attempt == 1 and claim.queue_age_s is not None:
+                QUEUE_AGE_SECONDS.observe(max(0.0, claim.queue_age_s))
             futures: list[asyncio.Future[Any]] = []
             futures.append(
                 await self.emitter.event(

@@ -48,6 +48,7 @@ class Claim:
     attempt: int
     next_seq: int
     had_output: bool
+    queue_age_s: float | None = None  # created_at -> started_at (the first claim's)
 
 
 _OWNED = """
@@ -114,6 +115,34 @@ class RunStore:
             row.fence,
         )
 
+    async def pending_predecessors(self, run: RunRow, limit: int = 50) -> list[RunRow]:
+        """The user's runs created before ``run`` that are still pending, oldest first.
+
+        Their trigger may be late (a lost publish swept later, or two gateways racing),
+        yet the user's order is the order of creation: they run first.
+        """
+        async with self.engine.connect() as conn:
+            rows = (
+                await conn.execute(
+                    text(
+                        """
+                        SELECT p.id, p.user_id, p.session_id, p.status, p.input, p.attempt,
+                               p.fence
+                          FROM runs r JOIN runs p ON p.user_id = r.user_id
+                         WHERE r.id = :id AND p.status = 'pending'
+                           AND (p.created_at, p.id) < (r.created_at, r.id)
+                         ORDER BY p.created_at, p.id
+                         LIMIT :limit
+                        """
+                    ),
+                    {"id": run.id, "limit": limit},
+                )
+            ).all()
+        return [
+            RunRow(r.id, r.user_id, r.session_id, RunStatus(r.status), r.input, r.attempt, r.fence)
+            for r in rows
+        ]
+
     async def claim(self, run_id: str, fence: Fence, worker_id: str) -> Claim | None:
         """``→ running`` with ``attempt + 1`` under ``fence``; None if someone moved first.
 
@@ -134,7 +163,8 @@ class RunStore:
                            AND EXISTS (SELECT 1 FROM partition_epochs e
                                         WHERE e.topic = :topic AND e.partition = :partition
                                           AND e.epoch = :epoch FOR SHARE)
-                        RETURNING attempt
+                        RETURNING attempt,
+                                  EXTRACT(EPOCH FROM started_at - created_at) AS queue_age_s
                         """
                     ),
                     {
@@ -155,7 +185,12 @@ class RunStore:
                     {"id": run_id},
                 )
             ).one()
-            return Claim(attempt=int(row.attempt), next_seq=int(nxt[0]), had_output=nxt[1] > 0)
+            return Claim(
+                attempt=int(row.attempt),
+                next_seq=int(nxt[0]),
+                had_output=nxt[1] > 0,
+                queue_age_s=None if row.queue_age_s is None else float(row.queue_age_s),
+            )
 
     async def write_chunks(
         self, fence: Fence, run_id: str, chunks: Sequence[Chunk], *, first_output: bool

@@ -220,3 +220,21 @@ def test_kill_9_mid_run_hands_the_run_to_another_worker(env, submitter, workers)
     assert (run.status, run.attempt, run.worker_id) == ("done", 2, "w2")
     wait_until(lambda: committed_offsets(env, group, runs_topic)[partition] == 1, timeout=30,
                what="successor committed after finishing")
+
+
+def test_a_run_whose_trigger_is_late_still_runs_before_the_users_later_runs(
+    env, submitter, workers
+) -> None:
+    w = start(env, workers, "w1")
+    user = "late-trigger-user"
+    first = submitter.submit(user, {"text": "first", "demo": {"tokens": 2, "delay_ms": 1}}, publish=False)
+    second = submitter.submit(user, {"text": "second", "demo": {"tokens": 2, "delay_ms": 1}})
+    wait_terminal(submitter, [first, second], 60, w)
+    rows = submitter.query(
+        "SELECT id FROM runs WHERE user_id = :u ORDER BY started_at", u=user
+    )
+    assert [r.id for r in rows] == [first, second]
+    submitter.publish(first, user)  # the late trigger finally arrives: a harmless duplicate
+    after = submitter.submit(user, {"text": "after", "demo": {"tokens": 1, "delay_ms": 1}})
+    wait_terminal(submitter, [after], 60, w)
+    assert submitter.query("SELECT attempt FROM runs WHERE id = :r", r=first)[0].attempt == 1
