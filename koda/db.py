@@ -18,7 +18,7 @@ def sqlalchemy_url(database_url: str) -> str:
     """Map ``postgresql://`` (what users write) onto the psycopg 3 driver."""
     for prefix in ("postgresql+psycopg://", "postgresql://", "postgres://"):
         if database_url.startswith(prefix):
-            return "postgresql+psycopg://" + database_url[len(prefix):]
+            return "postgresql+psycopg://" + database_url[len(prefix) :]
     return database_url
 
 

@@ -63,9 +63,7 @@ def _check_part(what: str, value: str) -> str:
     return value
 
 
-def resource_name(
-    kind: NameKind, env: AppEnv, base: str, *, namespace: str | None = None
-) -> str:
+def resource_name(kind: NameKind, env: AppEnv, base: str, *, namespace: str | None = None) -> str:
     """Build the name of a Kafka or Postgres resource for ``env``.
 
     ``base`` is the catalogue name (``runs``, ``workers``, ``gateway.<id>``...).

@@ -136,7 +136,8 @@ class ChainSet:
                             return
                         log.exception(
                             "record failed, will retry partition=%d offset=%d",
-                            item.partition, item.offset,
+                            item.partition,
+                            item.offset,
                         )
                     else:
                         if not chain.closed:

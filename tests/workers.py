@@ -64,7 +64,11 @@ class WorkerProcess:
         env = settings_env(self.settings, KODA_WORKER_ID=self.worker_id, **self.extra_env)
         self.proc = subprocess.Popen(  # noqa: S603
             [sys.executable, "-m", "koda", "worker"],
-            env=env, cwd=ROOT, stdout=fd, stderr=fd, start_new_session=True,
+            env=env,
+            cwd=ROOT,
+            stdout=fd,
+            stderr=fd,
+            start_new_session=True,
         )
         os.close(fd)
         return self
@@ -97,7 +101,9 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"worker {self.worker_id} ignored SIGTERM:\n{self.log()[-3000:]}")
+            raise AssertionError(
+                f"worker {self.worker_id} ignored SIGTERM:\n{self.log()[-3000:]}"
+            ) from None
 
     def kill(self) -> None:
         if self.alive():
@@ -129,7 +135,10 @@ class Submitter:
                     " VALUES (:id, :s, :u, :k, CAST(:inp AS jsonb), :p)"
                 ),
                 {
-                    "id": run_id, "s": session, "u": user, "k": f"test:{run_id}",
+                    "id": run_id,
+                    "s": session,
+                    "u": user,
+                    "k": f"test:{run_id}",
                     "inp": json.dumps(inp),
                     "p": partition_for_key(user.encode(), self.settings.partitions),
                 },
@@ -140,7 +149,8 @@ class Submitter:
 
     def publish(self, run_id: str, user: str) -> None:
         self.producer.produce(
-            self.topic, key=user.encode(),
+            self.topic,
+            key=user.encode(),
             value=RunRequested(run_id, user, f"s-{user}", "").encode(),
             headers=headers_for(RUN_REQUESTED),
         )
@@ -246,7 +256,11 @@ class GatewayProcess:
         env = settings_env(self.settings, KODA_GATEWAY_PORT=str(self.port), **self.extra_env)
         self.proc = subprocess.Popen(  # noqa: S603
             [sys.executable, "-m", "koda", "gateway"],
-            env=env, cwd=ROOT, stdout=fd, stderr=fd, start_new_session=True,
+            env=env,
+            cwd=ROOT,
+            stdout=fd,
+            stderr=fd,
+            start_new_session=True,
         )
         os.close(fd)
 

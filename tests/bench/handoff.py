@@ -28,10 +28,15 @@ from topics.catalogue import partition_for_key
 
 
 def owners(sub: Submitter) -> dict[int, str]:
-    return {r.partition: r.worker_id for r in sub.query("SELECT partition, worker_id FROM partition_epochs")}
+    return {
+        r.partition: r.worker_id
+        for r in sub.query("SELECT partition, worker_id FROM partition_epochs")
+    }
 
 
-def one_round(settings, sub: Submitter, victim: WorkerProcess, how: str, tag: str) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+def one_round(
+    settings, sub: Submitter, victim: WorkerProcess, how: str, tag: str
+) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     held = sorted(p for p, w in owners(sub).items() if w == victim.worker_id)
     users = {}
     for i in range(10_000):
@@ -41,9 +46,15 @@ def one_round(settings, sub: Submitter, victim: WorkerProcess, how: str, tag: st
             users[p] = u
         if len(users) == len(held):
             break
-    long_ids = [sub.submit(u, {"text": "long", "demo": {"tokens": 15, "delay_ms": 200}}) for u in users.values()]
+    long_ids = [
+        sub.submit(u, {"text": "long", "demo": {"tokens": 15, "delay_ms": 200}})
+        for u in users.values()
+    ]
     wait_until(lambda: all(s == "streaming" for s in sub.statuses(long_ids).values()), timeout=60)
-    next_ids = [sub.submit(u, {"text": "next", "demo": {"tokens": 1, "delay_ms": 1}}) for u in users.values()]
+    next_ids = [
+        sub.submit(u, {"text": "next", "demo": {"tokens": 1, "delay_ms": 1}})
+        for u in users.values()
+    ]
     t0 = time.time()
     if how == "sigterm":
         victim.signal(signal.SIGTERM)
@@ -53,7 +64,10 @@ def one_round(settings, sub: Submitter, victim: WorkerProcess, how: str, tag: st
     victim.proc.wait(60)
     t_exit = time.time()
     wait_until(lambda: sub.all_terminal(next_ids), timeout=120)
-    started = sub.query("SELECT max(extract(epoch FROM started_at)) AS latest FROM runs WHERE id = ANY(:i)", i=next_ids)[0].latest
+    started = sub.query(
+        "SELECT max(extract(epoch FROM started_at)) AS latest FROM runs WHERE id = ANY(:i)",
+        i=next_ids,
+    )[0].latest
     return t_exit - t0, float(started) - t_exit
 
 
@@ -78,17 +92,25 @@ def main() -> None:
         for how in ["sigterm", "kill -9"] * args.repeat:
             n += 1
             victim = WorkerProcess(settings, f"victim-{n}").start()
-            wait_until(lambda: set(owners(sub).values()) == {"survivor", victim.worker_id}, timeout=90)
-            results[how].append(one_round(settings, sub, victim, "sigterm" if how == "sigterm" else "kill", f"r{n}"))
-        print(f"handoff: session timeout {settings.session_timeout_s:.0f} s, heartbeat "
-              f"{settings.heartbeat_interval_s:.0f} s, ceiling {settings.handoff_ceiling_s:.0f} s, "
-              f"3 s runs in flight, cores={os.cpu_count()}")
+            expected = {"survivor", victim.worker_id}
+            wait_until(lambda e=expected: set(owners(sub).values()) == e, timeout=90)
+            results[how].append(
+                one_round(settings, sub, victim, "sigterm" if how == "sigterm" else "kill", f"r{n}")
+            )
+        print(
+            f"handoff: session timeout {settings.session_timeout_s:.0f} s, heartbeat "
+            f"{settings.heartbeat_interval_s:.0f} s, ceiling {settings.handoff_ceiling_s:.0f} s, "
+            f"3 s runs in flight, cores={os.cpu_count()}"
+        )
         print(f"{'stop':10} {'drain (stop->exit) s':>28} {'successor starts after exit s':>34}")
         for how, rows in results.items():
             drains = [r[0] for r in rows]
             starts = [r[1] for r in rows]
-            print(f"{how:10} {statistics.median(drains):10.2f} [{min(drains):.2f}-{max(drains):.2f}]      "
-                  f"{statistics.median(starts):14.2f} [{min(starts):.2f}-{max(starts):.2f}]")
+            print(
+                f"{how:10} {statistics.median(drains):10.2f} "
+                f"[{min(drains):.2f}-{max(drains):.2f}]      "
+                f"{statistics.median(starts):14.2f} [{min(starts):.2f}-{max(starts):.2f}]"
+            )
     finally:
         survivor.stop()
         sub.close()

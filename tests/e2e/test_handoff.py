@@ -32,7 +32,9 @@ def workers() -> Iterator[list[WorkerProcess]]:
         w.kill()
 
 
-def start(env: Settings, workers: list[WorkerProcess], worker_id: str, **extra: str) -> WorkerProcess:
+def start(
+    env: Settings, workers: list[WorkerProcess], worker_id: str, **extra: str
+) -> WorkerProcess:
     w = WorkerProcess(env, worker_id, extra).start()
     workers.append(w)
     return w
@@ -66,10 +68,15 @@ def test_sigterm_finishes_in_flight_runs_then_hands_over(env, submitter, workers
     b_users = users_on_distinct_partitions("term", 3, env.partitions)
     long_inp = {"text": "three seconds", "demo": {"tokens": 15, "delay_ms": 200}}
     in_flight = [submitter.submit(u, long_inp) for u in b_users]
-    wait_until(lambda: all(run_row(submitter, r).status == "streaming" for r in in_flight),
-               timeout=60, what="runs streaming on a")
+    wait_until(
+        lambda: all(run_row(submitter, r).status == "streaming" for r in in_flight),
+        timeout=60,
+        what="runs streaming on a",
+    )
     b = start(env, workers, "b")
-    nxt = [submitter.submit(u, {"text": "next", "demo": {"tokens": 2, "delay_ms": 1}}) for u in b_users]
+    nxt = [
+        submitter.submit(u, {"text": "next", "demo": {"tokens": 2, "delay_ms": 1}}) for u in b_users
+    ]
     wait_until(lambda: "assigned partitions" in b.log(), timeout=60, what="b joined")
     a.signal(signal.SIGTERM)
     a.signal(signal.SIGTERM)  # a second signal must not start a second drain
@@ -83,7 +90,10 @@ def test_sigterm_finishes_in_flight_runs_then_hands_over(env, submitter, workers
     assert {run_row(submitter, r).worker_id for r in nxt} == {"b"}
     assert {run_row(submitter, r).attempt for r in nxt} == {1}  # never started twice
     assert a.log().count("drain=") >= 1
-    assert len(re.findall(r"revoked partitions=\[[0-9, ]+\] drain=\{'partitions': [1-9]", a.log())) == 1
+    assert (
+        len(re.findall(r"revoked partitions=\[[0-9, ]+\] drain=\{'partitions': [1-9]", a.log()))
+        == 1
+    )
 
 
 def test_rebalance_with_30_second_runs_is_bounded_by_the_ceiling(env, submitter, workers) -> None:
@@ -93,14 +103,20 @@ def test_rebalance_with_30_second_runs_is_bounded_by_the_ceiling(env, submitter,
     users = users_on_distinct_partitions("long", 4, env.partitions)
     long_inp = {"text": "thirty seconds", "demo": {"tokens": 30, "delay_ms": 1000}}
     long_runs = [submitter.submit(u, long_inp) for u in users]
-    wait_until(lambda: all(run_row(submitter, r).status == "streaming" for r in long_runs),
-               timeout=60, what="long runs streaming")
+    wait_until(
+        lambda: all(run_row(submitter, r).status == "streaming" for r in long_runs),
+        timeout=60,
+        what="long runs streaming",
+    )
     joined_at = time.monotonic()
     b = start(env, workers, "b", **extra)
     # A rebalance waits for in-flight work at most the ceiling, not for the 30 s runs.
     quick_users = users_on_distinct_partitions("quick", env.partitions, env.partitions)
-    quick = [submitter.submit(u, {"text": "q", "demo": {"tokens": 1, "delay_ms": 1}}) for u in quick_users
-             if u not in users]
+    quick = [
+        submitter.submit(u, {"text": "q", "demo": {"tokens": 1, "delay_ms": 1}})
+        for u in quick_users
+        if u not in users
+    ]
     wait_until(lambda: "assigned partitions" in b.log(), timeout=60, what="b assigned")
     assigned_after = time.monotonic() - joined_at
     assert assigned_after < ceiling + 15, f"rebalance took {assigned_after:.1f}s"
@@ -123,32 +139,48 @@ def owners(sub: Submitter) -> dict[int, str]:
 
 def test_a_frozen_worker_that_wakes_up_writes_nothing(env, submitter, workers) -> None:
     a = start(env, workers, "a")
-    b = start(env, workers, "b")
-    wait_until(lambda: set(owners(submitter).values()) == {"a", "b"}
-               and len(owners(submitter)) == env.partitions,
-               timeout=60, what="both workers hold partitions")
+    start(env, workers, "b")
+    wait_until(
+        lambda: (
+            set(owners(submitter).values()) == {"a", "b"}
+            and len(owners(submitter)) == env.partitions
+        ),
+        timeout=60,
+        what="both workers hold partitions",
+    )
     held_by_a = {p for p, w in owners(submitter).items() if w == "a"}
-    user = next(u for u in (f"frozen-{i}" for i in range(1000))
-                if partition_for_key(u.encode(), env.partitions) in held_by_a)
+    user = next(
+        u
+        for u in (f"frozen-{i}" for i in range(1000))
+        if partition_for_key(u.encode(), env.partitions) in held_by_a
+    )
     inp = {"text": "fence me", "demo": {"tokens": 60, "delay_ms": 150}}
     run_id = submitter.submit(user, inp)
     wait_until(lambda: len(submitter.messages(run_id)) >= 5, timeout=60, what="run streaming on a")
     a.signal(signal.SIGSTOP)
     # a's session times out; b takes the partition and resumes the run. The claim waited
     # for any write a had in flight, so this count is final if fencing holds.
-    wait_until(lambda: run_row(submitter, run_id).attempt == 2, timeout=60, what="b claimed the run")
+    wait_until(
+        lambda: run_row(submitter, run_id).attempt == 2, timeout=60, what="b claimed the run"
+    )
     stopped_rows = len([m for m in submitter.messages(run_id) if m.attempt == 1])
     a.signal(signal.SIGCONT)
     wait_until(lambda: submitter.all_terminal([run_id]), timeout=90, what="run done on b")
-    wait_until(lambda: "fenced out" in a.log() or "partition lost" in a.log(), timeout=30,
-               what="a noticed it was fenced")
+    wait_until(
+        lambda: "fenced out" in a.log() or "partition lost" in a.log(),
+        timeout=30,
+        what="a noticed it was fenced",
+    )
     rows = submitter.messages(run_id)
     assert len([m for m in rows if m.attempt == 1]) == stopped_rows  # nothing written after freeze
     assert [m.seq for m in rows] == list(range(len(rows)))
     assert run_row(submitter, run_id).worker_id == "b"
     assert output_of(submitter, run_id) == "".join(demo_tokens(inp))
     # On the topic, attempt-1 chunks are exactly those in Postgres: a emitted nothing after waking.
-    chunks = [json.loads(m.value()) for m in read_topic(env, env.names.topic(RUN_CHUNKS))
-              if m.key().decode().startswith(run_id)]
+    chunks = [
+        json.loads(m.value())
+        for m in read_topic(env, env.names.topic(RUN_CHUNKS))
+        if m.key().decode().startswith(run_id)
+    ]
     assert sorted({c["seq"] for c in chunks if c["attempt"] == 1}) == list(range(stopped_rows))
     assert a.alive()

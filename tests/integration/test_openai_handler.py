@@ -34,7 +34,11 @@ class FakeCompletions(BaseHTTPRequestHandler):
             event = {"choices": [{"index": 0, "delta": {"content": piece}}], "model": "m-1"}
             self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
             self.wfile.flush()
-        usage = {"choices": [], "model": "m-1", "usage": {"prompt_tokens": 7, "completion_tokens": 5}}
+        usage = {
+            "choices": [],
+            "model": "m-1",
+            "usage": {"prompt_tokens": 7, "completion_tokens": 5},
+        }
         self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
 
     def log_message(self, *args: object) -> None:

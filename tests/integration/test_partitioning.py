@@ -61,7 +61,9 @@ def test_librdkafka_default_partitioner_would_disagree(kafka_topics: Settings) -
     topic = kafka_topics.names.topic(RUNS)
     for key in KEYS:
         producer.produce(
-            topic, key=key.encode(), value=b"x",
+            topic,
+            key=key.encode(),
+            value=b"x",
             on_delivery=lambda err, msg: placed.__setitem__(msg.key().decode(), msg.partition()),
         )
     assert producer.flush(30) == 0

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-
 from confluent_kafka.admin import NewTopic
 
 from koda.settings import Settings

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 
 import pytest
@@ -31,13 +30,17 @@ def workers(env: Settings) -> Iterator[list[WorkerProcess]]:
             w.stop()
 
 
-def start(env: Settings, workers: list[WorkerProcess], worker_id: str, **extra: str) -> WorkerProcess:
+def start(
+    env: Settings, workers: list[WorkerProcess], worker_id: str, **extra: str
+) -> WorkerProcess:
     w = WorkerProcess(env, worker_id, extra).start()
     workers.append(w)
     return w
 
 
-def wait_terminal(submitter: Submitter, ids: list[str], timeout: float = 90.0, *procs: WorkerProcess) -> None:
+def wait_terminal(
+    submitter: Submitter, ids: list[str], timeout: float = 90.0, *procs: WorkerProcess
+) -> None:
     def done() -> bool:
         for p in procs:
             assert p.alive(), f"worker {p.worker_id} died:\n{p.log()[-3000:]}"
@@ -82,14 +85,18 @@ def test_runs_reach_done_with_contiguous_chunks_and_events(env, submitter, worke
         assert user_partition == {partition_for_key(run_row.user_id.encode(), env.partitions)}
     events = [json.loads(m.value()) for m in read_topic(env, env.names.topic(RUN_EVENTS))]
     assert sum(1 for e in events if e.get("to") == "done") == len(ids)
-    usage = submitter.query("SELECT count(*) AS n, sum(cost_usd) AS c FROM usage WHERE run_id = ANY(:ids)", ids=ids)
+    usage = submitter.query(
+        "SELECT count(*) AS n, sum(cost_usd) AS c FROM usage WHERE run_id = ANY(:ids)", ids=ids
+    )
     assert usage[0].n == len(ids) and usage[0].c > 0
 
 
 def test_per_user_order_with_two_workers(env, submitter, workers) -> None:
     # A tiny high-water mark makes the chains pause and resume their partitions.
-    ws = [start(env, workers, "w1", KODA_CHAIN_HIGH_WATER="4"),
-          start(env, workers, "w2", KODA_CHAIN_HIGH_WATER="4")]
+    ws = [
+        start(env, workers, "w1", KODA_CHAIN_HIGH_WATER="4"),
+        start(env, workers, "w2", KODA_CHAIN_HIGH_WATER="4"),
+    ]
     ids_by_user: dict[str, list[str]] = {}
     for i in range(10):
         for u in range(20):
@@ -105,7 +112,7 @@ def test_per_user_order_with_two_workers(env, submitter, workers) -> None:
             u=user,
         )
         assert [r.id for r in rows] == ids, f"{user}: runs started out of submission order"
-        for prev, nxt in zip(rows, rows[1:]):
+        for prev, nxt in zip(rows, rows[1:], strict=False):
             assert prev.finished_at <= nxt.started_at, f"{user}: runs overlapped"
 
 
@@ -113,10 +120,17 @@ def test_a_long_run_does_not_delay_other_partitions(env, submitter, workers) -> 
     w = start(env, workers, "w1")
     slow_user = "slow-user"
     slow_p = partition_for_key(slow_user.encode(), env.partitions)
-    others = [u for u in (f"fast-{i}" for i in range(40))
-              if partition_for_key(u.encode(), env.partitions) != slow_p][:10]
+    others = [
+        u
+        for u in (f"fast-{i}" for i in range(40))
+        if partition_for_key(u.encode(), env.partitions) != slow_p
+    ][:10]
     slow = submitter.submit(slow_user, {"text": "slow", "demo": {"tokens": 20, "delay_ms": 1000}})
-    wait_until(lambda: submitter.statuses([slow])[slow] == "streaming", timeout=60, what="slow run streaming")
+    wait_until(
+        lambda: submitter.statuses([slow])[slow] == "streaming",
+        timeout=60,
+        what="slow run streaming",
+    )
     fast = [submitter.submit(u, {"text": u, "demo": {"tokens": 3, "delay_ms": 1}}) for u in others]
     wait_terminal(submitter, fast, 15, w)
     assert submitter.statuses([slow])[slow] == "streaming"  # still running: not waited for
@@ -125,7 +139,10 @@ def test_a_long_run_does_not_delay_other_partitions(env, submitter, workers) -> 
 
 def test_redelivery_into_a_fresh_group_changes_nothing(env, submitter, workers) -> None:
     w = start(env, workers, "w1")
-    ids = [submitter.submit(f"redo-{i}", {"text": str(i), "demo": {"tokens": 4, "delay_ms": 1}}) for i in range(8)]
+    ids = [
+        submitter.submit(f"redo-{i}", {"text": str(i), "demo": {"tokens": 4, "delay_ms": 1}})
+        for i in range(8)
+    ]
     wait_terminal(submitter, ids, 60, w)
     before_rows = submitter.query("SELECT id, status, attempt, finished_at FROM runs ORDER BY id")
     before_msgs = submitter.query("SELECT count(*) AS n FROM messages")[0].n
@@ -139,18 +156,26 @@ def test_redelivery_into_a_fresh_group_changes_nothing(env, submitter, workers) 
     total = sum(1 for _ in read_topic(env, runs_topic))
     wait_until(
         lambda: sum(max(o, 0) for o in committed_offsets(env, group, runs_topic).values()) >= total,
-        timeout=60, what="replay group committed the whole topic",
+        timeout=60,
+        what="replay group committed the whole topic",
     )
     assert w2.alive()
-    assert submitter.query("SELECT id, status, attempt, finished_at FROM runs ORDER BY id") == before_rows
+    assert (
+        submitter.query("SELECT id, status, attempt, finished_at FROM runs ORDER BY id")
+        == before_rows
+    )
     assert submitter.query("SELECT count(*) AS n FROM messages")[0].n == before_msgs
     assert len(read_topic(env, events_topic)) == before_events
 
 
 POISON = [
     (b"p-user", b"not json at all \xff\xfe", None, "undecodable"),
-    (b"p-user", b'{"run_id": "x", "user_id": "p-user", "session_id": "s"}',
-     [("schema", b"run.requested/9")], "unknown_schema_version"),
+    (
+        b"p-user",
+        b'{"run_id": "x", "user_id": "p-user", "session_id": "s"}',
+        [("schema", b"run.requested/9")],
+        "unknown_schema_version",
+    ),
     (b"p-user", b'{"run_id": "x", "session_id": "s"}', None, "invalid"),
     (b"p-user", b"x" * (1024 * 1024), None, "oversized"),
     (None, b'{"run_id": "x", "user_id": "p-user", "session_id": "s"}', None, "null_key"),
@@ -166,23 +191,38 @@ def test_poison_records_go_to_the_dlq_and_the_worker_carries_on(env, submitter, 
     wait_terminal(submitter, [before, after], 60, w)
     assert set(submitter.statuses([before, after]).values()) == {"done"}
     dlq_topic = env.names.topic(RUNS_DLQ)
-    dead = wait_until(lambda: len(read_topic(env, dlq_topic)) >= len(POISON) and read_topic(env, dlq_topic),
-                      timeout=30, what="dead letters")
+    dead = wait_until(
+        lambda: len(read_topic(env, dlq_topic)) >= len(POISON) and read_topic(env, dlq_topic),
+        timeout=30,
+        what="dead letters",
+    )
     reasons = sorted(json.loads(m.value())["reason"] for m in dead)
     assert reasons == sorted(r for *_, r in POISON)
     letter = json.loads(dead[0].value())
-    assert {"original_value", "topic", "partition", "offset", "attempts", "reason", "error"} <= set(letter)
+    assert {"original_value", "topic", "partition", "offset", "attempts", "reason", "error"} <= set(
+        letter
+    )
     assert letter["topic"] == env.names.topic(RUNS)
     assert w.alive() and "Restarting" not in w.log() and "MaxRestartsExceeded" not in w.log()
 
 
 def test_retries_then_success_and_exhaustion(env, submitter, workers) -> None:
     w = start(env, workers, "w1")
-    flaky = submitter.submit("retry-user", {"text": "flaky", "demo": {"tokens": 6, "delay_ms": 1, "fail_attempts": 2}})
-    broken = submitter.submit("retry-user", {"text": "broken", "demo": {"tokens": 6, "delay_ms": 1, "fail_attempts": 99}})
+    flaky = submitter.submit(
+        "retry-user", {"text": "flaky", "demo": {"tokens": 6, "delay_ms": 1, "fail_attempts": 2}}
+    )
+    broken = submitter.submit(
+        "retry-user", {"text": "broken", "demo": {"tokens": 6, "delay_ms": 1, "fail_attempts": 99}}
+    )
     after = submitter.submit("retry-user", {"text": "after", "demo": {"tokens": 2, "delay_ms": 1}})
     wait_terminal(submitter, [flaky, broken, after], 60, w)
-    rows = {r.id: r for r in submitter.query("SELECT id, status, attempt, error FROM runs WHERE id = ANY(:i)", i=[flaky, broken, after])}
+    rows = {
+        r.id: r
+        for r in submitter.query(
+            "SELECT id, status, attempt, error FROM runs WHERE id = ANY(:i)",
+            i=[flaky, broken, after],
+        )
+    }
     assert (rows[flaky].status, rows[flaky].attempt) == ("done", 3)
     assert (rows[broken].status, rows[broken].attempt) == ("failed", 3)
     assert "fail_attempts" in rows[broken].error
@@ -190,7 +230,9 @@ def test_retries_then_success_and_exhaustion(env, submitter, workers) -> None:
     kinds = [m.kind for m in submitter.messages(flaky)]
     assert kinds.count("reset") == 2 and kinds[-1] == "done"
     assert [m.seq for m in submitter.messages(flaky)] == list(range(len(kinds)))
-    assert output_of(submitter, flaky) == "".join(demo_tokens({"text": "flaky", "demo": {"tokens": 6}}))
+    assert output_of(submitter, flaky) == "".join(
+        demo_tokens({"text": "flaky", "demo": {"tokens": 6}})
+    )
     assert submitter.messages(broken)[-1].kind == "error"
     dead = [json.loads(m.value()) for m in read_topic(env, env.names.topic(RUNS_DLQ))]
     assert [(d["reason"], d["attempts"]) for d in dead] == [("handler_failed", 3)]
@@ -218,8 +260,11 @@ def test_kill_9_mid_run_hands_the_run_to_another_worker(env, submitter, workers)
     assert output_of(submitter, run_id) == "".join(demo_tokens(inp))
     run = submitter.query("SELECT status, attempt, worker_id FROM runs WHERE id = :r", r=run_id)[0]
     assert (run.status, run.attempt, run.worker_id) == ("done", 2, "w2")
-    wait_until(lambda: committed_offsets(env, group, runs_topic)[partition] == 1, timeout=30,
-               what="successor committed after finishing")
+    wait_until(
+        lambda: committed_offsets(env, group, runs_topic)[partition] == 1,
+        timeout=30,
+        what="successor committed after finishing",
+    )
 
 
 def test_a_run_whose_trigger_is_late_still_runs_before_the_users_later_runs(
@@ -227,12 +272,12 @@ def test_a_run_whose_trigger_is_late_still_runs_before_the_users_later_runs(
 ) -> None:
     w = start(env, workers, "w1")
     user = "late-trigger-user"
-    first = submitter.submit(user, {"text": "first", "demo": {"tokens": 2, "delay_ms": 1}}, publish=False)
+    first = submitter.submit(
+        user, {"text": "first", "demo": {"tokens": 2, "delay_ms": 1}}, publish=False
+    )
     second = submitter.submit(user, {"text": "second", "demo": {"tokens": 2, "delay_ms": 1}})
     wait_terminal(submitter, [first, second], 60, w)
-    rows = submitter.query(
-        "SELECT id FROM runs WHERE user_id = :u ORDER BY started_at", u=user
-    )
+    rows = submitter.query("SELECT id FROM runs WHERE user_id = :u ORDER BY started_at", u=user)
     assert [r.id for r in rows] == [first, second]
     submitter.publish(first, user)  # the late trigger finally arrives: a harmless duplicate
     after = submitter.submit(user, {"text": "after", "demo": {"tokens": 1, "delay_ms": 1}})
