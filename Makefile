@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse
 
 ## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers; Ctrl-C stops all
 dev: install
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
 
-## system-deps: PostgreSQL server binaries and Java, via apt-get where missing
+## system-deps: PostgreSQL server binaries, Java and Chromium, via apt-get where missing
 system-deps:
 	@bash deploy/local/system-deps.sh
 
@@ -51,3 +51,7 @@ bench-pipeline: install
 ## bench-handoff: planned (SIGTERM) versus crash (kill -9) handoff times
 bench-handoff: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.handoff $(BENCH_ARGS)
+
+## bench-sse: 200 runs x 5 viewers = 1,000 SSE streams on one gateway (prints figures)
+bench-sse: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.sse $(BENCH_ARGS)

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gateway.admin import router as admin_router
 from gateway.admission import Admissions
 from gateway.auth import Authenticator
 from gateway.components import Components
@@ -26,8 +27,11 @@ from gateway.errors import install_error_handlers
 from gateway.publisher import RunPublisher
 from gateway.ratelimit import TokenBuckets
 from gateway.routes import router
+from gateway.sse import install_live_feed
+from gateway.sse import router as sse_router
 from gateway.store import RunStore
 from gateway.sweeper import Sweeper
+from gateway.workers import WorkerDirectory
 from koda import metrics
 from koda.db import async_engine
 from koda.errors import KodaError
@@ -69,9 +73,12 @@ def create_app(
         db = engine if engine is not None else async_engine(settings)
         pub = publisher if publisher is not None else RunPublisher(settings)
         sweep_task: asyncio.Task[None] | None = None
+        feed = install_live_feed(app, settings)
+        directory = WorkerDirectory(settings)
         admissions: Admissions | None = None
         try:
             await pub.start()
+            await feed.start()  # before serving: streams must not miss a record
             store = RunStore(db)
             await _probe(store, pub)
             admissions = Admissions(store, pub, partitions=settings.partitions)
@@ -87,6 +94,8 @@ def create_app(
                 admissions=admissions,
                 sweeper=sweeper,
             )
+            directory.start()  # the heartbeat table; never a readiness dependency
+            app.state.workers = directory
             if run_sweeper:
                 sweep_task = asyncio.create_task(sweeper.run_forever(), name="gateway-sweeper")
             log.info(
@@ -97,6 +106,8 @@ def create_app(
             )
             yield
         finally:
+            await feed.stop()
+            await directory.stop()
             if sweep_task is not None:
                 sweep_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -117,6 +128,8 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(sse_router)
+    app.include_router(admin_router)
     app.add_middleware(RequestMetrics)
     return app
 

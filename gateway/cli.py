@@ -10,10 +10,12 @@ second SIGTERM changes nothing (one drain only).
 from __future__ import annotations
 
 import json
+import logging
 import signal
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
@@ -22,6 +24,8 @@ import typer
 import uvicorn
 
 from gateway.app import create_app
+from gateway.eventstream import RECONNECT, TERMINAL_KINDS, Event, EventParser
+from gateway.sse import StalledStreamLogFilter, close_streams
 from koda.lifecycle.states import RunStatus
 from koda.logs import configure_logging
 from koda.settings import Settings
@@ -38,8 +42,16 @@ class _Server(uvicorn.Server):
 
     uvicorn re-raises SIGTERM once it has shut down, so the process dies by the
     signal (status 143) even though every request finished; a gateway that
-    drained cleanly exits 0.
+    drained cleanly exits 0. On the first signal open SSE streams are cut with a
+    ``reconnect`` event, so their clients move on instead of holding the shutdown.
     """
+
+    on_exit: Callable[[], None] | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.on_exit is not None and not self.should_exit:
+            self.on_exit()
+        super().handle_exit(sig, frame)
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -58,8 +70,10 @@ class _Server(uvicorn.Server):
 def serve(settings: Settings) -> None:
     """Serve the gateway on ``settings.gateway_host:gateway_port`` until SIGTERM/SIGINT."""
     configure_logging()
+    logging.getLogger("uvicorn.error").addFilter(StalledStreamLogFilter())
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.gateway_host,
         port=settings.gateway_port,
         lifespan="on",
@@ -69,6 +83,7 @@ def serve(settings: Settings) -> None:
         server_header=False,
     )
     server = _Server(config)
+    server.on_exit = lambda: close_streams(app)
     server.run()
     if not server.started:
         # Startup failed (port taken, lifespan error): uvicorn already logged why.
@@ -162,3 +177,119 @@ def show(
         base_url=gateway, headers={"Authorization": f"Bearer dev:{user}"}, timeout=10.0
     ) as client:
         typer.echo(json.dumps(_request(client, "GET", f"/v1/runs/{run_id}"), indent=2))
+
+
+# --- koda runs follow ---------------------------------------------------------------
+
+FOLLOW_READ_TIMEOUT_S = 60.0  # several keep-alive intervals: a silent link is dead
+FOLLOW_DEFAULT_RETRY_S = 1.0
+
+
+class _Follower:
+    """Prints one run's events and remembers the last seq, across reconnections."""
+
+    def __init__(self, last: int | None) -> None:
+        self.last = last
+        self.retry_s = FOLLOW_DEFAULT_RETRY_S
+        self.outcome: str | None = None  # the terminal kind once seen
+        self.heard_at = time.monotonic()  # when the gateway last answered
+
+    def handle(self, event: Event) -> bool:
+        """Print ``event``; True when the stream is over (terminal) or must be reopened."""
+        if event.seq is not None:
+            self.last = event.seq
+        if event.event == RECONNECT:
+            return True
+        data = _data(event)
+        if event.event == "chunk":
+            sys.stdout.write(str(data.get("content", "")))
+            sys.stdout.flush()
+        elif event.event == "reset":
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            typer.echo(f"[reset: attempt {data.get('attempt', '?')} starts over]", err=True)
+        elif event.event == "status":
+            typer.echo(f"[status {data.get('content', '')}]", err=True)
+        if event.event in TERMINAL_KINDS:
+            self.outcome = event.event
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            if event.event != "done":
+                detail = data.get("content") or data.get("status") or ""
+                typer.echo(f"[{event.event}] {detail}", err=True)
+            return True
+        return False
+
+
+def _data(event: Event) -> dict[str, Any]:
+    try:
+        data = event.json()
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@runs_app.command("follow")
+def follow(
+    run_id: str = typer.Argument(..., help="The run id."),
+    user: str | None = typer.Option(None, "--user", help="Read as this user (dev:<user>)."),
+    token: str | None = typer.Option(None, "--token", help="A bearer token (prod)."),
+    after: int | None = typer.Option(
+        None, "--after", min=0, help="Start after this seq (default: from the first event)."
+    ),
+    gateway: str = typer.Option(DEFAULT_GATEWAY, "--gateway", help="Gateway base URL."),
+    give_up: float = typer.Option(
+        300.0, "--give-up", help="Stop after this many seconds without reaching the gateway."
+    ),
+) -> None:
+    """Stream a run's output to the terminal until it ends; reconnect with Last-Event-ID.
+
+    Exit status: 0 done, 1 failed or cancelled, 2 refused or unreachable.
+    """
+    if (user is None) == (token is None):
+        _fail("give exactly one of --user (dev token dev:<user>) or --token")
+    bearer = token if token is not None else f"dev:{user}"
+    follower = _Follower(after)
+    timeout = httpx.Timeout(10.0, read=FOLLOW_READ_TIMEOUT_S)
+    with httpx.Client(base_url=gateway, timeout=timeout) as client:
+        while True:
+            try:
+                if _follow_once(client, run_id, bearer, follower):
+                    break
+            except httpx.HTTPError as exc:
+                where = "the start" if follower.last is None else f"seq {follower.last}"
+                typer.echo(
+                    f"[connection lost ({type(exc).__name__}); resuming after {where}]", err=True
+                )
+            if time.monotonic() - follower.heard_at > give_up:
+                _fail(f"gave up: no answer from {gateway} for {give_up:.0f}s")
+            time.sleep(follower.retry_s)
+    if follower.outcome not in (None, "done"):
+        raise typer.Exit(1)
+
+
+def _follow_once(client: httpx.Client, run_id: str, bearer: str, follower: _Follower) -> bool:
+    """One connection; True when the run is over (or there is nothing more to read)."""
+    headers = {"Authorization": f"Bearer {bearer}", "Accept": "text/event-stream"}
+    if follower.last is not None:
+        headers["Last-Event-ID"] = str(follower.last)
+    with client.stream("GET", f"/v1/runs/{run_id}/events", headers=headers) as response:
+        follower.heard_at = time.monotonic()
+        if response.status_code == 204:
+            return True  # the run is over and nothing follows the last seq we have
+        if response.status_code >= 500:
+            raise httpx.HTTPStatusError(
+                f"HTTP {response.status_code}", request=response.request, response=response
+            )
+        if response.status_code >= 400:
+            response.read()
+            _fail(_explain(response))
+        parser = EventParser()
+        for chunk in response.iter_bytes():
+            follower.heard_at = time.monotonic()
+            for event in parser.feed(chunk):
+                if parser.retry is not None:
+                    follower.retry_s = parser.retry / 1000.0
+                if follower.handle(event):
+                    return event.event != RECONNECT
+    return False  # closed without a terminal event: reconnect

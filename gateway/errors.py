@@ -3,6 +3,8 @@
     KodaError
     ├── GatewayError               an HTTP request is refused; carries status and code
     │   ├── Unauthorized           401 missing, malformed or unknown bearer token
+    │   ├── Forbidden              403 the endpoint is closed (admin without KODA_ADMIN_TOKEN
+    │   │                              in prod)
     │   ├── NotFound               404 unknown run or session, or another user's
     │   ├── PayloadTooLarge        413 body over the limit (Content-Length or streamed)
     │   ├── UnsupportedMediaType   415 body is not application/json
@@ -65,6 +67,11 @@ class Unauthorized(GatewayError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="koda"'})
+
+
+class Forbidden(GatewayError):
+    status = 403
+    code = "forbidden"
 
 
 class NotFound(GatewayError):

@@ -81,6 +81,47 @@ class PendingRun:
     created_at: datetime
 
 
+@dataclass(frozen=True)
+class StreamHead:
+    """What an SSE stream needs to know before it answers.
+
+    ``complete_through`` is set for a terminal run: the seq of its terminal event (or
+    of its last event when it ended without one); nothing will ever follow it.
+    """
+
+    status: RunStatus
+    complete_through: int | None
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    """One ``messages`` row, as an SSE stream replays it."""
+
+    seq: int
+    kind: str
+    content: str
+    attempt: int
+
+
+_TERMINAL_KINDS = ["done", "error", "cancelled"]
+
+_STREAM_HEAD = text("SELECT status FROM runs WHERE id = :run_id AND user_id = :user_id")
+_RUN_END = text(
+    """
+    SELECT max(seq) FILTER (WHERE kind = ANY(:terminal)) AS terminal_seq, max(seq) AS last_seq
+      FROM messages WHERE run_id = :run_id
+    """
+)
+_RUN_STATUS = text("SELECT status FROM runs WHERE id = :run_id")
+_EVENTS_AFTER = text(
+    """
+    SELECT seq, kind, content, attempt FROM messages
+     WHERE run_id = :run_id AND seq > :after
+     ORDER BY seq LIMIT :limit
+    """
+)
+
+
 _GET_RUN = text(
     """
     SELECT r.id, r.status, r.attempt, r.session_id, r.created_at, r.started_at,
@@ -299,3 +340,58 @@ class RunStore:
                 )
         except SQLAlchemyError as exc:
             raise DatabaseError(f"releasing claimed runs failed: {type(exc).__name__}") from exc
+
+    async def stream_head(self, run_id: str, user_id: str) -> StreamHead | None:
+        """The run's status if it belongs to ``user_id`` (None otherwise, indistinguishable)."""
+        try:
+            async with self.engine.connect() as conn:
+                row = (
+                    await conn.execute(_STREAM_HEAD, {"run_id": run_id, "user_id": user_id})
+                ).first()
+                if row is None:
+                    return None
+                status = RunStatus(row.status)
+                through = None
+                if status.terminal:
+                    end = (
+                        await conn.execute(
+                            _RUN_END, {"run_id": run_id, "terminal": _TERMINAL_KINDS}
+                        )
+                    ).one()
+                    through = end.terminal_seq if end.terminal_seq is not None else end.last_seq
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"reading a run failed: {type(exc).__name__}") from exc
+        return StreamHead(status, None if through is None else int(through))
+
+    async def terminal_seq(self, run_id: str) -> int | None:
+        """The seq of the run's terminal event, or None if it has none (yet)."""
+        try:
+            async with self.engine.connect() as conn:
+                end = (
+                    await conn.execute(_RUN_END, {"run_id": run_id, "terminal": _TERMINAL_KINDS})
+                ).one()
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"reading a run failed: {type(exc).__name__}") from exc
+        return None if end.terminal_seq is None else int(end.terminal_seq)
+
+    async def events_after(
+        self, run_id: str, after: int, limit: int
+    ) -> tuple[RunStatus | None, list[StoredEvent]]:
+        """The run's status, then up to ``limit`` messages with seq > ``after`` in order.
+
+        The status is read first: when it is terminal, every message of the run was
+        committed before it (the terminal transition and the last events share one
+        transaction), so the rows that follow are all there will ever be.
+        """
+        try:
+            async with self.engine.connect() as conn:
+                status = (await conn.execute(_RUN_STATUS, {"run_id": run_id})).scalar()
+                rows = (
+                    await conn.execute(
+                        _EVENTS_AFTER, {"run_id": run_id, "after": after, "limit": limit}
+                    )
+                ).all()
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"reading run events failed: {type(exc).__name__}") from exc
+        events = [StoredEvent(int(r.seq), r.kind, r.content, int(r.attempt)) for r in rows]
+        return (None if status is None else RunStatus(status)), events

@@ -20,8 +20,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 topics_app = typer.Typer(no_args_is_help=True, help="Create and check koda's topics.")
 db_app = typer.Typer(no_args_is_help=True, help="Database migrations.")
+chunks_app = typer.Typer(no_args_is_help=True, help="The chunk topic as a replay log.")
+dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters.")
 app.add_typer(topics_app, name="topics")
 app.add_typer(db_app, name="db")
+app.add_typer(chunks_app, name="chunks")
+app.add_typer(dlq_app, name="dlq")
 
 
 def fail(message: str) -> None:
@@ -76,6 +80,52 @@ def topics_check() -> None:
     typer.echo("topics match the catalogue")
 
 
+@topics_app.command("delete")
+@friendly
+def topics_delete(
+    confirm_prod: bool = typer.Option(False, "--confirm-prod", help="Required in prod."),
+) -> None:
+    """Delete the catalogue's topics and every record in them (asks nothing in dev)."""
+    from topics.admin import delete_topics
+
+    settings = load_settings()
+    require_confirmation(settings, confirm_prod, "topics delete")
+    deleted = delete_topics(settings)
+    for name in deleted:
+        typer.echo(f"deleted {name}")
+    typer.echo(f"topics deleted ({len(deleted)})")
+
+
+@dlq_app.command("replay")
+@friendly
+def dlq_replay(
+    reason: list[str] | None = typer.Option(  # noqa: B008 - typer's idiom
+        None, "--reason", help="Only this reason (repeatable)."
+    ),
+    from_offset: int = typer.Option(0, "--from-offset", min=0, help="First DLQ offset."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="Stop after N replayed."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Read and report; produce nothing."),
+    confirm_prod: bool = typer.Option(False, "--confirm-prod", help="Required in prod."),
+) -> None:
+    """Re-publish dead letters' original records to the runs topic."""
+    from topics.dlq import replay_dead_letters
+
+    settings = load_settings()
+    require_confirmation(settings, confirm_prod, "dlq replay")
+    report = replay_dead_letters(
+        settings,
+        reasons=reason or (),
+        from_offset=from_offset,
+        limit=limit,
+        dry_run=dry_run,
+        on_letter=typer.echo,
+    )
+    verb = "would replay" if dry_run else "replayed"
+    typer.echo(
+        f"{verb} {report.replayed} of {report.read} dead letters; next offsets {report.next_offset}"
+    )
+
+
 @db_app.command("upgrade")
 @friendly
 def db_upgrade(revision: str = typer.Argument("head")) -> None:
@@ -85,6 +135,50 @@ def db_upgrade(revision: str = typer.Argument("head")) -> None:
     settings = load_settings()
     upgrade(settings, revision)
     typer.echo(f"database schema {settings.names.pg_schema()} at {revision}")
+
+
+@chunks_app.command("compact")
+@friendly
+def chunks_compact(
+    older_than: float | None = typer.Option(
+        None,
+        "--older-than",
+        min=0,
+        help="Seconds since the run finished (default KODA_COMPACT_AFTER, 24 h).",
+    ),
+    every: float | None = typer.Option(
+        None, "--every", min=1, help="Repeat every S seconds until interrupted."
+    ),
+    batch: int = typer.Option(100, "--batch", min=1, help="Runs per transaction."),
+) -> None:
+    """Replace finished runs' chunk records with one <run_id>:final record each."""
+    from processors.compactor import ChunkCompactor
+
+    compactor = ChunkCompactor(load_settings())
+    try:
+        if every is not None:
+            from koda.logs import configure_logging
+
+            configure_logging()
+            compactor.run_forever(every, older_than)
+            return
+        report = compactor.compact_once(older_than, batch)
+    finally:
+        compactor.close()
+    typer.echo(f"compacted {report.runs} runs ({report.tombstones} tombstones)")
+
+
+@chunks_app.command("outputs")
+@friendly
+def chunks_outputs() -> None:
+    """Rebuild every run's output from the chunk topic alone; print JSON lines."""
+    import json
+
+    from topics.chunklog import read_chunk_log
+
+    for run in read_chunk_log(load_settings()).runs.values():
+        row = {"run_id": run.run_id, "end": run.end, "compacted": run.compacted}
+        typer.echo(json.dumps({**row, "output": run.output}))
 
 
 def require_confirmation(settings: Settings, confirmed: bool, what: str) -> None:
@@ -104,6 +198,31 @@ def worker_command() -> None:
 
     configure_logging()
     run_worker(load_settings())
+
+
+@app.command(
+    "entrypoint", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+)
+@friendly
+def entrypoint_command(
+    ctx: typer.Context,
+    role: str = typer.Option(..., "--role", envvar="ROLE", help="gateway|worker|migrate|topics"),
+) -> None:
+    """The container entrypoint: exec the ROLE's command in this process (stays PID 1)."""
+    import os
+
+    commands = {
+        "gateway": ["gateway"],
+        "worker": ["worker"],
+        "migrate": ["db", "upgrade"],
+        "topics": ["topics", "apply"],
+    }
+    if role not in commands:
+        fail(f"ROLE={role!r}: use one of {', '.join(commands)}")
+    argv = [sys.executable, "-m", "koda", *commands[role], *ctx.args]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)  # noqa: S606 - replaces this process, keeps the PID
 
 
 @app.command("gateway")

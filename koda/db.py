@@ -41,12 +41,13 @@ def sync_engine(settings: Settings, *, pool_size: int = 2) -> Engine:
     return engine
 
 
-def async_engine(settings: Settings, *, pool_size: int = 10) -> AsyncEngine:
+def async_engine(settings: Settings, *, pool_size: int = 10, pre_ping: bool = True) -> AsyncEngine:
+    """``pre_ping`` tests each pooled connection with a round trip before lending it."""
     engine = create_async_engine(
         sqlalchemy_url(settings.database_url),
         pool_size=pool_size,
         max_overflow=0,
-        pool_pre_ping=True,
+        pool_pre_ping=pre_ping,
         pool_timeout=30,
     )
     event.listen(engine.sync_engine, "connect", _set_search_path(settings.names.pg_schema()))

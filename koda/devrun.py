@@ -19,6 +19,7 @@ from koda.localstack import down, env_lines, up
 from koda.settings import Settings
 
 CHILD_GRACE_S = 25.0
+DEV_WORKER_PORT = 9101  # worker i serves /livez, /readyz, /metrics on DEV_WORKER_PORT + i
 
 
 def _spawn(argv: list[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
@@ -43,12 +44,27 @@ def run_dev(state_dir: Path, environ: Mapping[str, str], *, workers: int = 2) ->
         print("koda: topic drift: " + "; ".join(map(str, drifts)), file=sys.stderr)
         return 1
     koda = [sys.executable, "-m", "koda"]
+    env.setdefault("KODA_EXPECTED_WORKERS", str(workers))
     children = [_spawn([*koda, "gateway"], env)]
+    base_port = settings.worker_port or DEV_WORKER_PORT
     for i in range(workers):
-        children.append(_spawn([*koda, "worker"], {**env, "KODA_WORKER_ID": f"dev-worker-{i + 1}"}))
+        children.append(
+            _spawn(
+                [*koda, "worker"],
+                {
+                    **env,
+                    "KODA_WORKER_ID": f"dev-worker-{i + 1}",
+                    "KODA_WORKER_PORT": str(base_port + i),
+                },
+            )
+        )
     port = settings.gateway_port
     print("\n".join(env_lines(info)))
     print(f"koda dev: gateway on http://127.0.0.1:{port}, {workers} workers; Ctrl-C stops all")
+    print(
+        f"workers: http://127.0.0.1:{base_port}..{base_port + workers - 1}/metrics"
+        f" (/livez, /readyz); heartbeats: http://127.0.0.1:{port}/admin/workers"
+    )
     print(
         f"try: curl -s -X POST http://127.0.0.1:{port}/v1/runs "
         "-H 'Authorization: Bearer dev:alice' -H 'Content-Type: application/json' "
@@ -67,7 +83,9 @@ def run_dev(state_dir: Path, environ: Mapping[str, str], *, workers: int = 2) ->
         while not stopping:
             for child in children:
                 if child.poll() is not None:
-                    print(f"koda dev: {child.args[3]} exited with {child.returncode}", file=sys.stderr)
+                    print(
+                        f"koda dev: {child.args[3]} exited with {child.returncode}", file=sys.stderr
+                    )
                     stopping, status = True, 1
             time.sleep(0.5)
     finally:

@@ -15,11 +15,16 @@ never from user ids, run ids or free text.
                   koda_runs_in_flight, koda_retries_total, koda_dead_letters_total{reason}
     consumer      koda_consumer_lag{topic,partition}, koda_rebalances_total{event},
                   koda_handoff_seconds
+    worker        koda_event_loop_lag_seconds, koda_heartbeats_total{outcome}
     gateway       koda_admissions_total{outcome}, koda_admissions_rejected_total{reason},
                   koda_http_requests_total{method,route,status},
                   koda_http_request_seconds{method,route},
                   koda_publish_total{outcome}, koda_publish_seconds,
-                  koda_sweeper_republished_total, koda_sse_connections
+                  koda_sweeper_republished_total, koda_sse_connections,
+                  koda_sse_events_total{source}, koda_sse_viewers_cut_total{reason},
+                  koda_sse_backfills_total{reason}, koda_sse_queued_bytes,
+                  koda_live_feed_records_total, koda_live_feed_errors_total,
+                  koda_workers{state}, koda_workers_expected
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ __all__ = [
     "CONSUMER_LAG",
     "CONTENT_TYPE",
     "DEAD_LETTERS",
+    "EVENT_LOOP_LAG_SECONDS",
     "HANDOFF_SECONDS",
+    "HEARTBEATS",
     "HTTP_REQUESTS",
     "HTTP_REQUEST_SECONDS",
     "PUBLISH",
@@ -54,9 +61,18 @@ __all__ = [
     "RUNS",
     "RUNS_IN_FLIGHT",
     "RUN_DURATION_SECONDS",
+    "SSE_BACKFILLS",
     "SSE_CONNECTIONS",
+    "SSE_EVENTS",
+    "SSE_QUEUED_BYTES",
+    "SSE_VIEWERS_CUT",
+    "LIVE_FEED_ERRORS",
+    "LIVE_FEED_RECORDS",
+    "CHUNK_RUNS_COMPACTED",
     "SWEEPER_REPUBLISHED",
     "TIME_TO_FIRST_CHUNK_SECONDS",
+    "WORKERS",
+    "WORKERS_EXPECTED",
     "render",
     "start_metrics_server",
 ]
@@ -136,6 +152,20 @@ HANDOFF_SECONDS = Histogram(
     registry=REGISTRY,
 )
 
+# --- worker process -------------------------------------------------------------
+
+EVENT_LOOP_LAG_SECONDS = Gauge(
+    "koda_event_loop_lag_seconds",
+    "How late the worker's event loop last woke a periodic probe (a blocked loop grows it).",
+    registry=REGISTRY,
+)
+HEARTBEATS = Counter(
+    "koda_heartbeats_total",
+    "Heartbeats this worker produced to the workers topic, by outcome: sent or failed.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+
 # --- gateway ------------------------------------------------------------------
 
 ADMISSIONS = Counter(
@@ -184,6 +214,60 @@ SWEEPER_REPUBLISHED = Counter(
 SSE_CONNECTIONS = Gauge(
     "koda_sse_connections",
     "Server-Sent Events streams open on this gateway.",
+    registry=REGISTRY,
+)
+SSE_EVENTS = Counter(
+    "koda_sse_events_total",
+    "Events written to SSE viewers, by source: replay (Postgres) or live (the chunk topic).",
+    ["source"],
+    registry=REGISTRY,
+)
+SSE_VIEWERS_CUT = Counter(
+    "koda_sse_viewers_cut_total",
+    "SSE viewers disconnected by the gateway, by reason: overflow (its queue filled), "
+    "stalled (a write did not complete in time) or shutdown.",
+    ["reason"],
+    registry=REGISTRY,
+)
+SSE_BACKFILLS = Counter(
+    "koda_sse_backfills_total",
+    "Reads from Postgres while a stream is live, by reason: gap (a live seq skipped "
+    "ahead) or idle (no live event for a keep-alive interval).",
+    ["reason"],
+    registry=REGISTRY,
+)
+SSE_QUEUED_BYTES = Gauge(
+    "koda_sse_queued_bytes",
+    "Bytes of live events waiting in SSE viewers' queues on this gateway.",
+    registry=REGISTRY,
+)
+LIVE_FEED_RECORDS = Counter(
+    "koda_live_feed_records_total",
+    "Chunk-topic records read by this gateway's live feed (for any run).",
+    registry=REGISTRY,
+)
+LIVE_FEED_ERRORS = Counter(
+    "koda_live_feed_errors_total",
+    "Errors the live feed's consumer reported (it keeps running and reconnects).",
+    registry=REGISTRY,
+)
+WORKERS = Gauge(
+    "koda_workers",
+    "Workers in the heartbeat table as this gateway sees it, by state: alive or stale.",
+    ["state"],
+    registry=REGISTRY,
+)
+WORKERS_EXPECTED = Gauge(
+    "koda_workers_expected",
+    "Workers this deployment expects to be alive (KODA_EXPECTED_WORKERS).",
+    registry=REGISTRY,
+)
+
+# --- chunk topic compaction -----------------------------------------------------
+
+CHUNK_RUNS_COMPACTED = Counter(
+    "koda_chunk_runs_compacted_total",
+    "Terminal runs whose per-chunk records were replaced by one final record.",
     registry=REGISTRY,
 )
 

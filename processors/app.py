@@ -201,7 +201,10 @@ def build_worker(settings: Settings, datadir: str) -> tuple[faust.App, WorkerRun
 
     ``datadir`` is Faust's scratch directory (koda keeps no tables in it).
     """
-    engine = async_engine(settings, pool_size=settings.max_inflight + 2)
+    # No pre-ping: it is a round trip on every checkout, i.e. every transaction. A connection
+    # that died in the pool fails its statement, SQLAlchemy discards it, and the
+    # chain retries the record in place, as after any database error.
+    engine = async_engine(settings, pool_size=settings.max_inflight + 2, pre_ping=False)
     store = RunStore(engine)
     handler = build_handler(settings)
     app = KodaApp(

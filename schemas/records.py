@@ -22,7 +22,15 @@ RUN_CHUNK = "run.chunk"
 RUN_EVENT = "run.event"
 DEAD_LETTER = "run.dead-letter"
 HEARTBEAT = "worker.heartbeat"
-CURRENT_VERSION = {RUN_REQUESTED: 1, RUN_CHUNK: 1, RUN_EVENT: 1, DEAD_LETTER: 1, HEARTBEAT: 1}
+RUN_FINAL = "run.final"
+CURRENT_VERSION = {
+    RUN_REQUESTED: 1,
+    RUN_CHUNK: 1,
+    RUN_EVENT: 1,
+    DEAD_LETTER: 1,
+    HEARTBEAT: 1,
+    RUN_FINAL: 1,
+}
 MAX_RUN_RECORD_BYTES = 256 * 1024
 # A dead letter must fit the broker's 1 MiB default after base64: larger originals keep a
 # prefix plus their size and sha256 (the full bytes stay on the source topic until retention).
@@ -127,6 +135,98 @@ def chunk_value(run_id: str, seq: int, kind: str, content: str, attempt: int) ->
     )
 
 
+@dataclass(frozen=True)
+class ChunkRecord:
+    """A decoded ``run.chunk/1`` value. Unknown fields are ignored (forward compatible)."""
+
+    run_id: str
+    seq: int
+    kind: str
+    content: str
+    attempt: int
+
+
+def _json_object(value: bytes | None) -> dict[str, Any]:
+    if value is None:
+        raise RecordError("null_value", "record has no value")
+    try:
+        obj = json.loads(value.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordError("undecodable", f"value is not UTF-8 JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise RecordError("invalid", "value is not a JSON object")
+    return obj
+
+
+def _require_int(obj: dict[str, Any], field: str) -> int:
+    value = obj.get(field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RecordError("invalid", f"field {field!r} must be a non-negative integer")
+    return value
+
+
+def decode_chunk_value(value: bytes | None) -> ChunkRecord:
+    """Decode one chunk-topic value; raise RecordError with a reason."""
+    obj = _json_object(value)
+    content = obj.get("content")
+    kind = obj.get("kind")
+    if not isinstance(content, str) or not isinstance(kind, str):
+        raise RecordError("invalid", "fields 'kind' and 'content' must be strings")
+    return ChunkRecord(
+        run_id=_require_str(obj, "run_id"),
+        seq=_require_int(obj, "seq"),
+        kind=kind,
+        content=content,
+        attempt=_require_int(obj, "attempt"),
+    )
+
+
+@dataclass(frozen=True)
+class FinalRecord:
+    """``run.final/1``: a compacted run's whole output, under the key ``<run_id>:final``.
+
+    ``content`` is the text after the last ``reset`` (what the run answered), ``end``
+    the terminal kind (done, error, cancelled), ``end_content`` that event's content and
+    ``last_seq`` its seq.
+    """
+
+    run_id: str
+    last_seq: int
+    end: str
+    end_content: str
+    content: str
+    attempt: int
+
+    def encode(self) -> bytes:
+        return dumps(
+            {
+                "run_id": self.run_id,
+                "kind": "final",
+                "last_seq": self.last_seq,
+                "end": self.end,
+                "end_content": self.end_content,
+                "content": self.content,
+                "attempt": self.attempt,
+            }
+        )
+
+
+def decode_final_value(value: bytes | None) -> FinalRecord:
+    """Decode a ``<run_id>:final`` value; raise RecordError with a reason."""
+    obj = _json_object(value)
+    fields = ("end", "end_content", "content")
+    if not all(isinstance(obj.get(f), str) for f in fields):
+        raise RecordError("invalid", "fields 'end', 'end_content', 'content' must be strings")
+    return FinalRecord(
+        run_id=_require_str(obj, "run_id"),
+        last_seq=_require_int(obj, "last_seq"),
+        end=obj["end"],
+        end_content=obj["end_content"],
+        content=obj["content"],
+        attempt=_require_int(obj, "attempt"),
+    )
+
+
 def event_value(run_id: str, event: str, **fields: Any) -> bytes:
     """``run.event/1`` value: status transitions and usage records, for the warehouse."""
     return dumps({"run_id": run_id, "event": event, "at": now_iso(), **fields})
@@ -151,7 +251,11 @@ def dead_letter_value(
 
     items = headers.items() if isinstance(headers, dict) else (headers or [])
     size = 0 if value is None else len(value)
-    kept = value if value is None or size <= MAX_DEAD_LETTER_ORIGINAL else value[:MAX_DEAD_LETTER_ORIGINAL]
+    kept = (
+        value
+        if value is None or size <= MAX_DEAD_LETTER_ORIGINAL
+        else value[:MAX_DEAD_LETTER_ORIGINAL]
+    )
     return dumps(
         {
             "original_key": b64(key),

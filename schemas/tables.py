@@ -61,6 +61,8 @@ runs = Table(
     Column("first_chunk_at", DateTime(timezone=True), nullable=True),
     Column("finished_at", DateTime(timezone=True), nullable=True),
     Column("error", Text, nullable=True),
+    # Set once the run's chunk-topic records were replaced by one final record (0002).
+    Column("compacted_at", DateTime(timezone=True), nullable=True),
     UniqueConstraint("idempotency_key", name="uq_runs_idempotency_key"),
     CheckConstraint(f"status IN ({STATUS_VALUES})", name="ck_runs_status"),
     Index("ix_runs_user_id_created_at", "user_id", "created_at"),
@@ -69,6 +71,11 @@ runs = Table(
         "ix_runs_pending_created_at",
         "created_at",
         postgresql_where=text("status = 'pending'"),
+    ),
+    Index(
+        "ix_runs_uncompacted_finished_at",
+        "finished_at",
+        postgresql_where=text("compacted_at IS NULL AND finished_at IS NOT NULL"),
     ),
 )
 

@@ -119,3 +119,30 @@ def check_topics(settings: Settings, specs: list[TopicSpec] | None = None) -> li
             if actual != expected:
                 drifts.append(Drift(s.name, key, expected, str(actual)))
     return drifts
+
+
+def delete_topics(settings: Settings, specs: list[TopicSpec] | None = None) -> list[str]:
+    """Delete the catalogue's topics that exist (all their records); return the names.
+
+    Destructive: the CLI demands ``--confirm-prod`` in prod before calling this.
+    """
+    specs = catalogue(settings) if specs is None else specs
+    admin = admin_client(settings)
+    existing = _existing(admin)
+    doomed = [s.name for s in specs if s.name in existing]
+    if not doomed:
+        return []
+    futures = admin.delete_topics(
+        doomed, operation_timeout=ADMIN_TIMEOUT_S, request_timeout=ADMIN_TIMEOUT_S
+    )
+    deleted = []
+    for name, fut in futures.items():
+        try:
+            fut.result()
+            deleted.append(name)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                continue  # deleted meanwhile by someone else
+            raise TopicError(f"cannot delete topic {name}: {err.str()}") from exc
+    return sorted(deleted)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the system programs koda's local stack needs, only where missing:
-# PostgreSQL server binaries (initdb, pg_ctl, postgres) and a Java 17+ runtime.
+# PostgreSQL server binaries (initdb, pg_ctl, postgres), a Java 17+ runtime and, for the
+# browser test, Chromium; kcat for the bad-input tests.
 set -euo pipefail
 
 need=()
@@ -9,6 +10,14 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb 
 fi
 if ! command -v java >/dev/null; then
   need+=(openjdk-17-jre-headless)
+fi
+# The SSE browser test drives Debian's Chromium with Playwright (never `playwright install`).
+if [ ! -x /usr/bin/chromium ]; then
+  need+=(chromium)
+fi
+# The bad-input tests write records from an outside client: Debian's kcat.
+if ! command -v kcat >/dev/null; then
+  need+=(kcat)
 fi
 if ! command -v mvn >/dev/null; then
   echo "note: maven not found; Kafka jars will be fetched from Maven Central with checksums" >&2

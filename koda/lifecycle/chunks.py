@@ -7,6 +7,7 @@ partial answer, then keeps counting.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -25,6 +26,7 @@ class ChunkKind(str, Enum):
 
 
 SEQ_WIDTH = 10  # zero padding of seq in chunk keys: <run_id>:0000000042
+FINAL_SUFFIX = "final"  # <run_id>:final carries a compacted run's whole text
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,22 @@ def chunk_key(run_id: str, seq: int) -> str:
 
 def final_key(run_id: str) -> str:
     """The key of the one record that carries a compacted run's whole text."""
-    return f"{run_id}:final"
+    return f"{run_id}:{FINAL_SUFFIX}"
+
+
+def split_chunk_key(key: str) -> tuple[str, int | None]:
+    """``(run_id, seq)`` of a chunk-topic key; seq is None for a run's final record.
+
+    Raises ValueError for a key that is neither ``<run_id>:<seq>`` nor ``<run_id>:final``.
+    """
+    run_id, sep, tail = key.rpartition(":")
+    if not sep or not run_id:
+        raise ValueError(f"not a chunk key: {key[:80]!r}")
+    if tail == FINAL_SUFFIX:
+        return run_id, None
+    if len(tail) != SEQ_WIDTH or not tail.isdigit():
+        raise ValueError(f"not a chunk key: {key[:80]!r}")
+    return run_id, int(tail)
 
 
 class SeqCounter:
@@ -66,3 +83,17 @@ class SeqCounter:
         seq = self._next
         self._next += 1
         return seq
+
+
+def visible_output(events: Iterable[tuple[int, str, str]]) -> str:
+    """The answer a run gave: its ``chunk`` contents after the last ``reset``, by seq.
+
+    ``events`` are ``(seq, kind, content)`` in any order.
+    """
+    ordered = sorted(events)
+    last_reset = max((seq for seq, kind, _ in ordered if kind == ChunkKind.RESET.value), default=-1)
+    return "".join(
+        content
+        for seq, kind, content in ordered
+        if kind == ChunkKind.CHUNK.value and seq > last_reset
+    )

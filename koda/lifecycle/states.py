@@ -33,8 +33,13 @@ ACTIVE = frozenset({RunStatus.RUNNING, RunStatus.STREAMING})
 ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
     RunStatus.PENDING: frozenset({RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED}),
     RunStatus.RUNNING: frozenset(
-        {RunStatus.RUNNING, RunStatus.STREAMING, RunStatus.DONE, RunStatus.FAILED,
-         RunStatus.CANCELLED}
+        {
+            RunStatus.RUNNING,
+            RunStatus.STREAMING,
+            RunStatus.DONE,
+            RunStatus.FAILED,
+            RunStatus.CANCELLED,
+        }
     ),
     RunStatus.STREAMING: frozenset(
         {RunStatus.RUNNING, RunStatus.DONE, RunStatus.FAILED, RunStatus.CANCELLED}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from koda.errors import ConfigError
-from koda.naming import AppEnv, Names, NameKind, resource_name
+from koda.naming import AppEnv, NameKind, Names, resource_name
 from koda.settings import Settings
 from topics.catalogue import catalogue
 
@@ -56,17 +56,68 @@ def test_bad_name_parts_are_refused() -> None:
         resource_name(NameKind.TOPIC, AppEnv.DEV, "runs;drop")
 
 
+# A name built anywhere but koda.naming: an env-prefixed topic or group, a Postgres schema,
+# a literal consumer group id (librdkafka, aiokafka or Faust), or SQL naming a koda schema.
+NAME_LITERAL = re.compile(
+    r"""["'](dev|prod)\.koda\.|["']koda_(dev|prod)|["']koda_\{|\{[^}]*\}\.koda\."""
+    r"""|["']group\.id["']\s*:\s*f?["']|\bgroup_id\s*=\s*f?["']|\bApp\(\s*f?["']"""
+    r"""|\b(CREATE|DROP|ALTER)\s+SCHEMA\s+(IF\s+(NOT\s+)?EXISTS\s+)?["']?koda"""
+    r"""|search_path\s*(TO|=)\s*["']?koda""",
+    re.IGNORECASE,
+)
+SCANNED = ("*.py", "*.yaml", "*.yml", "*.toml", "*.sh", "*.ini", "Dockerfile", "Makefile")
+
+
+def test_the_literal_scan_catches_names_built_elsewhere() -> None:
+    for bad in [
+        '"dev.koda.runs"',
+        "'prod.koda.workers'",
+        '"koda_dev__t1"',
+        'f"koda_{env}"',
+        'f"{env}.koda.runs"',
+        '{"group.id": "workers"}',
+        "group_id='dev-workers'",
+        'faust.App("koda-workers")',
+        "CREATE SCHEMA IF NOT EXISTS koda_dev",
+        'SET search_path TO "koda_prod"',
+    ]:
+        assert NAME_LITERAL.search(bad), bad
+    for fine in [
+        'settings.names.group("workers")',
+        '{"group.id": group}',
+        "group_id=None",
+        "KodaApp(settings.names.group(settings.worker_group))",
+        'CREATE SCHEMA IF NOT EXISTS "{schema}"',
+    ]:
+        assert not NAME_LITERAL.search(fine), fine
+
+
 def test_no_name_literal_outside_the_naming_function() -> None:
     """Topic, group and schema names are built only by koda.naming."""
     files = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        [
+            "git",
+            "ls-files",
+            "--cached",
+            "--others",
+            "--exclude-standard",
+            *SCANNED,
+            *(f"**/{p}" for p in SCANNED),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
-    pattern = re.compile(r"""["'](dev|prod)\.koda\.|["']koda_(dev|prod)|\{[^}]*\}\.koda\.""")
     offenders = []
-    for rel in files:
-        if rel in ("koda/naming.py",) or rel.startswith("tests/"):
+    for rel in sorted(set(files)):
+        if (
+            rel == "koda/naming.py"
+            or rel.startswith(("tests/", "."))
+            or "/." in rel
+            or not (ROOT / rel).exists()
+        ):  # hidden dirs hold tools and virtualenvs
             continue
-        text = (ROOT / rel).read_text()
-        offenders += [f"{rel}: {m.group(0)}" for m in pattern.finditer(text)]
+        text = (ROOT / rel).read_text(errors="replace")
+        offenders += [f"{rel}: {m.group(0)}" for m in NAME_LITERAL.finditer(text)]
     assert offenders == []

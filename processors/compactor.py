@@ -1,0 +1,220 @@
+"""Compact the chunk topic: a finished run's per-chunk records become one final record.
+
+``koda chunks compact [--older-than S] [--every S]`` takes runs that are terminal,
+finished more than S seconds ago (default ``KODA_COMPACT_AFTER``, 24 h) and not yet
+compacted, in batches. Each batch is one Postgres transaction that holds its runs'
+rows (``FOR UPDATE SKIP LOCKED``: two compactors never take the same run):
+
+1. read the runs' messages (Postgres keeps every message, always);
+2. produce ``<run_id>:final`` (``run.final/1``: the text after the last reset and the
+   terminal kind) to the run's partition, *then* a tombstone for every
+   ``<run_id>:<seq>``. Final first: a reader at any moment finds either the chunks or
+   the final text (see :mod:`topics.chunklog`);
+3. wait for every delivery; only then set ``runs.compacted_at`` and commit.
+
+A crash anywhere before the commit leaves ``compacted_at`` null and the next pass
+produces the same keys again, which the compacted topic collapses: idempotent. The
+broker's log cleaner later drops the superseded chunks, and the tombstones after the
+topic's ``delete.retention.ms``. SSE keeps serving compacted runs from Postgres.
+
+    KodaError
+    └── CompactionError   the broker did not acknowledge the records of a batch
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from sqlalchemy import Engine, text
+
+from koda.db import sync_engine
+from koda.errors import KodaError
+from koda.kafka import producer_config
+from koda.lifecycle.chunks import ChunkKind, chunk_key, final_key, visible_output
+from koda.metrics import CHUNK_RUNS_COMPACTED
+from koda.settings import Settings
+from schemas.records import RUN_CHUNK, RUN_FINAL, FinalRecord, headers_for
+from topics.catalogue import RUN_CHUNKS, partition_for_key
+
+log = logging.getLogger(__name__)
+
+ROLE = "compactor"
+DELIVERY_TIMEOUT_S = 60.0
+_TERMINAL_STATUSES = ["done", "failed", "cancelled"]
+_END_KIND = {
+    "done": ChunkKind.DONE.value,
+    "failed": ChunkKind.ERROR.value,
+    "cancelled": ChunkKind.CANCELLED.value,
+}
+
+_CLAIM = text(
+    """
+    SELECT id, user_id, partition, status FROM runs
+     WHERE compacted_at IS NULL AND finished_at IS NOT NULL
+       AND status = ANY(:terminal)
+       AND finished_at <= now() - make_interval(secs => :older_than)
+     ORDER BY finished_at
+     LIMIT :batch
+       FOR UPDATE SKIP LOCKED
+    """
+)
+_MESSAGES = text(
+    """
+    SELECT run_id, seq, kind, content, attempt FROM messages
+     WHERE run_id = ANY(:ids) ORDER BY run_id, seq
+    """
+)
+_MARK = text("UPDATE runs SET compacted_at = now() WHERE id = ANY(:ids)")
+
+
+class CompactionError(KodaError):
+    """The broker did not acknowledge a batch's records; nothing was marked compacted."""
+
+
+@dataclass(frozen=True)
+class CompactionReport:
+    runs: int
+    tombstones: int
+
+    def __add__(self, other: CompactionReport) -> CompactionReport:
+        return CompactionReport(self.runs + other.runs, self.tombstones + other.tombstones)
+
+
+class ChunkCompactor:
+    """Runs compaction passes; ``engine`` and ``producer`` are built from settings if omitted."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        engine: Engine | None = None,
+        producer: Producer | None = None,
+    ) -> None:
+        self.settings = settings
+        self.topic = settings.names.topic(RUN_CHUNKS)
+        self._own_engine = engine is None
+        self.engine = engine if engine is not None else sync_engine(settings)
+        self.producer = (
+            producer
+            if producer is not None
+            else Producer(producer_config(settings, ROLE) | {"allow.auto.create.topics": False})
+        )
+
+    def close(self) -> None:
+        self.producer.flush(DELIVERY_TIMEOUT_S)
+        if self._own_engine:
+            self.engine.dispose()
+
+    def compact_once(self, older_than_s: float | None = None, batch: int = 100) -> CompactionReport:
+        """Compact every eligible run now, ``batch`` runs per transaction."""
+        older = self.settings.compact_after_s if older_than_s is None else older_than_s
+        total = CompactionReport(0, 0)
+        while True:
+            report = self._compact_batch(older, batch)
+            total += report
+            if report.runs < batch:
+                return total
+
+    def run_forever(
+        self,
+        every_s: float,
+        older_than_s: float | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Compact every ``every_s`` seconds until ``should_stop()``; errors are logged."""
+        while not should_stop():
+            try:
+                report = self.compact_once(older_than_s)
+                log.info(
+                    "event=compaction_pass runs=%d tombstones=%d", report.runs, report.tombstones
+                )
+            except KodaError as exc:
+                log.warning("event=compaction_failed error=%s", exc)
+            deadline = time.monotonic() + every_s
+            while time.monotonic() < deadline and not should_stop():
+                time.sleep(min(1.0, every_s))
+
+    def _compact_batch(self, older_than_s: float, batch: int) -> CompactionReport:
+        with self.engine.begin() as conn:
+            runs = conn.execute(
+                _CLAIM,
+                {"terminal": _TERMINAL_STATUSES, "older_than": older_than_s, "batch": batch},
+            ).all()
+            if not runs:
+                return CompactionReport(0, 0)
+            ids = [r.id for r in runs]
+            by_run: dict[str, list[Any]] = {run_id: [] for run_id in ids}
+            for m in conn.execute(_MESSAGES, {"ids": ids}):
+                by_run[m.run_id].append(m)
+            failures: list[str] = []
+            tombstones = 0
+            for run in runs:
+                partition = run.partition
+                if partition is None:
+                    partition = partition_for_key(run.user_id.encode(), self.settings.partitions)
+                tombstones += self._produce_run(
+                    run.id, run.status, partition, by_run[run.id], failures
+                )
+            remaining = self.producer.flush(DELIVERY_TIMEOUT_S)
+            if remaining or failures:
+                detail = failures[0] if failures else f"{remaining} records undelivered"
+                # Raising rolls the transaction back: nothing is marked compacted.
+                raise CompactionError(f"compacting {len(ids)} runs failed: {detail}")
+            conn.execute(_MARK, {"ids": ids})
+        CHUNK_RUNS_COMPACTED.inc(len(ids))
+        return CompactionReport(len(ids), tombstones)
+
+    def _produce_run(
+        self, run_id: str, status: str, partition: int, messages: list[Any], failures: list[str]
+    ) -> int:
+        if not messages:
+            return 0  # never produced anything (failed before its first event)
+
+        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                failures.append(err.str())
+
+        last = messages[-1]
+        ends = [m for m in messages if m.kind in _END_KIND.values()]
+        end = ends[-1] if ends else None
+        final = FinalRecord(
+            run_id=run_id,
+            last_seq=last.seq,
+            end=end.kind if end is not None else _END_KIND[status],
+            end_content=end.content if end is not None else "",
+            content=visible_output((m.seq, m.kind, m.content) for m in messages),
+            attempt=last.attempt,
+        )
+        self._produce(final_key(run_id), final.encode(), partition, RUN_FINAL, on_delivery)
+        for m in messages:
+            self._produce(chunk_key(run_id, m.seq), None, partition, RUN_CHUNK, on_delivery)
+        return len(messages)
+
+    def _produce(
+        self, key: str, value: bytes | None, partition: int, schema: str, on_delivery: Any
+    ) -> None:
+        deadline = time.monotonic() + DELIVERY_TIMEOUT_S
+        while True:
+            try:
+                self.producer.produce(
+                    self.topic,
+                    key=key.encode(),
+                    value=value,
+                    partition=partition,
+                    headers=list(headers_for(schema)),
+                    on_delivery=on_delivery,
+                )
+                self.producer.poll(0)
+                return
+            except BufferError:
+                # The local queue is full: let deliveries drain it, bounded in time.
+                if time.monotonic() > deadline:
+                    raise CompactionError("the producer queue stayed full") from None
+                self.producer.poll(0.5)
+            except KafkaException as exc:
+                raise CompactionError(f"cannot enqueue {key}: {exc}") from exc

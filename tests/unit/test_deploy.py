@@ -1,0 +1,308 @@
+"""The deploy files keep the code's promises (no Docker engine runs here: they are read).
+
+* grace periods above the code's shutdown ceilings (handoff 20 s; the gateway's budget);
+* one image, exec-form entrypoint, non-root, multi-stage;
+* every probe and healthcheck hits an endpoint that exists (the gateway's OpenAPI
+  routes, the worker health server's routes);
+* Postgres connections: replicas x pool size fit within max_connections.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.app import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S, create_app
+from gateway.cli import GRACEFUL_SHUTDOWN_S
+from koda.db import async_engine
+from koda.naming import AppEnv
+from koda.settings import Settings
+from processors.health import ROUTES as WORKER_ROUTES
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+DEFAULTS = Settings(app_env=AppEnv.DEV)
+GATEWAY_SHUTDOWN_S = GRACEFUL_SHUTDOWN_S + DRAIN_TIMEOUT_S + FLUSH_TIMEOUT_S
+# Postgres keeps superuser_reserved_connections (default 3) out of everyone's reach, and
+# `koda db upgrade` holds at most 2 while it runs (it may overlap a rolling deploy).
+PG_RESERVED = 3
+MIGRATE_CONNECTIONS = 2
+
+
+def seconds(value: str | int) -> float:
+    if isinstance(value, int):
+        return float(value)
+    match = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", value)
+    assert match and value, f"unparsable duration {value!r}"
+    return int(match.group(1) or 0) * 60.0 + int(match.group(2) or 0)
+
+
+def gateway_paths() -> set[str]:
+    """The gateway's documented routes (``/openapi.json``)."""
+    return set(create_app(DEFAULTS).openapi()["paths"])
+
+
+def gateway_routes() -> set[str]:
+    """Every route the gateway serves (``/metrics`` is left out of OpenAPI)."""
+    paths: set[str] = set()
+
+    def walk(routes: list[Any]) -> None:
+        for route in routes:
+            if isinstance(getattr(route, "path", None), str):
+                paths.add(route.path)
+            inner = getattr(route, "original_router", None)  # FastAPI's included routers
+            if inner is not None:
+                walk(list(inner.routes))
+
+    walk(list(create_app(DEFAULTS).routes))
+    return paths
+
+
+def pool_sizes() -> tuple[int, int]:
+    """(worker, gateway) connection pool sizes, as the code builds them (no I/O)."""
+    from processors.app import build_worker
+
+    settings = Settings(app_env=AppEnv.DEV, namespace="unit", max_inflight=8)
+    with tempfile.TemporaryDirectory() as datadir:
+        _, runtime = build_worker(settings, datadir)
+        pool = runtime.store.engine.pool
+        worker = pool.size() + pool._max_overflow  # type: ignore[attr-defined]
+    engine = async_engine(settings)
+    gateway = engine.pool.size() + engine.pool._max_overflow  # type: ignore[attr-defined]
+    return worker, gateway
+
+
+def health_path(test: list[str]) -> str:
+    """The URL path a Python urllib healthcheck command requests."""
+    match = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", " ".join(test))
+    assert match, test
+    return match.group(2)
+
+
+# --- Dockerfile -----------------------------------------------------------------
+
+
+def test_one_image_multi_stage_non_root_exec_form_python_as_pid_1() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    instructions = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert sum(1 for line in instructions if line.startswith("FROM ")) >= 2
+    user = [line.split()[1] for line in instructions if line.startswith("USER ")]
+    assert user and user[-1].split(":")[0] not in ("root", "0")
+    (entry,) = [line for line in instructions if line.startswith("ENTRYPOINT ")]
+    argv = json.loads(entry.removeprefix("ENTRYPOINT "))  # exec form is a JSON array
+    assert argv[0].endswith("python") and argv[1:] == ["-m", "koda", "entrypoint"]
+    assert not [
+        line
+        for line in instructions
+        if line.startswith("CMD ") and not line.removeprefix("CMD ").startswith("[")
+    ]
+    assert "tini" not in text and "dumb-init" not in text  # nothing between us and PID 1
+
+
+# --- compose ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+
+
+def test_compose_runs_kraft_postgres_jobs_gateway_workers_and_prometheus(compose) -> None:
+    services = compose["services"]
+    assert set(services) >= {
+        "kafka",
+        "postgres",
+        "migrate",
+        "topics",
+        "gateway",
+        "worker",
+        "prometheus",
+    }
+    kafka = services["kafka"]
+    assert kafka["image"].startswith("apache/kafka:")
+    assert "controller" in kafka["environment"]["KAFKA_PROCESS_ROLES"]
+    assert "zookeeper" not in json.dumps(services).lower()
+    for job in ("migrate", "topics"):
+        assert services[job]["restart"] == "no"
+    roles = {name: s.get("environment", {}).get("ROLE") for name, s in services.items()}
+    assert {roles["migrate"], roles["topics"], roles["gateway"], roles["worker"]} == {
+        "migrate",
+        "topics",
+        "gateway",
+        "worker",
+    }
+    for name in ("gateway", "worker"):
+        deps = services[name]["depends_on"]
+        assert deps["migrate"]["condition"] == "service_completed_successfully"
+        assert deps["topics"]["condition"] == "service_completed_successfully"
+        assert services[name]["image"] == services["migrate"]["image"]  # one image
+    assert services["worker"]["deploy"]["replicas"] == 3
+    assert services["topics"]["command"] == ["--confirm-prod"]
+
+
+def test_compose_grace_periods_exceed_the_code_ceilings(compose) -> None:
+    services = compose["services"]
+    worker_grace = seconds(services["worker"]["stop_grace_period"])
+    assert worker_grace == 25 and worker_grace > DEFAULTS.handoff_ceiling_s
+    assert seconds(services["gateway"]["stop_grace_period"]) > GATEWAY_SHUTDOWN_S
+    assert "init" not in services["worker"] and "init" not in services["gateway"]
+
+
+def test_compose_healthchecks_use_endpoints_that_exist(compose) -> None:
+    services = compose["services"]
+    assert health_path(services["gateway"]["healthcheck"]["test"]) in gateway_paths()
+    assert health_path(services["worker"]["healthcheck"]["test"]) in WORKER_ROUTES
+
+
+def test_prometheus_scrapes_the_gateway_and_every_worker(compose) -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert "/metrics" in gateway_routes() and "/metrics" in WORKER_ROUTES
+    assert all(j.get("metrics_path", "/metrics") == "/metrics" for j in jobs.values())
+    targets = [t for j in jobs.values() for c in j.get("static_configs", []) for t in c["targets"]]
+    port = str(DEFAULTS.gateway_port)
+    assert f"gateway:{port}" in targets
+    (dns,) = [c for j in jobs.values() for c in j.get("dns_sd_configs", [])]
+    assert dns["names"] == ["worker"] and dns["port"] == 9100
+    mounts = compose["services"]["prometheus"]["volumes"]
+    assert any(m.startswith("./prometheus.yml:") for m in mounts)
+
+
+def test_compose_connections_fit_postgres(compose) -> None:
+    services = compose["services"]
+    command = services["postgres"]["command"]
+    max_connections = int(command[command.index("-c") + 1].split("=")[1])
+    worker_pool, gateway_pool = pool_sizes()
+    assert services["gateway"]["environment"].get("KODA_MAX_INFLIGHT", "8") == "8"
+    gateways = services["gateway"].get("deploy", {}).get("replicas", 1)
+    needed = (
+        services["worker"]["deploy"]["replicas"] * worker_pool
+        + gateways * gateway_pool
+        + MIGRATE_CONNECTIONS
+    )
+    assert needed <= max_connections - PG_RESERVED, (needed, max_connections)
+
+
+# --- kubernetes -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def k8s() -> dict[tuple[str, str], dict[str, Any]]:
+    docs: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") != "Kustomization":
+                docs[(doc["kind"], doc["metadata"]["name"])] = doc
+    return docs
+
+
+def container(doc: dict[str, Any]) -> dict[str, Any]:
+    (c,) = doc["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def probe_path(c: dict[str, Any], kind: str) -> str:
+    return str(c[kind]["httpGet"]["path"])
+
+
+def test_k8s_has_the_expected_objects(k8s) -> None:
+    kinds = {kind for kind, _ in k8s}
+    assert {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "Secret", "Job"} <= kinds
+    services = [doc for (kind, _), doc in k8s.items() if kind == "Service"]
+    assert [s["spec"]["selector"]["app.kubernetes.io/component"] for s in services] == ["gateway"]
+    kustomize = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    assert sorted(kustomize["resources"]) == sorted(
+        p.name for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml"
+    )
+
+
+def test_k8s_worker_grace_probes_and_identity(k8s) -> None:
+    worker = k8s[("Deployment", "koda-worker")]
+    spec = worker["spec"]["template"]["spec"]
+    assert spec["terminationGracePeriodSeconds"] == 25 > DEFAULTS.handoff_ceiling_s
+    c = container(worker)
+    env = {e["name"]: e for e in c["env"]}
+    assert env["ROLE"]["value"] == "worker"
+    assert env["KODA_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    for kind in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert probe_path(c, kind) in WORKER_ROUTES
+    assert probe_path(c, "livenessProbe") == "/livez"
+    assert probe_path(c, "readinessProbe") == "/readyz"
+    config = k8s[("ConfigMap", "koda-config")]["data"]
+    (port,) = c["ports"]
+    assert port["containerPort"] == int(config["KODA_WORKER_PORT"])
+    assert config["KODA_WORKER_HOST"] == "0.0.0.0"  # noqa: S104 - probes come from the node
+
+
+def test_k8s_gateway_grace_probes_and_service(k8s) -> None:
+    gateway = k8s[("Deployment", "koda-gateway")]
+    assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > (
+        GATEWAY_SHUTDOWN_S
+    )
+    c = container(gateway)
+    paths = gateway_paths()
+    assert probe_path(c, "livenessProbe") == "/livez" and "/livez" in paths
+    assert probe_path(c, "readinessProbe") == "/readyz" and "/readyz" in paths
+    service = k8s[("Service", "koda-gateway")]
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == c["ports"][0]["name"]
+    assert c["ports"][0]["containerPort"] == int(
+        k8s[("ConfigMap", "koda-config")]["data"]["KODA_GATEWAY_PORT"]
+    )
+
+
+def test_k8s_config_and_secrets_are_apart_and_prod_is_safe(k8s) -> None:
+    config = k8s[("ConfigMap", "koda-config")]["data"]
+    secret = k8s[("Secret", "koda-secrets")]["stringData"]
+    assert set(config).isdisjoint(secret)
+    assert {
+        "KODA_DATABASE_URL",
+        "KODA_API_TOKENS",
+        "KODA_ADMIN_TOKEN",
+        "KODA_OPENAI_API_KEY",
+    } <= set(secret)
+    assert not {k for k in config if "TOKEN" in k or "KEY" in k or "PASSWORD" in k}
+    # The ConfigMap is a valid prod configuration (no demo handler, no auto-creation).
+    settings = Settings.from_env({**config, **secret})
+    assert settings.app_env is AppEnv.PROD
+    for (kind, _), doc in k8s.items():
+        if kind in ("Deployment", "Job"):
+            c = container(doc)
+            refs = {next(iter(r.values()))["name"] for r in c["envFrom"]}
+            assert refs == {"koda-config", "koda-secrets"}
+            pod = doc["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True
+    topics_job = container(k8s[("Job", "koda-topics")])
+    assert topics_job["args"] == ["--confirm-prod"]
+
+
+def test_k8s_disruption_budgets(k8s) -> None:
+    pdb = k8s[("PodDisruptionBudget", "koda-worker")]["spec"]
+    assert pdb["maxUnavailable"] == 1
+    worker_labels = k8s[("Deployment", "koda-worker")]["spec"]["selector"]["matchLabels"]
+    assert pdb["selector"]["matchLabels"] == worker_labels
+
+
+def test_k8s_connections_fit_postgres(k8s) -> None:
+    config = k8s[("ConfigMap", "koda-config")]
+    max_connections = int(config["metadata"]["annotations"]["koda.dev/postgres-max-connections"])
+    assert config["data"]["KODA_MAX_INFLIGHT"] == "8"
+    worker_pool, gateway_pool = pool_sizes()
+    workers = k8s[("Deployment", "koda-worker")]["spec"]
+    gateways = k8s[("Deployment", "koda-gateway")]["spec"]
+    # During a rolling update maxSurge pods exist beside the old ones.
+    worker_pods = workers["replicas"] + workers["strategy"]["rollingUpdate"]["maxSurge"]
+    gateway_pods = gateways["replicas"] + gateways["strategy"]["rollingUpdate"]["maxSurge"]
+    needed = worker_pods * worker_pool + gateway_pods * gateway_pool + MIGRATE_CONNECTIONS
+    assert needed <= max_connections - PG_RESERVED, (needed, max_connections)
+
+
+def test_readme_states_the_connection_budget() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "max_connections" in readme and "KODA_MAX_INFLIGHT + 2" in readme

@@ -1,0 +1,119 @@
+"""``GET /admin/workers`` without services: the report shape and who may read it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+
+import httpx
+
+from gateway.admission import Admissions
+from gateway.app import create_app
+from gateway.auth import Authenticator
+from gateway.components import Components
+from gateway.publisher import RunPublisher
+from gateway.ratelimit import TokenBuckets
+from gateway.store import RunStore
+from gateway.sweeper import Sweeper
+from gateway.workers import WorkerDirectory
+from koda.db import async_engine
+from koda.naming import AppEnv
+from koda.settings import Settings
+from schemas.heartbeats import Beat
+
+BASE = Settings(
+    app_env=AppEnv.DEV,
+    kafka_bootstrap="127.0.0.1:1",
+    database_url="postgresql://nobody@127.0.0.1:1/none",
+    namespace="unit",
+    expected_workers=2,
+)
+PROD = BASE.with_(app_env=AppEnv.PROD, handler="openai", allow_topic_autocreate=False)
+
+
+@asynccontextmanager
+async def client_for(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """The app with hand-built components (its lifespan does not run: nothing connects)."""
+    app = create_app(settings)
+    engine = async_engine(settings)
+    store = RunStore(engine)
+    publisher = RunPublisher(settings)
+    app.state.components = Components(
+        settings=settings,
+        auth=Authenticator.from_settings(settings),
+        limiter=TokenBuckets(settings.rate_per_s, settings.rate_burst),
+        store=store,
+        publisher=publisher,
+        admissions=Admissions(store, publisher, partitions=settings.partitions),
+        sweeper=Sweeper(store, publisher, after_s=30, interval_s=5),
+    )
+    directory = WorkerDirectory(settings)  # not started: filled by hand below
+    now = datetime.now(UTC)
+    for worker_id, age_s in (("w-1", 1.0), ("w-2", 60.0)):
+        beat = Beat(worker_id, now - timedelta(seconds=age_s), 1, "v9", (0, 2), "node")
+        directory.table.apply(worker_id.encode(), beat.encode())
+    app.state.workers = directory
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw"
+        ) as client:
+            yield client
+    finally:
+        await engine.dispose()
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def test_report_shape_in_dev_is_open() -> None:
+    async with client_for(BASE) as client:
+        r = await client.get("/admin/workers")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["status"], body["expected"], body["alive"], body["stale"]) == ("degraded", 2, 1, 1)
+    w1, w2 = body["workers"]
+    assert set(w1) == {
+        "worker_id",
+        "lastBeatMs",
+        "in_flight",
+        "version",
+        "partitions",
+        "host",
+        "stale",
+    }
+    assert (w1["worker_id"], w1["stale"], w1["partitions"], w1["version"]) == (
+        "w-1",
+        False,
+        [0, 2],
+        "v9",
+    )
+    assert 900 <= w1["lastBeatMs"] < 30_000
+    assert (w2["worker_id"], w2["stale"]) == ("w-2", True)
+
+
+async def test_a_configured_token_is_required_in_any_environment() -> None:
+    cases: list[tuple[Settings, Callable[[], dict[str, str]], int]] = [
+        (BASE.with_(admin_token="s3cret"), dict, 401),
+        (BASE.with_(admin_token="s3cret"), lambda: bearer("wrong"), 401),
+        (BASE.with_(admin_token="s3cret"), lambda: bearer("dev:alice"), 401),
+        (BASE.with_(admin_token="s3cret"), lambda: bearer("s3cret"), 200),
+        (PROD, dict, 403),
+        (PROD, lambda: bearer("s3cret"), 403),
+        (PROD.with_(admin_token="s3cret"), lambda: bearer("wrong"), 401),
+        (PROD.with_(admin_token="s3cret"), lambda: bearer("s3cret"), 200),
+    ]
+    for settings, headers, status in cases:
+        async with client_for(settings) as client:
+            r = await client.get("/admin/workers", headers=headers())
+        assert r.status_code == status, (settings.app_env, headers(), r.text)
+        if status != 200:
+            assert set(r.json()["error"]) == {"code", "message", "field"}
+            assert "s3cret" not in r.text
+
+
+async def test_openapi_documents_the_admin_and_health_routes() -> None:
+    async with client_for(BASE) as client:
+        paths = (await client.get("/openapi.json")).json()["paths"]
+    assert {"/admin/workers", "/livez", "/readyz"} <= set(paths)

@@ -1,0 +1,132 @@
+"""prod refuses the demo handler and topic auto-creation; destructive commands need a flag."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from koda import cli
+from koda.errors import ConfigError
+from koda.naming import AppEnv
+from koda.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+# Nothing listens there: a command that tried to reach Kafka would fail or hang, not pass.
+UNREACHABLE = {
+    "KODA_KAFKA_BOOTSTRAP": "127.0.0.1:1",
+    "KODA_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none",
+}
+PROD_ENV = {
+    "APP_ENV": "prod",
+    "KODA_HANDLER": "openai",
+    "KODA_TOPIC_AUTOCREATE": "false",
+    **UNREACHABLE,
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("KODA_") or key in ("APP_ENV", "ROLE"):
+            monkeypatch.delenv(key)
+
+
+def test_prod_refuses_the_demo_handler() -> None:
+    with pytest.raises(ConfigError, match="KODA_HANDLER=demo is refused in prod"):
+        Settings.from_env({**PROD_ENV, "KODA_HANDLER": "demo"})
+    with pytest.raises(ConfigError, match="demo is refused in prod"):
+        Settings.from_env({"APP_ENV": "prod", "KODA_TOPIC_AUTOCREATE": "false"})  # the default
+
+
+def test_prod_refuses_topic_autocreation_and_defaults_it_off() -> None:
+    with pytest.raises(ConfigError, match="topic auto-creation is refused in prod"):
+        Settings.from_env({**PROD_ENV, "KODA_TOPIC_AUTOCREATE": "true"})
+    with pytest.raises(ConfigError, match="topic auto-creation"):
+        Settings(app_env=AppEnv.PROD, handler="openai")
+    assert (
+        Settings.from_env({"APP_ENV": "prod", "KODA_HANDLER": "openai"}).allow_topic_autocreate
+        is False
+    )
+    dev = Settings.from_env({"APP_ENV": "dev"})
+    assert (dev.handler, dev.allow_topic_autocreate) == ("demo", True)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["topics", "delete"],
+        ["topics", "apply"],
+        ["dlq", "replay"],
+        ["dlq", "replay", "--dry-run", "--reason", "unknown_run"],
+    ],
+)
+def test_destructive_commands_refuse_in_prod_without_the_flag(argv: list[str]) -> None:
+    result = runner.invoke(cli.app, argv, env=PROD_ENV)
+    assert result.exit_code == 2, result.output
+    assert f"`koda {' '.join(argv[:2])}` in APP_ENV=prod needs --confirm-prod" in result.stderr
+
+
+def test_with_the_flag_prod_goes_on_to_the_broker(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Any] = []
+    monkeypatch.setattr("topics.admin.delete_topics", lambda s: calls.append(s) or ["x"])
+    result = runner.invoke(cli.app, ["topics", "delete", "--confirm-prod"], env=PROD_ENV)
+    assert result.exit_code == 0, result.output
+    assert calls and calls[0].app_env is AppEnv.PROD
+
+
+def test_dev_asks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Any] = []
+    monkeypatch.setattr("topics.admin.delete_topics", lambda s: calls.append(s) or [])
+    result = runner.invoke(
+        cli.app, ["topics", "delete"], env={"APP_ENV": "dev", **UNREACHABLE}, input=""
+    )
+    assert result.exit_code == 0, result.output
+    assert len(calls) == 1 and "topics deleted (0)" in result.stdout
+
+
+def test_entrypoint_execs_the_role_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    execs: list[list[str]] = []
+
+    def fake_execv(path: str, argv: list[str]) -> None:
+        execs.append(argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("os.execv", fake_execv)
+    for role, tail in [
+        ("worker", ["worker"]),
+        ("gateway", ["gateway"]),
+        ("migrate", ["db", "upgrade"]),
+        ("topics", ["topics", "apply", "--confirm-prod"]),
+    ]:
+        extra = ["--confirm-prod"] if role == "topics" else []
+        result = runner.invoke(cli.app, ["entrypoint", *extra], env={"ROLE": role})
+        assert result.exit_code == 0, result.output
+        assert execs[-1] == [sys.executable, "-m", "koda", *tail]
+    result = runner.invoke(cli.app, ["entrypoint"], env={"ROLE": "shell"})
+    assert result.exit_code == 2 and "ROLE='shell'" in result.stderr
+
+
+def test_entrypoint_runs_the_role_for_real() -> None:
+    """Through a real exec: ROLE=topics in prod reaches `topics apply`, which refuses."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KODA_")}
+    env.update(PROD_ENV, ROLE="topics")
+    proc = subprocess.run(  # noqa: S603
+        [sys.executable, "-m", "koda", "entrypoint"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "`koda topics apply` in APP_ENV=prod needs --confirm-prod" in proc.stderr

@@ -1,0 +1,150 @@
+"""The chunk topic as a replay log: rebuild every retained run's output from offset 0.
+
+A run's records all live in its partition, so offsets order them. The fold
+(:class:`ChunkLog`) reads, per key:
+
+    <run_id>:<seq>    value       the event with that seq; a redelivered duplicate has
+                                  the same key and value, so it changes nothing
+    <run_id>:<seq>    tombstone   the event was compacted away
+    <run_id>:final    value       the run's whole output (``run.final/1``), produced
+                                  before its tombstones
+    <run_id>:final    tombstone   the run was purged from the topic
+
+A run's output is its final record's text when it has one, else the text of its chunk
+events after the last ``reset``. That is right at every stage of the broker's log
+cleaning: before cleaning a reader meets chunks, then the final record, then
+tombstones; after it, the final record alone. Used by a gateway or a warehouse that
+starts from nothing; :func:`read_chunk_log` reads the topic up to its current end.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+from koda.errors import RecordError, TopicError
+from koda.kafka import consumer_config
+from koda.lifecycle.chunks import ChunkKind, split_chunk_key, visible_output
+from koda.settings import Settings
+from schemas.records import ChunkRecord, FinalRecord, decode_chunk_value, decode_final_value
+from topics.catalogue import RUN_CHUNKS
+
+_TERMINAL = frozenset(k.value for k in ChunkKind if k.terminal)
+
+
+@dataclass
+class RunLog:
+    """What the topic holds for one run."""
+
+    run_id: str
+    events: dict[int, ChunkRecord] = field(default_factory=dict)
+    final: FinalRecord | None = None
+
+    @property
+    def output(self) -> str:
+        """The run's answer: the final text, or the chunks after the last reset."""
+        if self.final is not None:
+            return self.final.content
+        return visible_output((e.seq, e.kind, e.content) for e in self.events.values())
+
+    @property
+    def end(self) -> str | None:
+        """The terminal kind (done, error, cancelled), or None if the run has not ended."""
+        if self.final is not None:
+            return self.final.end
+        ends = [e for e in self.events.values() if e.kind in _TERMINAL]
+        return max(ends, key=lambda e: e.seq).kind if ends else None
+
+    @property
+    def compacted(self) -> bool:
+        return self.final is not None
+
+
+class ChunkLog:
+    """Folds chunk-topic records, in offset order per partition, into :class:`RunLog` s.
+
+    ``skipped`` counts records that are not koda's (bad key or undecodable value).
+    """
+
+    def __init__(self) -> None:
+        self.runs: dict[str, RunLog] = {}
+        self.skipped = 0
+
+    def apply(self, key: bytes | None, value: bytes | None) -> None:
+        try:
+            run_id, seq = split_chunk_key((key or b"").decode("utf-8", "replace"))
+        except ValueError:
+            self.skipped += 1
+            return
+        run = self.runs.get(run_id)
+        if value is None:  # tombstone
+            if run is not None:
+                if seq is None:
+                    run.final = None
+                else:
+                    run.events.pop(seq, None)
+                if not run.events and run.final is None:
+                    del self.runs[run_id]
+            return
+        try:
+            final = decode_final_value(value) if seq is None else None
+            chunk = decode_chunk_value(value) if seq is not None else None
+        except RecordError:
+            self.skipped += 1
+            return
+        run = run if run is not None else self.runs.setdefault(run_id, RunLog(run_id))
+        if final is not None:
+            run.final = final
+        if chunk is not None and seq is not None:
+            run.events[seq] = chunk
+
+
+def read_chunk_log(settings: Settings, *, timeout_s: float = 60.0) -> ChunkLog:
+    """Read the chunk topic from offset 0 to its end as of the call; return the fold.
+
+    Raises TopicError when the topic is missing or the end is not reached in
+    ``timeout_s`` seconds.
+    """
+    topic = settings.names.topic(RUN_CHUNKS)
+    conf = consumer_config(settings, "chunk-reader", settings.names.group("chunk-reader"))
+    conf.update({"enable.partition.eof": True, "enable.auto.offset.store": False})
+    consumer = Consumer(conf)
+    log = ChunkLog()
+    try:
+        md = consumer.list_topics(topic, timeout=10).topics.get(topic)
+        if md is None or md.error is not None:
+            raise TopicError(f"topic {topic} is not available; run `koda topics apply`")
+        ends: dict[int, int] = {}
+        for p in md.partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            if high > low:
+                ends[p] = high
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
+        deadline = time.monotonic() + timeout_s
+        while ends:
+            if time.monotonic() > deadline:
+                raise TopicError(f"reading {topic} timed out after {timeout_s:.0f}s")
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            err = msg.error()
+            p, offset = msg.partition(), msg.offset() or 0
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF and p in ends:
+                    if offset >= ends[p]:
+                        del ends[p]
+                    continue
+                if err.fatal():
+                    raise TopicError(f"reading {topic} failed: {err.str()}")
+                continue
+            if p not in ends:
+                continue
+            if offset < ends[p]:
+                log.apply(msg.key(), msg.value())
+            if offset + 1 >= ends[p]:
+                del ends[p]
+    finally:
+        consumer.close()
+    return log
