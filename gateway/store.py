@@ -277,6 +277,8 @@ class RunStore:
 
     async def get_run(self, run_id: str, user_id: str) -> RunView | None:
         """The run if it exists and belongs to ``user_id``; None otherwise (indistinguishable)."""
+        if not _storable(run_id):
+            return None
         try:
             async with self.engine.connect() as conn:
                 row = (await conn.execute(_GET_RUN, {"run_id": run_id, "user_id": user_id})).first()
@@ -343,6 +345,8 @@ class RunStore:
 
     async def stream_head(self, run_id: str, user_id: str) -> StreamHead | None:
         """The run's status if it belongs to ``user_id`` (None otherwise, indistinguishable)."""
+        if not _storable(run_id):
+            return None
         try:
             async with self.engine.connect() as conn:
                 row = (
@@ -395,3 +399,9 @@ class RunStore:
             raise DatabaseError(f"reading run events failed: {type(exc).__name__}") from exc
         events = [StoredEvent(int(r.seq), r.kind, r.content, int(r.attempt)) for r in rows]
         return (None if status is None else RunStatus(status)), events
+
+
+def _storable(run_id: str) -> bool:
+    """False for an id Postgres text cannot hold (NUL): no run has it, and sending it
+    would fail as a database error, a 503 for what is a client's unknown id."""
+    return "\x00" not in run_id

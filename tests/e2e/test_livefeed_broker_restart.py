@@ -1,0 +1,48 @@
+"""The live feed outlives a broker restart: records produced afterwards still arrive."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+
+from gateway.livefeed import LiveEvent, LiveFeed
+from koda.localstack import down, kafka_node_start, kafka_node_stop, up
+from tests.integration.conftest import make_settings
+from tests.integration.test_livefeed import collect, produce
+from tests.support import async_wait_until
+from topics.admin import apply_topics
+
+
+async def test_live_feed_survives_a_broker_restart() -> None:
+    state = Path(tempfile.mkdtemp(prefix="koda-feed-restart-", dir="/tmp"))
+    try:
+        info = await asyncio.to_thread(up, state)
+        settings = make_settings(info, partitions=2, feed_discovery_interval_s=0.5)
+        await asyncio.to_thread(apply_topics, settings)
+        feed = LiveFeed(settings)
+        await feed.start()
+        try:
+            viewer = feed.subscribe("run-r", 1 << 20)
+            got: list[LiveEvent] = []
+            await asyncio.to_thread(produce, settings, "run-r", 0, 1)
+            await async_wait_until(
+                lambda: collect(viewer, got, 1), timeout=20, what="record before the restart"
+            )
+            await asyncio.to_thread(kafka_node_stop, state, 1)
+            await asyncio.sleep(1.0)  # the feed polls a dead broker for a moment
+            await asyncio.to_thread(kafka_node_start, state, 1)
+            await asyncio.to_thread(produce, settings, "run-r", 1, 1)
+            await asyncio.to_thread(produce, settings, "run-r", 2, 0)
+            await async_wait_until(
+                lambda: collect(viewer, got, 3), timeout=60, what="records after the restart"
+            )
+            assert sorted(e.seq for e in got) == [0, 1, 2]
+        finally:
+            await feed.stop()
+    finally:
+        try:
+            await asyncio.to_thread(down, state)
+        finally:
+            shutil.rmtree(state, ignore_errors=True)

@@ -1,0 +1,68 @@
+"""The gateway's live feed against the real broker: where it starts, what it skips,
+and partitions that appear while it runs."""
+
+from __future__ import annotations
+
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewPartitions
+
+from gateway.livefeed import LiveEvent, LiveFeed, Viewer
+from koda.kafka import producer_config
+from koda.lifecycle.chunks import chunk_key
+from koda.settings import Settings
+from schemas.records import chunk_value
+from tests.support import async_wait_until
+from topics.catalogue import RUN_CHUNKS
+
+
+def produce(settings: Settings, run_id: str, seq: int, partition: int, kind: str = "chunk") -> None:
+    producer = Producer(producer_config(settings, "test"))
+    producer.produce(
+        settings.names.topic(RUN_CHUNKS),
+        key=chunk_key(run_id, seq).encode(),
+        value=chunk_value(run_id, seq, kind, f"c{seq}", 1),
+        partition=partition,
+    )
+    assert producer.flush(20) == 0
+
+
+async def collect(viewer: Viewer, into: list[LiveEvent], want: int) -> bool:
+    into += await viewer.next_batch(0.2)
+    return len(into) >= want
+
+
+async def test_feed_starts_at_the_end_and_notices_new_partitions(kafka_topics: Settings) -> None:
+    settings = kafka_topics.with_(feed_discovery_interval_s=0.3)
+    produce(settings, "run-a", 0, 2)  # before the feed: not delivered
+    feed = LiveFeed(settings)
+    await feed.start()
+    try:
+        assert feed.ready
+        viewer = feed.subscribe("run-a", 1 << 20)
+        other = feed.subscribe("run-b", 1 << 20)
+        produce(settings, "run-a", 1, 2)
+        produce(settings, "run-z", 0, 2)  # nobody watches it
+        got: list[LiveEvent] = []
+        await async_wait_until(lambda: collect(viewer, got, 1), timeout=20, what="live record")
+        assert [(e.seq, e.kind) for e in got] == [(1, "chunk")]
+        assert got[0].frame.startswith(b"id: 1\nevent: chunk\ndata: {")
+        # The topic grows: the feed assigns the new partitions from their beginning.
+        admin = AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
+        topic = settings.names.topic(RUN_CHUNKS)
+        for fut in admin.create_partitions([NewPartitions(topic, 12)]).values():
+            fut.result()
+        produce(settings, "run-a", 2, 11, kind="done")
+        await async_wait_until(
+            lambda: collect(viewer, got, 2), timeout=30, what="record on a new partition"
+        )
+        assert [(e.seq, e.kind, e.terminal) for e in got] == [
+            (1, "chunk", False),
+            (2, "done", True),
+        ]
+        assert await other.next_batch(0.1) == []
+        assert feed.viewer_count == 2
+        feed.unsubscribe(viewer)
+        feed.unsubscribe(other)
+        assert feed.viewer_count == 0
+    finally:
+        await feed.stop()

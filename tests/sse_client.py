@@ -1,0 +1,140 @@
+"""A small SSE client for tests (connect, read k events or all, resume) and an in-thread
+gateway for tests that need settings of their own."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import uvicorn
+
+from gateway.eventstream import TERMINAL_KINDS, Event, EventParser
+from tests.support import wait_until
+
+
+@dataclass
+class Stream:
+    """What one connection gave: status, events, and whether the server ended it."""
+
+    status: int
+    events: list[Event] = field(default_factory=list)
+    closed_by_server: bool = False
+    comments: int = 0
+    retry: int | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return any(e.event in TERMINAL_KINDS for e in self.events)
+
+
+def bearer(user: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer dev:{user}"}
+
+
+async def read_stream(
+    client: httpx.AsyncClient,
+    run_id: str,
+    *,
+    headers: dict[str, str] | None = None,
+    params: dict[str, str] | None = None,
+    last_event_id: int | None = None,
+    max_events: int | None = None,
+) -> Stream:
+    """One connection to the run's events; stop after ``max_events`` events (disconnect)."""
+    hdrs = dict(headers or {})
+    if last_event_id is not None:
+        hdrs["Last-Event-ID"] = str(last_event_id)
+    async with client.stream(
+        "GET", f"/v1/runs/{run_id}/events", headers=hdrs, params=params
+    ) as response:
+        result = Stream(response.status_code)
+        if response.status_code != 200:
+            await response.aread()
+            return result
+        parser = EventParser()
+        async for chunk in response.aiter_bytes():
+            result.comments += chunk.count(b"\n:") + chunk.startswith(b":")
+            for event in parser.feed(chunk):
+                result.events.append(event)
+                if max_events is not None and len(result.events) >= max_events:
+                    result.retry = parser.retry
+                    return result
+        result.retry = parser.retry
+        result.closed_by_server = True
+        return result
+
+
+def contents(events: list[Event]) -> list[tuple[int | None, str, str]]:
+    """``(seq, kind, content)`` of events (content from the JSON data)."""
+    out = []
+    for e in events:
+        data: Any = json.loads(e.data) if e.data else {}
+        out.append((e.seq, e.event, data.get("content", "") if isinstance(data, dict) else ""))
+    return out
+
+
+@dataclass
+class Followed:
+    """Everything a resuming client received over all its connections."""
+
+    events: list[Event] = field(default_factory=list)
+    connections: int = 0
+    reconnect_hints: int = 0
+
+
+async def follow_run(
+    client: httpx.AsyncClient,
+    run_id: str,
+    *,
+    headers: dict[str, str],
+    after: int = -1,
+    max_connections: int = 100,
+) -> Followed:
+    """Read the run to its end as a well-behaved client does: on ``reconnect`` or a cut
+    stream, reconnect with Last-Event-ID. Only events with an id are kept."""
+    out = Followed()
+    last = after
+    while out.connections < max_connections:
+        out.connections += 1
+        s = await read_stream(
+            client, run_id, headers=headers, last_event_id=last if last >= 0 else None
+        )
+        if s.status == 204:
+            return out
+        assert s.status == 200, s.status
+        for e in s.events:
+            if e.event == "reconnect":
+                out.reconnect_hints += 1
+            elif e.seq is not None:
+                assert e.seq == last + 1, f"seq {e.seq} after {last}"
+                last = e.seq
+                out.events.append(e)
+        if s.terminal:
+            return out
+    raise AssertionError(f"run {run_id} not finished after {max_connections} connections")
+
+
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free port in a thread; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive(), timeout=60, what="uvicorn up")
+    assert server.started, "the gateway did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
