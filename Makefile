@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install chaos
 
 ## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers; Ctrl-C stops all
 dev: install
@@ -44,6 +44,13 @@ services-down:
 clean: services-down
 	rm -rf .koda $(VENV)
 
+## chaos: 2,000 runs x 200 users, 3 workers, SSE viewers, 21+ faults on a 3-broker cluster,
+## then the 60 s downstream-outage drill; prints tables, exits 1 on any violation (not in make test)
+CHAOS_ARGS ?= --runs 2000 --users 200 --brokers 3 --faults 21
+chaos: install
+	APP_ENV=dev $(BIN)/python -m tests.chaos.harness $(CHAOS_ARGS)
+	APP_ENV=dev $(BIN)/python -m tests.chaos.drills --outage 60
+
 ## bench-pipeline: 1,000 runs x 20 chunks through the gateway to two workers (prints figures)
 bench-pipeline: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.pipeline $(BENCH_ARGS)
@@ -55,3 +62,24 @@ bench-handoff: install
 ## bench-sse: 200 runs x 5 viewers = 1,000 SSE streams on one gateway (prints figures)
 bench-sse: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.sse $(BENCH_ARGS)
+
+QUIX_VENV := .venv-quix
+BENCH_STAMP := $(VENV)/.bench-installed
+
+## bench-install: py-spy into .venv, Quix Streams (the W1 rival) into its own .venv-quix
+bench-install: install $(BENCH_STAMP)
+
+$(BENCH_STAMP): pyproject.toml constraints.txt tests/bench/quix-requirements.txt
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,bench]'
+	@test -x $(QUIX_VENV)/bin/python || $(PY) -m venv $(QUIX_VENV)
+	$(QUIX_VENV)/bin/python -m pip install -q -r tests/bench/quix-requirements.txt
+	@touch $(BENCH_STAMP)
+
+## bench: W1 throughput (koda vs ceiling, naive Faust, Quix Streams), W2 SSE latency,
+## W3 gateway vs bare ASGI; median [min-max] of 3 repetitions (not part of make test)
+bench: bench-install
+	APP_ENV=dev $(BIN)/python -m tests.bench $(BENCH_ARGS)
+
+## bench-memory: worker RSS over 100,000 runs and its slope (BENCH_ARGS="--runs 20000")
+bench-memory: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.memory $(BENCH_ARGS)

@@ -8,6 +8,7 @@ producer here is pinned to ``murmur2_random``.
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 from koda.settings import Settings
@@ -45,10 +46,22 @@ def consumer_config(settings: Settings, role: str, group: str | None) -> dict[st
     return conf
 
 
+def ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    """A verifying TLS context (``KODA_KAFKA_SSL_CAFILE`` or the system's CAs) when the
+    protocol is SSL or SASL_SSL; None otherwise. aiokafka needs it to speak TLS at all."""
+    sec = settings.kafka_security
+    if sec.protocol not in ("SSL", "SASL_SSL"):
+        return None
+    return ssl.create_default_context(cafile=sec.ssl_cafile)
+
+
 def aiokafka_security(settings: Settings) -> dict[str, Any]:
     """The same security settings in aiokafka's keyword form."""
     sec = settings.kafka_security
     kw: dict[str, Any] = {"security_protocol": sec.protocol}
+    context = ssl_context(settings)
+    if context is not None:
+        kw["ssl_context"] = context
     if sec.sasl_mechanism:
         kw["sasl_mechanism"] = sec.sasl_mechanism
     if sec.sasl_username is not None:

@@ -55,16 +55,43 @@ class WorkerRuntime:
     chains: ChainSet | None = None
     fences: dict[int, Fence] = field(default_factory=dict)
     app: faust.App | None = None
+    # Epoch bumps in progress. A record can arrive while on_assigned is still taking
+    # the epochs (or before it starts); bumping a second time would fence out the run
+    # that the first bump let start, and its chain would close for good.
+    taking: dict[int, asyncio.Future[Fence]] = field(default_factory=dict)
 
     async def fence_for(self, partition: int) -> Fence:
         fence = self.fences.get(partition)
-        if fence is None:
+        if fence is not None:
+            return fence
+        pending = self.taking.get(partition)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        return (await self._take([partition]))[partition]
+
+    async def _take(self, partitions: list[int]) -> dict[int, Fence]:
+        """Bump the epochs of ``partitions`` once; concurrent askers share the result."""
+        loop = asyncio.get_running_loop()
+        mine = {p: loop.create_future() for p in partitions}
+        self.taking.update(mine)
+        try:
             epochs = await self.store.bump_epochs(
-                self.runs_topic, [partition], self.settings.worker_id
+                self.runs_topic, partitions, self.settings.worker_id
             )
-            fence = Fence(self.runs_topic, partition, epochs[partition])
-            self.fences[partition] = fence
-        return fence
+            fences = {p: Fence(self.runs_topic, p, e) for p, e in epochs.items()}
+            self.fences.update(fences)
+        except BaseException as exc:
+            for fut in mine.values():
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: nobody may be waiting
+            raise
+        finally:
+            for p, fut in mine.items():
+                if self.taking.get(p) is fut:
+                    del self.taking[p]
+        for p, fut in mine.items():
+            fut.set_result(fences[p])
+        return fences
 
     async def process(self, event: Any, partition: int, cancel: CancelToken) -> None:
         msg = event.message
@@ -76,17 +103,16 @@ class WorkerRuntime:
         REBALANCES.labels(event="assigned").inc()
         if self.chains is not None:
             self.chains.accepting = True
-        if not partitions:
+        # A partition whose first record already took (or is taking) its epoch in this
+        # assignment keeps it; revoke dropped the fences of the previous one.
+        todo = [p for p in partitions if p not in self.fences and p not in self.taking]
+        if not todo:
             return
         try:
-            epochs = await self.store.bump_epochs(
-                self.runs_topic, partitions, self.settings.worker_id
-            )
+            await self._take(todo)
         except Exception:  # noqa: BLE001 - fences are taken lazily on first record instead
             log.exception("could not take partition epochs; will retry on first record")
             return
-        for p, epoch in epochs.items():
-            self.fences[p] = Fence(self.runs_topic, p, epoch)
         log.info("assigned partitions=%s worker_id=%s", partitions, self.settings.worker_id)
 
     async def on_revoked(self, partitions: list[int]) -> dict[str, Any]:
@@ -157,14 +183,19 @@ class KodaApp(faust.App):
 def faust_settings(settings: Settings, datadir: str) -> dict[str, Any]:
     """The Faust configuration derived from koda's settings."""
     hosts = ";".join(f"kafka://{h}" for h in settings.kafka_bootstrap.split(","))
-    broker_credentials = None
+    broker_credentials: faust.SASLCredentials | faust.SSLCredentials | None = None
     sec = aiokafka_security(settings)
+    # Faust picks the protocol from the credentials: SASL without an ssl_context is
+    # SASL_PLAINTEXT and no credentials is PLAINTEXT, whatever the protocol setting says.
     if sec.get("sasl_mechanism"):
         broker_credentials = faust.SASLCredentials(
             username=sec.get("sasl_plain_username"),
             password=sec.get("sasl_plain_password"),
             mechanism=sec["sasl_mechanism"],
+            ssl_context=sec.get("ssl_context"),
         )
+    elif sec.get("ssl_context") is not None:
+        broker_credentials = faust.SSLCredentials(sec["ssl_context"])
     # Static membership (KIP-345): a worker restarting within the session timeout gets its
     # partitions back without a rebalance; the price is that a clean exit does not leave
     # the group, so its successor waits out the session timeout. Off by default.

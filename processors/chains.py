@@ -120,6 +120,7 @@ class ChainSet:
                 chain.paused = False
                 self._flow(self._resume, chain.partition)
             delay = 0.2
+            failures = 0
             while not chain.closed:
                 async with self.slots:
                     self.in_flight += 1
@@ -134,10 +135,19 @@ class ChainSet:
                             log.warning("partition lost partition=%d: %s", chain.partition, exc)
                             chain.closed = True
                             return
-                        log.exception(
-                            "record failed, will retry partition=%d offset=%d",
+                        # The traceback once per record; then one line per retry, so a
+                        # database or broker outage reads clearly and the log stays small.
+                        failures += 1
+                        log.warning(
+                            "record failed, will retry in ~%.1fs partition=%d offset=%d "
+                            "failures=%d error=%s: %s",
+                            delay,
                             item.partition,
                             item.offset,
+                            failures,
+                            type(exc).__name__,
+                            str(exc).splitlines()[0][:300] if str(exc) else "",
+                            exc_info=failures == 1,
                         )
                     else:
                         if not chain.closed:

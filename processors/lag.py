@@ -122,4 +122,3 @@ class LagMonitor:
         # Queued behind a sample still running in the thread (at most two timeouts).
         await asyncio.get_running_loop().run_in_executor(self._thread, self._close)
         self._thread.shutdown(wait=False)
-

@@ -36,6 +36,10 @@ from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, h
 
 log = logging.getLogger("koda.worker")
 
+# A run may be claimed at most KODA_MAX_ATTEMPTS x this many times (handler failures and
+# resumptions together) before it is given up.
+MAX_CLAIMS_PER_ATTEMPT = 3
+
 
 class FencedOut(KodaError):
     """This worker lost the partition: its writes match zero rows; do not ack."""
@@ -134,7 +138,7 @@ class RunExecutor:
         if run.status.terminal:
             log.info("skip terminal run_id=%s status=%s %s", run.id, run.status.value, _kv(ctx_log))
             return
-        for pred in await self.store.pending_predecessors(run):
+        for pred in await self.store.pending_predecessors(run) if run.older_pending else []:
             log.info("predecessor first run_id=%s before=%s", pred.id, run.id)
             trigger = Record(
                 record.topic, record.partition, -1, pred.user_id.encode(),
@@ -176,8 +180,17 @@ class RunExecutor:
                 self.store, self.emitter, fence, run_id, attempt, seq, futures,
                 self.settings.chunk_batch_size,
             )
-            if attempt > self.settings.max_attempts:
+            # The retry budget counts handler failures; resumptions after a handoff or a
+            # dead worker are not the run's fault. Claims still have a (larger) bound, so a
+            # run that takes its worker down every time cannot circulate for ever.
+            if self.policy.exhausted(claim.failures):
                 await self._give_up(record, batcher, fence, attempt - 1, "attempts exhausted")
+                return
+            if attempt > self.settings.max_attempts * MAX_CLAIMS_PER_ATTEMPT:
+                await self._give_up(
+                    record, batcher, fence, attempt - 1,
+                    f"claimed {attempt - 1} times without finishing (cut off or its worker died)",
+                )
                 return
             if claim.had_output:
                 batcher.add(ChunkKind.RESET, json.dumps({"attempt": attempt}))
@@ -193,19 +206,26 @@ class RunExecutor:
                 await batcher.flush()
                 error = str(exc)
                 RETRIES.inc()
+                failures = await self.store.record_failure(fence, run_id)
+                if failures is None:
+                    raise FencedOut(f"run {run_id}: failure count fenced out") from exc
                 log.warning(
-                    "attempt failed run_id=%s attempt=%d error=%s", run_id, attempt, error[:200]
+                    "attempt failed run_id=%s attempt=%d failures=%d error=%s",
+                    run_id, attempt, failures, error[:200],
                 )
-                if self.policy.exhausted(attempt):
+                if self.policy.exhausted(failures):
                     await self._give_up(record, batcher, fence, attempt, error)
                     return
                 # Output already written stays; the next attempt starts with `reset`.
-                await asyncio.sleep(self.policy.backoff_s(attempt))
+                await asyncio.sleep(self.policy.backoff_s(failures))
                 continue
             batcher.add(ChunkKind.DONE, json.dumps({"status": "done"}))
             final = batcher.pending
             batcher.pending = []
-            inserted = await self.store.finish(fence, run_id, RunStatus.DONE, final, usage)
+            first = not batcher.streaming and any(c.kind is ChunkKind.CHUNK for c in final)
+            inserted = await self.store.finish(
+                fence, run_id, RunStatus.DONE, final, usage, first_output=first
+            )
             if inserted is None:
                 raise FencedOut(f"run {run_id}: finish fenced out")
             futures += await self.emitter.chunks(fence.partition, _only(final, inserted))
@@ -237,13 +257,19 @@ class RunExecutor:
         first = True
         try:
             while True:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    item = await asyncio.wait_for(queue.get(), timeout)
-                except TimeoutError:
-                    await batcher.flush()
-                    deadline = None
-                    continue
+                    # What the handler already queued is taken without a wait_for task
+                    # and without yielding to the loop per chunk: on a busy worker each
+                    # yield could outlast the window and split the batch.
+                    item = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    try:
+                        item = await asyncio.wait_for(queue.get(), timeout)
+                    except TimeoutError:
+                        await batcher.flush()
+                        deadline = None
+                        continue
                 if item is _END:
                     break
                 if isinstance(item, BaseException):
@@ -262,7 +288,9 @@ class RunExecutor:
                     deadline = None
                 elif deadline is None:
                     deadline = time.monotonic() + window
-            await batcher.flush()
+            # The last batch is not flushed here: ``finish`` writes it with the terminal
+            # event in one transaction. A short run then costs one commit (and its
+            # fsync) fewer, and the batch is produced no later than before.
             return usage
         finally:
             if not pump.done():

@@ -41,6 +41,8 @@ class RunRow:
     input: dict[str, Any]
     attempt: int
     fence: int
+    # Whether the user has an older run still pending (see pending_predecessors).
+    older_pending: bool = True
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Claim:
     next_seq: int
     had_output: bool
     queue_age_s: float | None = None  # created_at -> started_at (the first claim's)
+    failures: int = 0  # handler failures of earlier attempts (not handoffs)
 
 
 _OWNED = """
@@ -74,6 +77,9 @@ class RunStore:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        # Single-statement reads need no transaction: in autocommit they skip the
+        # BEGIN and ROLLBACK round trips (two of a run's ~26 before this).
+        self.reader = engine.execution_options(isolation_level="AUTOCOMMIT")
 
     async def bump_epochs(self, topic: str, partitions: Sequence[int], worker_id: str) -> dict[
         int, int
@@ -98,12 +104,16 @@ class RunStore:
             return {int(p): int(e) for p, e in rows}
 
     async def load_run(self, run_id: str) -> RunRow | None:
-        async with self.engine.connect() as conn:
+        async with self.reader.connect() as conn:
             row = (
                 await conn.execute(
+                    # The predecessor test rides along: almost always false, and asking
+                    # it here saves every run a second query and connection checkout.
                     text(
-                        "SELECT id, user_id, session_id, status, input, attempt, fence"
-                        " FROM runs WHERE id = :id"
+                        "SELECT r.id, r.user_id, r.session_id, r.status, r.input, r.attempt,"
+                        " r.fence, EXISTS (SELECT 1 FROM runs p WHERE p.user_id = r.user_id"
+                        " AND p.status = 'pending' AND (p.created_at, p.id) < (r.created_at, r.id)"
+                        ") AS older_pending FROM runs r WHERE r.id = :id"
                     ),
                     {"id": run_id},
                 )
@@ -112,7 +122,7 @@ class RunStore:
             return None
         return RunRow(
             row.id, row.user_id, row.session_id, RunStatus(row.status), row.input, row.attempt,
-            row.fence,
+            row.fence, bool(row.older_pending),
         )
 
     async def pending_predecessors(self, run: RunRow, limit: int = 50) -> list[RunRow]:
@@ -121,7 +131,7 @@ class RunStore:
         Their trigger may be late (a lost publish swept later, or two gateways racing),
         yet the user's order is the order of creation: they run first.
         """
-        async with self.engine.connect() as conn:
+        async with self.reader.connect() as conn:
             rows = (
                 await conn.execute(
                     text(
@@ -163,7 +173,7 @@ class RunStore:
                            AND EXISTS (SELECT 1 FROM partition_epochs e
                                         WHERE e.topic = :topic AND e.partition = :partition
                                           AND e.epoch = :epoch FOR SHARE)
-                        RETURNING attempt,
+                        RETURNING attempt, COALESCE(failures, 0) AS failures,
                                   EXTRACT(EPOCH FROM started_at - created_at) AS queue_age_s
                         """
                     ),
@@ -190,7 +200,32 @@ class RunStore:
                 next_seq=int(nxt[0]),
                 had_output=nxt[1] > 0,
                 queue_age_s=None if row.queue_age_s is None else float(row.queue_age_s),
+                failures=int(row.failures),
             )
+
+    async def record_failure(self, fence: Fence, run_id: str) -> int | None:
+        """Count one handler failure of the run (fenced); the new total, or None if fenced out.
+
+        Kept in Postgres so the retry budget survives a handoff: a successor that resumes
+        the run knows how many attempts really failed.
+        """
+        async with self.engine.begin() as conn:
+            row = (
+                await conn.execute(
+                    text(
+                        """
+                        UPDATE runs SET failures = COALESCE(failures, 0) + 1
+                         WHERE id = :run_id AND fence = :epoch AND status = ANY(:active)
+                           AND EXISTS (SELECT 1 FROM partition_epochs e
+                                        WHERE e.topic = :topic AND e.partition = :partition
+                                          AND e.epoch = :epoch FOR SHARE)
+                        RETURNING failures
+                        """
+                    ),
+                    _fence_params(fence, run_id),
+                )
+            ).first()
+            return None if row is None else int(row.failures)
 
     async def write_chunks(
         self, fence: Fence, run_id: str, chunks: Sequence[Chunk], *, first_output: bool
@@ -235,10 +270,15 @@ class RunStore:
         final: Sequence[Chunk],
         usage: Sequence[Usage] = (),
         error: str | None = None,
+        *,
+        first_output: bool = False,
     ) -> list[int] | None:
         """Write the trailing chunks, usage and the terminal transition atomically.
 
-        Returns the inserted seqs, or None when fenced out (nothing written).
+        With ``first_output`` (the run's first chunks are among ``final``) the same
+        UPDATE sets ``first_chunk_at``: ``streaming`` would be visible to nobody
+        inside this transaction. Returns the inserted seqs, or None when fenced out
+        (nothing written).
         """
         async with self.engine.begin() as conn:
             if not await self._owned(conn, fence, run_id):
@@ -290,7 +330,9 @@ class RunStore:
                         "ct": u.completion_tokens,
                     },
                 )
-            await self._transition(conn, fence, run_id, status, error=error)
+            await self._transition(
+                conn, fence, run_id, status, error=error, first_output=first_output
+            )
             return inserted
 
     async def _owned(self, conn: AsyncConnection, fence: Fence, run_id: str) -> bool:
@@ -305,10 +347,14 @@ class RunStore:
         to: RunStatus,
         *,
         error: str | None = None,
+        first_output: bool = False,
     ) -> None:
-        """The one transition function: a conditional UPDATE on expected status and fence."""
+        """The one transition function: a conditional UPDATE on expected status and fence.
+
+        ``first_output``: the run's first chunk is written with this transition.
+        """
         sets = ["status = :to"]
-        if to is RunStatus.STREAMING:
+        if to is RunStatus.STREAMING or first_output:
             sets.append("first_chunk_at = COALESCE(first_chunk_at, now())")
         if to.terminal:
             sets.append("finished_at = now()")

@@ -52,6 +52,8 @@ runs = Table(
     Column("input", JSONB, nullable=False),
     Column("metadata", JSONB, nullable=True),
     Column("attempt", Integer, nullable=False, server_default=text("0")),
+    # Handler failures so far (0003); NULL reads as 0. ``attempt`` counts claims.
+    Column("failures", Integer, nullable=True),
     Column("fence", BigInteger, nullable=False, server_default=text("0")),
     Column("worker_id", Text, nullable=True),
     Column("partition", Integer, nullable=True),

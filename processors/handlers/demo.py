@@ -7,6 +7,12 @@ Switches, read from ``input["demo"]`` (all optional):
     fail_attempts   attempts 1..N raise after emitting half their chunks (default 0)
     hang            never finish (until cancelled)
     token_bytes     approximate size of each chunk (default 6)
+    stamp           prefix each chunk with the wall-clock time of its yield
+                    (``<unix seconds> ``), for latency benchmarks (default false)
+    outage_until    a downstream outage for drills: until this wall-clock time (unix
+                    seconds) every chunk fails (``outage: "fail"``, the default) or
+                    waits ``outage_delay_ms`` more (``outage: "slow"``, default 1000);
+                    after it the handler is healthy again, with no action by anyone
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -59,15 +66,23 @@ class DemoHandler:
         tokens = demo_tokens(ctx.input)
         delay = float(opts.get("delay_ms", 20)) / 1000.0
         fail_attempts = int(opts.get("fail_attempts", 0))
+        stamp = bool(opts.get("stamp", False))
         fail_at = len(tokens) // 2 if ctx.attempt <= fail_attempts else None
+        outage_until = float(opts.get("outage_until", 0))
+        slow_outage = opts.get("outage") == "slow"
+        outage_delay = float(opts.get("outage_delay_ms", 1000)) / 1000.0
         for i, token in enumerate(tokens):
             if ctx.cancel.cancelled:
                 return
+            if time.time() < outage_until:
+                if not slow_outage:
+                    raise HandlerError("demo downstream outage (outage_until)")
+                await asyncio.sleep(outage_delay)
             if fail_at is not None and i == fail_at:
                 raise HandlerError(f"demo failure on attempt {ctx.attempt} (fail_attempts)")
             if delay:
                 await asyncio.sleep(delay)
-            yield token
+            yield f"{time.time():.6f} {token}" if stamp else token
         if fail_at is not None:
             raise HandlerError(f"demo failure on attempt {ctx.attempt} (fail_attempts)")
         if opts.get("hang"):

@@ -65,19 +65,32 @@ def output_of(sub: Submitter, run_id: str) -> str:
 
 def test_sigterm_finishes_in_flight_runs_then_hands_over(env, submitter, workers) -> None:
     a = start(env, workers, "a")
-    b_users = users_on_distinct_partitions("term", 3, env.partitions)
+    wait_until(lambda: set(owners(submitter).values()) == {"a"}, timeout=60, what="a assigned")
+    b = start(env, workers, "b")
+    wait_until(
+        lambda: set(owners(submitter).values()) == {"a", "b"} and "assigned partitions" in b.log(),
+        timeout=60,
+        what="b joined",
+    )
+    # Runs on partitions a holds once the group has settled: a long run in flight on
+    # each and a short one queued behind it. Queued on a, the short ones cannot have
+    # run before the SIGTERM (however fast a is); a drops them unacked and b runs them.
+    held = {p for p, w in owners(submitter).items() if w == "a"}
+    a_users = [
+        u
+        for u in users_on_distinct_partitions("term", env.partitions, env.partitions)
+        if partition_for_key(u.encode(), env.partitions) in held
+    ][:3]
     long_inp = {"text": "three seconds", "demo": {"tokens": 15, "delay_ms": 200}}
-    in_flight = [submitter.submit(u, long_inp) for u in b_users]
+    in_flight = [submitter.submit(u, long_inp) for u in a_users]
     wait_until(
         lambda: all(run_row(submitter, r).status == "streaming" for r in in_flight),
         timeout=60,
         what="runs streaming on a",
     )
-    b = start(env, workers, "b")
     nxt = [
-        submitter.submit(u, {"text": "next", "demo": {"tokens": 2, "delay_ms": 1}}) for u in b_users
+        submitter.submit(u, {"text": "next", "demo": {"tokens": 2, "delay_ms": 1}}) for u in a_users
     ]
-    wait_until(lambda: "assigned partitions" in b.log(), timeout=60, what="b joined")
     a.signal(signal.SIGTERM)
     a.signal(signal.SIGTERM)  # a second signal must not start a second drain
     assert a.proc is not None and a.proc.wait(40) == 0, a.log()[-3000:]

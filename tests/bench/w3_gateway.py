@@ -1,0 +1,131 @@
+"""W3, gateway: ``POST /v1/runs`` at rising concurrency, against a bare ASGI handler.
+
+For each concurrency level and repetition, ``--requests`` POSTs go to the koda
+gateway and the same number to tests/bench/bare_intake.py (produce to Kafka and
+nothing else), back to back on the same broker; the ratio pairs the two figures
+of one repetition. No workers run: the runs stay pending.
+
+    python -m tests.bench.w3_gateway --levels 1 8 32 128 --requests 1500
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections import defaultdict
+
+from koda.localstack import StackInfo
+from tests.bench.common import Table, demo_input, fmt, namespace, percentile, services
+from tests.bench.procs import ChildProcess
+from tests.bench.w1_throughput import post_runs
+from tests.support import wait_until
+from tests.workers import GatewayProcess, free_port, settings_env
+
+
+def bare_process(settings) -> ChildProcess:  # type: ignore[no-untyped-def]
+    port = free_port()
+    env = settings_env(settings, KODA_GATEWAY_PORT=str(port))
+    child = ChildProcess("bare", [sys.executable, "-m", "tests.bench.bare_intake"], env=env)
+    child.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    return child
+
+
+def wait_http(url: str, child: ChildProcess | None = None) -> None:
+    import httpx
+
+    def up() -> bool:
+        if child is not None:
+            child.check()
+        try:
+            return httpx.get(f"{url}/livez", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, timeout=30, what=f"{url} answering")
+
+
+def measure(url: str, n: int, concurrency: int, tag: str) -> dict[str, float]:
+    users = [f"{tag}-{i % 500}" for i in range(n)]
+    inputs = [demo_input(i, 16) for i in range(n)]
+    t = time.perf_counter()
+    _ids, lat = asyncio.run(post_runs(url, users, inputs, concurrency))
+    wall = time.perf_counter() - t
+    return {
+        "rps": n / wall,
+        "p50": percentile(lat, 0.5) * 1000,
+        "p99": percentile(lat, 0.99) * 1000,
+    }
+
+
+def run_w3(stack: StackInfo, args: argparse.Namespace) -> Table:
+    res: dict[tuple[str, int], list[dict[str, float]]] = defaultdict(list)
+    for rep in range(args.repeat):
+        with namespace(stack, partitions=32) as settings:
+            gw = GatewayProcess(
+                settings, {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000"}
+            )
+            bare = bare_process(settings)
+            try:
+                gw.start()
+                bare.start()
+                wait_http(bare.url, bare)  # type: ignore[attr-defined]
+                measure(gw.url, 100, 8, "warm")  # connections, prepared statements, JIT caches
+                measure(bare.url, 100, 8, "warm")  # type: ignore[attr-defined]
+                for level in args.levels:
+                    g = measure(gw.url, args.requests, level, f"g{rep}")
+                    b = measure(bare.url, args.requests, level, f"b{rep}")  # type: ignore[attr-defined]
+                    res[("gateway", level)].append(g)
+                    res[("bare", level)].append(b)
+                    print(
+                        f"  w3 rep {rep + 1}/{args.repeat} concurrency {level}: gateway "
+                        f"{g['rps']:.0f} req/s p99 {g['p99']:.1f} ms; bare {b['rps']:.0f} "
+                        f"req/s p99 {b['p99']:.1f} ms",
+                        flush=True,
+                    )
+            finally:
+                gw.stop()
+                bare.stop()
+    table = Table(
+        f"W3 gateway: {args.requests} POST /v1/runs per level, {args.repeat} repetitions "
+        "(median [min-max]); bare = ASGI handler that only produces to Kafka",
+        [
+            "concurrency",
+            "gateway req/s",
+            "gateway p99 ms",
+            "bare req/s",
+            "bare p99 ms",
+            "gateway/bare req/s",
+        ],
+    )
+    for level in args.levels:
+        g, b = res[("gateway", level)], res[("bare", level)]
+        table.add(
+            str(level),
+            fmt([r["rps"] for r in g]),
+            fmt([r["p99"] for r in g], 1),
+            fmt([r["rps"] for r in b]),
+            fmt([r["p99"] for r in b], 1),
+            fmt([x["rps"] / y["rps"] for x, y in zip(g, b, strict=True)], 2),
+        )
+    table.notes.append("the load generator (aiohttp) shares the 2 cores with the server")
+    return table
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--requests", type=int, default=1500)
+    ap.add_argument("--repeat", type=int, default=3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_args(ap)
+    args = ap.parse_args()
+    with services() as stack:
+        print(run_w3(stack, args).render())
+
+
+if __name__ == "__main__":
+    main()
