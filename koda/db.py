@@ -22,11 +22,16 @@ def sqlalchemy_url(database_url: str) -> str:
     return database_url
 
 
-def _set_search_path(schema: str) -> Any:
+def _set_search_path(schema: str, idle_in_transaction_s: float | None = None) -> Any:
     def on_connect(dbapi_conn: Any, _record: Any) -> None:
         # Runs once per pooled connection; quote_ident via the server, not string pasting.
         cur = dbapi_conn.cursor()
         cur.execute("SELECT set_config('search_path', %s, false)", (f'"{schema}"',))
+        if idle_in_transaction_s is not None:
+            cur.execute(
+                "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
+                (f"{int(idle_in_transaction_s * 1000)}ms",),
+            )
         cur.close()
         dbapi_conn.commit()
 
@@ -42,7 +47,15 @@ def sync_engine(settings: Settings, *, pool_size: int = 2) -> Engine:
 
 
 def async_engine(settings: Settings, *, pool_size: int = 10, pre_ping: bool = True) -> AsyncEngine:
-    """``pre_ping`` tests each pooled connection with a round trip before lending it."""
+    """``pre_ping`` tests each pooled connection with a round trip before lending it.
+
+    Every session is ended by PostgreSQL when it sits idle inside a transaction for
+    longer than ``KODA_SESSION_TIMEOUT``: koda's transactions are a few statements
+    long, and a process frozen inside one (SIGSTOP, a stalled VM) would otherwise hold
+    its row locks for ever. The fenced writes take ``FOR SHARE`` on the partition's
+    epoch row, so such a worker blocked its successor's epoch bump, and with it the
+    successor's whole rebalance, until it woke up (82 s in a chaos run).
+    """
     engine = create_async_engine(
         sqlalchemy_url(settings.database_url),
         pool_size=pool_size,
@@ -50,5 +63,8 @@ def async_engine(settings: Settings, *, pool_size: int = 10, pre_ping: bool = Tr
         pool_pre_ping=pre_ping,
         pool_timeout=30,
     )
-    event.listen(engine.sync_engine, "connect", _set_search_path(settings.names.pg_schema()))
+    idle_s = max(1.0, settings.session_timeout_s)
+    event.listen(
+        engine.sync_engine, "connect", _set_search_path(settings.names.pg_schema(), idle_s)
+    )
     return engine

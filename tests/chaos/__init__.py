@@ -1,0 +1,1 @@
+"""Fault injection against the whole pipeline: the chaos harness and its drills."""

@@ -1,0 +1,452 @@
+"""What a chaos run must leave behind, checked from Postgres, the topics and the viewers.
+
+Definitions used by the checks:
+
+* **Accepted**: the gateway answered 202. **Lost**: accepted, and at the end not in
+  Postgres or not terminal.
+* **Exactly one terminal state**: the run's status is terminal, and among its messages
+  exactly one has a terminal kind (done, error, cancelled), which is the last one and
+  agrees with the status (done <-> done, failed <-> error).
+* **Contiguous and unique**: the run's message seqs are exactly 0..n. Every record on
+  the chunk topic equals the Postgres row of its ``<run_id>:<seq>`` key (a record that
+  is not in Postgres, or differs, is a write that escaped the fence); the same record
+  produced twice is an at-least-once re-send and is counted, not failed.
+* **A run's span** is ``[S, F]``: ``S = runs.started_at``, written by the *first*
+  successful claim and kept by later ones (a run cut off at a handoff and resumed
+  keeps the first claim's ``S``), and ``F = runs.finished_at``, the terminal write.
+  An *attempt* starts at its claim (the ``transition to=running attempt=n`` event on
+  ``<env>.koda.run-events``, written after the claim committed) and ends when the next
+  attempt's claim or the terminal write happens, so every attempt, retries in place
+  and resumptions included, lies inside the run's span. The checks confirm it: every
+  message of the run was written inside ``[S, F]`` and every attempt's claim is inside
+  ``[S, F]``.
+* **Per-user order without overlap**: take a user's accepted runs in submission order
+  r1..rn (the user submits the next only after the previous was answered). Then
+  ``S(r1) < S(r2) < ...`` (started in submission order) and ``F(rk) <= S(rk+1)``
+  (the next run's first claim happens only after the previous run's terminal write),
+  and no attempt claim of ``rk+1`` precedes ``F(rk)``. Overlap is about effects: a
+  worker frozen past its session may still be *computing* an attempt of ``rk`` while
+  its successor has finished ``rk`` and started ``rk+1``, but none of that frozen
+  attempt's writes can land (fencing); a landed write outside the span is a finding.
+* **Committed offsets never ahead of completed work**: while the run goes on, an
+  auditor reads the group's committed offset of each partition and *then* the status
+  of every run whose record lies below it; a run that is not terminal at that later
+  moment was not terminal when the offset was committed (terminal is absorbing).
+* **The DLQ holds only the injected poison**: every dead letter is either one of the
+  records written as poison (matched by partition and offset) or the trigger of a run
+  whose handler always fails; each injected poison appears. Repeats of the same
+  letter (at-least-once) are counted, not failed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import statistics
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+from koda.kafka import consumer_config
+from koda.settings import Settings
+from processors.handlers.demo import demo_tokens
+from tests.chaos.cluster import QUIET, CommitMonitor, Postgres
+from tests.chaos.load import InjectedPoison, PlannedRun, Viewer
+from tests.workers import read_topic
+from topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
+
+TERMINAL = ("done", "failed", "cancelled")
+TERMINAL_KINDS = ("done", "error", "cancelled")
+KIND_OF_STATUS = {"done": "done", "failed": "error", "cancelled": "cancelled"}
+
+
+@dataclass
+class Findings:
+    """Counts for the table and one line per violation."""
+
+    accepted: int = 0
+    refused: int = 0
+    done: int = 0
+    failed: int = 0
+    lost: int = 0
+    poison_runs: int = 0
+    duplicate_chunks_db: int = 0
+    duplicate_chunks_viewers: int = 0
+    chunk_resends_topic: int = 0
+    chunks_missing_on_topic: int = 0
+    order_violations: int = 0
+    viewers: int = 0
+    viewer_mismatches: int = 0
+    viewer_reconnects: int = 0
+    dead_letters: int = 0
+    dead_letter_repeats: int = 0
+    offset_audits: int = 0
+    offsets_ahead: int = 0
+    resumed_runs: int = 0
+    max_attempt: int = 0
+    violations: list[str] = field(default_factory=list)
+
+    def violate(self, message: str) -> None:
+        self.violations.append(message)
+
+
+class OffsetAuditor:
+    """Checks, during the run, that no committed offset passes unfinished work."""
+
+    def __init__(self, settings: Settings, db: Postgres, monitor: CommitMonitor) -> None:
+        self.settings, self.db, self.monitor = settings, db, monitor
+        self.topic = settings.names.topic(RUNS)
+        self.records: dict[int, dict[int, str | None]] = defaultdict(dict)
+        self.verified: dict[int, int] = defaultdict(int)
+        self.audits = 0
+        self.ahead: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tail, name="runs-tail", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _tail(self) -> None:
+        consumer = Consumer(
+            consumer_config(self.settings, "chaos-tail", None)
+            | QUIET
+            | {"group.id": "chaos-unused"}
+        )
+        consumer.assign(
+            [
+                TopicPartition(self.topic, p, OFFSET_BEGINNING)
+                for p in range(self.settings.partitions)
+            ]
+        )
+        try:
+            while not self._stop.is_set():
+                msg = consumer.poll(0.5)
+                if msg is None or msg.error():
+                    continue
+                run_id: str | None = None
+                try:
+                    obj = json.loads(msg.value())
+                    run_id = obj.get("run_id") if isinstance(obj, dict) else None
+                except (ValueError, TypeError):
+                    pass
+                self.records[msg.partition()][msg.offset()] = run_id
+        finally:
+            consumer.close()
+
+    def audit(self) -> None:
+        """One pass: committed offsets first, then the statuses of the runs below them."""
+        committed = dict(self.monitor.latest)
+        below: dict[str, tuple[int, int]] = {}
+        reach: dict[int, int] = {}
+        for p, c in committed.items():
+            known = self.records.get(p, {})
+            start = self.verified[p]
+            end = start
+            for off in range(start, max(start, c)):
+                if off not in known:
+                    break  # the tail has not read it yet: check next time
+                run_id = known[off]
+                if run_id is not None:
+                    below[run_id] = (p, off)
+                end = off + 1
+            reach[p] = end
+        if not below:
+            self.verified.update(reach)
+            return
+        try:
+            rows = self.db.query(
+                "SELECT id, status FROM runs WHERE id = ANY(:ids)", ids=list(below)
+            )
+        except Exception:  # noqa: BLE001 - Postgres may be down on purpose: try later
+            return
+        status = {r.id: r.status for r in rows}
+        self.audits += 1
+        for run_id, (p, off) in below.items():
+            s = status.get(run_id)
+            if s is not None and s not in TERMINAL:
+                self.ahead.append(
+                    f"committed offset of partition {p} passed offset {off} "
+                    f"while run {run_id} was {s}"
+                )
+        self.verified.update(reach)
+
+
+def _ts(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def _decode_json(raw: bytes | None) -> Any:
+    try:
+        return json.loads(raw) if raw is not None else None
+    except (ValueError, TypeError):
+        return None
+
+
+def check_all(
+    settings: Settings,
+    db: Postgres,
+    plan: dict[str, list[PlannedRun]],
+    viewers: list[Viewer],
+    poison: list[InjectedPoison],
+    auditor: OffsetAuditor,
+) -> Findings:
+    """Every check of the module docstring; returns counts and violations."""
+    f = Findings()
+    planned = {r.run_id: r for runs in plan.values() for r in runs if r.run_id is not None}
+    f.accepted = len(planned)
+    for runs in plan.values():
+        for r in runs:
+            if r.run_id is None:
+                f.refused += 1
+                f.violate(f"{r.user} run #{r.index} never accepted: {r.refused}")
+    rows = {
+        r.id: r
+        for r in db.query(
+            "SELECT id, user_id, status, attempt, failures, error, created_at, started_at,"
+            " finished_at FROM runs"
+        )
+    }
+    messages: dict[str, list[Any]] = defaultdict(list)
+    for m in db.query(
+        "SELECT run_id, seq, kind, content, attempt, created_at FROM messages ORDER BY run_id, seq"
+    ):
+        messages[m.run_id].append(m)
+    extra = set(rows) - set(planned)
+    if extra:
+        f.violate(f"{len(extra)} runs in Postgres that no answered request created")
+
+    claims: dict[str, list[tuple[int, float, str]]] = defaultdict(list)
+    for rec in read_topic(settings, settings.names.topic(RUN_EVENTS), timeout=180):
+        ev = _decode_json(rec.value())
+        if isinstance(ev, dict) and ev.get("event") == "transition" and ev.get("to") == "running":
+            claims[ev["run_id"]].append(
+                (int(ev.get("attempt", 0)), _ts(ev["at"]), str(ev.get("worker_id")))
+            )
+
+    for run_id, plan_run in planned.items():
+        _check_run(f, plan_run, rows.get(run_id), messages.get(run_id, []), claims[run_id])
+    _check_order(f, plan, rows, claims)
+    _check_topic(f, settings, planned, messages)
+    _check_viewers(f, viewers, messages)
+    _check_dlq(f, settings, planned, poison)
+    f.offset_audits = auditor.audits
+    f.offsets_ahead = len(auditor.ahead)
+    for line in auditor.ahead[:20]:
+        f.violate(line)
+    return f
+
+
+def _check_run(
+    f: Findings,
+    plan: PlannedRun,
+    row: Any,
+    msgs: list[Any],
+    claims: list[tuple[int, float, str]],
+) -> None:
+    run_id = plan.run_id
+    if row is None:
+        f.lost += 1
+        f.violate(f"run {run_id} was accepted but is not in Postgres")
+        return
+    if row.status not in TERMINAL:
+        f.lost += 1
+        f.violate(f"run {run_id} ({plan.user} #{plan.index}) still {row.status}")
+        return
+    f.done += row.status == "done"
+    f.failed += row.status == "failed"
+    f.poison_runs += plan.poison
+    f.max_attempt = max(f.max_attempt, row.attempt)
+    expected = "failed" if plan.poison else "done"
+    if row.status != expected:
+        history = ", ".join(f"#{a} on {w}" for a, _, w in sorted(claims))
+        f.violate(
+            f"run {run_id} ended {row.status}, expected {expected}: {row.error} "
+            f"(attempt {row.attempt}, failures {row.failures}; claims: {history})"
+        )
+    seqs = [m.seq for m in msgs]
+    if seqs != list(range(len(seqs))):
+        f.duplicate_chunks_db += len(seqs) - len(set(seqs))
+        f.violate(f"run {run_id}: message seqs are not 0..n: {seqs[:50]}")
+    kinds = [m.kind for m in msgs]
+    ends = [k for k in kinds if k in TERMINAL_KINDS]
+    if len(ends) != 1 or not kinds or kinds[-1] != KIND_OF_STATUS[row.status]:
+        f.violate(f"run {run_id} ({row.status}): terminal messages {ends}, last {kinds[-1:]}")
+    if "reset" in kinds:
+        f.resumed_runs += 1
+    if row.status == "done":
+        last_reset = max((m.seq for m in msgs if m.kind == "reset"), default=-1)
+        got = "".join(m.content for m in msgs if m.kind == "chunk" and m.seq > last_reset)
+        if got != "".join(demo_tokens(plan.input)):
+            f.violate(f"run {run_id}: output differs from the demo model's")
+    if row.started_at is None or row.finished_at is None:
+        f.violate(f"run {run_id} is {row.status} without started_at/finished_at")
+        return
+    s, e = row.started_at.timestamp(), row.finished_at.timestamp()
+    outside = [m.seq for m in msgs if not s <= m.created_at.timestamp() <= e]
+    if outside:
+        f.order_violations += 1
+        f.violate(f"run {run_id}: messages {outside[:10]} written outside its span")
+    late = [a for a, at, _ in claims if not s <= at <= e + 0.001]
+    if late:
+        f.order_violations += 1
+        f.violate(f"run {run_id}: attempt claims {late} outside its span [S, F]")
+
+
+def _check_order(
+    f: Findings,
+    plan: dict[str, list[PlannedRun]],
+    rows: dict[str, Any],
+    claims: dict[str, list[tuple[int, float, str]]],
+) -> None:
+    for user, runs in plan.items():
+        seq = [rows[r.run_id] for r in runs if r.run_id in rows]
+        seq = [r for r in seq if r.started_at is not None and r.finished_at is not None]
+        for prev, nxt in zip(seq, seq[1:], strict=False):
+            if nxt.created_at < prev.created_at:
+                f.order_violations += 1
+                f.violate(f"{user}: run {nxt.id} was created before {prev.id}")
+            if nxt.started_at <= prev.started_at:
+                f.order_violations += 1
+                f.violate(f"{user}: run {nxt.id} started before {prev.id} (submitted earlier)")
+            elif nxt.started_at < prev.finished_at:
+                f.order_violations += 1
+                f.violate(
+                    f"{user}: run {nxt.id} started {prev.finished_at - nxt.started_at} before "
+                    f"{prev.id} finished"
+                )
+            early = [a for a, at, _ in claims.get(nxt.id, []) if at < prev.finished_at.timestamp()]
+            if early:
+                f.order_violations += 1
+                f.violate(f"{user}: attempts {early} of {nxt.id} claimed before {prev.id} ended")
+
+
+def _check_topic(
+    f: Findings,
+    settings: Settings,
+    planned: dict[str, PlannedRun],
+    messages: dict[str, list[Any]],
+) -> None:
+    seen: Counter[str] = Counter()
+    by_key = {f"{run_id}:{m.seq:010d}": m for run_id, ms in messages.items() for m in ms}
+    for rec in read_topic(settings, settings.names.topic(RUN_CHUNKS), timeout=300):
+        key = rec.key().decode()
+        seen[key] += 1
+        value = _decode_json(rec.value())
+        row = by_key.get(key)
+        if row is None or not isinstance(value, dict):
+            f.violate(f"chunk record {key} on the topic has no Postgres row")
+            continue
+        if (value.get("kind"), value.get("content"), value.get("attempt")) != (
+            row.kind,
+            row.content,
+            row.attempt,
+        ):
+            f.violate(f"chunk record {key} differs from its Postgres row")
+    f.chunk_resends_topic = sum(n - 1 for n in seen.values() if n > 1)
+    f.chunks_missing_on_topic = sum(
+        1
+        for run_id in planned
+        for m in messages.get(run_id, [])
+        if f"{run_id}:{m.seq:010d}" not in seen
+    )
+
+
+def _check_viewers(f: Findings, viewers: list[Viewer], messages: dict[str, list[Any]]) -> None:
+    f.viewers = len(viewers)
+    for v in viewers:
+        f.viewer_reconnects += max(0, v.connections - 1)
+        seqs = [s for s, _, _ in v.events]
+        f.duplicate_chunks_viewers += len(seqs) - len(set(seqs))
+        want = [(m.seq, m.kind, m.content) for m in messages.get(v.run_id, [])]
+        got = [(s, k, d.get("content")) for s, k, d in v.events]
+        problem = v.problem
+        if problem is None and seqs != list(range(len(seqs))):
+            problem = f"seqs not 0..n: {seqs[:40]}"
+        if problem is None and got != want:
+            problem = f"received {len(got)} events, Postgres has {len(want)}; they differ"
+        if problem is not None:
+            f.viewer_mismatches += 1
+            f.violate(f"viewer of {v.run_id}: {problem}")
+
+
+def _check_dlq(
+    f: Findings,
+    settings: Settings,
+    planned: dict[str, PlannedRun],
+    poison: list[InjectedPoison],
+) -> None:
+    letters = [
+        _decode_json(m.value())
+        for m in read_topic(settings, settings.names.topic(RUNS_DLQ), timeout=60)
+    ]
+    f.dead_letters = len(letters)
+    poison_runs = {r for r, p in planned.items() if p.poison}
+    at = {(p.partition, p.offset): p for p in poison if p.offset is not None}
+    unplaced = Counter(p.kind for p in poison if p.offset is None)
+    sources: Counter[Any] = Counter()
+    for letter in letters:
+        if not isinstance(letter, dict):
+            f.violate("a dead letter is not JSON")
+            continue
+        reason = letter.get("reason")
+        if reason == "handler_failed":
+            original = _decode_json(base64.b64decode(letter.get("original_value") or ""))
+            run_id = original.get("run_id") if isinstance(original, dict) else None
+            sources[("run", run_id)] += 1
+            if run_id not in poison_runs:
+                f.violate(f"dead letter for run {run_id}, which is not poison")
+            continue
+        source = (letter.get("partition"), letter.get("offset"))
+        sources[source] += 1
+        item = at.get(source)
+        if item is not None and item.kind == reason:
+            continue
+        if item is None and unplaced[reason] > 0 and sources[source] == 1:
+            unplaced[reason] -= 1
+            continue
+        if item is None and sources[source] > 1:
+            continue  # a repeat of a letter already matched
+        f.violate(f"unexpected dead letter reason={reason} source={source}")
+    f.dead_letter_repeats = sum(n - 1 for n in sources.values() if n > 1)
+    for run_id in poison_runs:
+        if sources[("run", run_id)] == 0:
+            f.violate(f"poison run {run_id} has no dead letter")
+    for (p, o), item in at.items():
+        if sources[(p, o)] == 0:
+            f.violate(f"injected {item.kind} record at {p}/{o} has no dead letter")
+
+
+def wait_all_committed(settings: Settings, monitor: CommitMonitor, timeout: float) -> list[str]:
+    """At the end every partition's committed offset must reach its end offset."""
+    consumer = Consumer(consumer_config(settings, "chaos-ends", None) | {"group.id": "x"})
+    topic = settings.names.topic(RUNS)
+    ends = {
+        p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+        for p in range(settings.partitions)
+    }
+    consumer.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        latest = monitor.latest
+        behind = {
+            p: (latest.get(p, -1), e) for p, e in ends.items() if e > 0 and latest.get(p, -1) < e
+        }
+        if not behind:
+            return []
+        time.sleep(0.5)
+    return [f"partition {p}: committed {c} < end {e} after the run" for p, (c, e) in behind.items()]
+
+
+def median_max(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.median(values), max(values)

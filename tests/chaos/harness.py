@@ -1,0 +1,466 @@
+"""The chaos run: users × runs through the gateway, three workers, viewers, and faults.
+
+    python -m tests.chaos.harness --runs 2000 --users 200 --brokers 3      # make chaos
+
+Starts a private stack (Kafka with 1 or 3 nodes, PostgreSQL) in a /tmp state dir, a
+gateway and a pool of workers with the demo handler, and while users submit runs of
+0.1-5 s (a few flaky, a few poison) and SSE viewers follow a sample of them, injects
+faults in rounds, one at a time: kill -9 a worker; SIGTERM a worker and start a
+replacement; SIGSTOP a worker past the session timeout, then SIGCONT; restart a Kafka
+broker; (three brokers) kill -9 one and bring it back later; restart PostgreSQL
+(alternately a fast stop and a crash); kill -9 the gateway and start it again.
+Poison records are written straight to the runs topic along the way.
+
+Afterwards it checks, from Postgres, the topics and the viewers, what
+``tests/chaos/checks.py`` defines (its docstring states each definition, including what
+"per-user order without overlap" means with retries and resumed runs), prints a table,
+and exits 1 on any violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from random import Random
+
+import httpx
+
+from koda.localstack import down, up
+from koda.naming import AppEnv
+from koda.settings import Settings
+from schemas.migrate import upgrade
+from tests.chaos import faults as fk
+from tests.chaos.checks import (
+    Findings,
+    OffsetAuditor,
+    check_all,
+    median_max,
+    wait_all_committed,
+)
+from tests.chaos.cluster import CommitMonitor, Pool, Postgres, Stack
+from tests.chaos.load import (
+    InjectedPoison,
+    PlannedRun,
+    Viewer,
+    follow,
+    inject_poison,
+    plan_runs,
+    user_session,
+)
+from tests.support import wait_until
+from topics.admin import apply_topics
+
+
+@dataclass
+class Config:
+    """A chaos run's shape; durations in seconds."""
+
+    runs: int = 2000
+    users: int = 200
+    brokers: int = 3
+    workers: int = 3
+    min_run_s: float = 0.1
+    max_run_s: float = 5.0
+    watch_fraction: float = 0.05
+    poison_runs: int = 5
+    flaky_fraction: float = 0.02
+    poison_rounds: int = 2
+    min_faults: int = 21
+    kinds: tuple[str, ...] = ()
+    fault_gap_s: float = 6.0
+    submit_window_s: float | None = None
+    partitions: int = 32
+    max_inflight: int = 8
+    session_timeout_s: float = 6.0
+    handoff_ceiling_s: float = 2.0
+    down_s: float = 3.0
+    deadline_s: float = 1800.0
+    seed: int = 1
+    verbose: bool = True
+
+    def fault_kinds(self) -> tuple[str, ...]:
+        return self.kinds or fk.kinds_for(self.brokers)
+
+    def window_s(self) -> float:
+        """How long users keep submitting: about the pool's capacity, and as long as
+        the faults need (about 15 s each), so faults hit a loaded system."""
+        if self.submit_window_s is not None:
+            return self.submit_window_s
+        mean = (self.min_run_s + self.max_run_s) / 2
+        capacity = min(self.partitions, self.workers * self.max_inflight) / mean
+        return max(self.runs / capacity, self.min_faults * 15.0)
+
+
+@dataclass
+class Report:
+    config: Config
+    findings: Findings
+    faults: list[fk.Fault]
+    elapsed_s: float
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def table(self) -> str:
+        f = self.findings
+        rows: list[tuple[str, str]] = []
+        by_kind = Counter(x.kind for x in self.faults)
+        rows.append(("faults injected", str(len(self.faults))))
+        for kind in self.config.fault_kinds():
+            rows.append((f"  {kind}", str(by_kind.get(kind, 0))))
+        rows += [
+            ("runs accepted", str(f.accepted)),
+            ("  done", str(f.done)),
+            ("  failed (all injected poison)", f"{f.failed} (poison runs: {f.poison_runs})"),
+            ("  lost", str(f.lost)),
+            ("  never accepted", str(f.refused)),
+            ("  resumed or retried (had a reset)", str(f.resumed_runs)),
+            ("  highest attempt", str(f.max_attempt)),
+            (
+                "duplicate chunks: Postgres / viewers",
+                f"{f.duplicate_chunks_db} / {f.duplicate_chunks_viewers}",
+            ),
+            ("  chunk topic re-sends (same record twice)", str(f.chunk_resends_topic)),
+            ("  chunks in Postgres, not on the topic", str(f.chunks_missing_on_topic)),
+            ("order violations", str(f.order_violations)),
+            (
+                "viewers / mismatches / reconnects",
+                f"{f.viewers} / {f.viewer_mismatches} / {f.viewer_reconnects}",
+            ),
+            ("dead letters (repeats)", f"{f.dead_letters} ({f.dead_letter_repeats})"),
+            ("offset audits / offsets ahead of work", f"{f.offset_audits} / {f.offsets_ahead}"),
+        ]
+        handoffs = [x.handoff_s for x in self.faults if x.handoff_s is not None]
+        med, mx = median_max(handoffs)
+        rows.append(
+            (
+                "handoff time median / max",
+                _secs(med) + " / " + _secs(mx) + f"  ({len(handoffs)} worker faults)",
+            )
+        )
+        for x in self.faults:
+            if x.kind in fk.SERVICE_KINDS or x.kind == fk.GATEWAY_RESTART:
+                what = "ready after" if x.kind == fk.GATEWAY_RESTART else "recovered after"
+                rows.append(
+                    (
+                        f"  {x.kind} ({x.target})",
+                        f"{what} {_secs(x.recover_s)}; {'; '.join(x.notes)}",
+                    )
+                )
+        rows.append(("violations", str(len(self.violations))))
+        rows.append(("elapsed", f"{self.elapsed_s:.0f}s"))
+        width = max(len(k) for k, _ in rows) + 2
+        lines = [f"{k:<{width}}{v}" for k, v in rows]
+        return "\n".join(lines)
+
+
+def _secs(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}s"
+
+
+def chaos_settings(stack: Stack, cfg: Config, namespace: str) -> Settings:
+    three = stack.info.brokers >= 3
+    return Settings(
+        app_env=AppEnv.DEV,
+        kafka_bootstrap=stack.info.kafka_bootstrap,
+        database_url=stack.info.database_url,
+        namespace=namespace,
+        partitions=cfg.partitions,
+        replication_factor=3 if three else 1,
+        min_insync_replicas=2 if three else 1,
+        session_timeout_s=cfg.session_timeout_s,
+        heartbeat_interval_s=1.0,
+        rebalance_timeout_s=30.0,
+        handoff_ceiling_s=cfg.handoff_ceiling_s,
+        retry_base_s=0.05,
+        chunk_batch_ms=5,
+        max_inflight=cfg.max_inflight,
+        sweep_after_s=3.0,
+        sweep_interval_s=1.0,
+        publish_timeout_s=30.0,
+        rate_per_s=1000.0,
+        rate_burst=1000,
+        sse_keepalive_s=2.0,
+        sse_retry_ms=200,
+    )
+
+
+class Chaos:
+    """One chaos run against ``stack`` (which it may stop and start, never tear down)."""
+
+    def __init__(self, cfg: Config, stack: Stack) -> None:
+        self.cfg = cfg
+        self.stack = stack
+        self.rng = Random(cfg.seed)  # noqa: S311 - reproducible schedule, not crypto
+        self.settings = chaos_settings(stack, cfg, f"chaos{int(time.time()) % 10**8}")
+        self.pool = Pool(self.settings, cfg.workers)
+        self.db = Postgres(self.settings)
+        self.monitor = CommitMonitor(self.settings)
+        self.auditor = OffsetAuditor(self.settings, self.db, self.monitor)
+        self.viewers: list[Viewer] = []
+        self.viewer_tasks: list[asyncio.Task[None]] = []
+        self.poison: list[InjectedPoison] = []
+        self.faults: list[fk.Fault] = []
+        self.plan: dict[str, list[PlannedRun]] = {}
+        self.started = time.monotonic()
+
+    def log(self, msg: str) -> None:
+        if self.cfg.verbose:
+            print(f"[{time.monotonic() - self.started:7.1f}s] {msg}", flush=True)
+
+    async def run(self) -> Report:
+        cfg = self.cfg
+        await asyncio.to_thread(upgrade, self.settings)
+        await asyncio.to_thread(apply_topics, self.settings)
+        try:
+            await asyncio.to_thread(self.pool.start)
+            await asyncio.to_thread(
+                wait_until,
+                lambda: len(self.db.epochs()) == cfg.partitions,
+                timeout=120,
+                what="workers holding every partition",
+            )
+            self.monitor.start()
+            self.auditor.start()
+            self.log(
+                f"{cfg.workers} workers and a gateway up; namespace "
+                f"{self.settings.namespace}; submitting for {cfg.window_s():.0f}s"
+            )
+            report = await self._load_and_faults()
+        finally:
+            self.monitor.stop()
+            self.auditor.stop()
+            try:
+                await asyncio.to_thread(self.pool.stop_all)
+            finally:
+                self.pool.kill_all()
+                self.db.close()
+        return report
+
+    async def _load_and_faults(self) -> Report:
+        cfg = self.cfg
+        self.plan = plan_runs(
+            self.rng,
+            runs=cfg.runs,
+            users=cfg.users,
+            min_s=cfg.min_run_s,
+            max_s=cfg.max_run_s,
+            poison_runs=cfg.poison_runs,
+            flaky_fraction=cfg.flaky_fraction,
+            watch_fraction=cfg.watch_fraction,
+        )
+        deadline = time.monotonic() + cfg.deadline_s
+        per_user = max(len(v) for v in self.plan.values())
+        gap = cfg.window_s() / per_user
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=100)
+        timeout = httpx.Timeout(30.0, read=20.0)
+        url = f"http://127.0.0.1:{self.pool.gateway_port}"
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+
+            def accepted(run: PlannedRun) -> None:
+                if run.watch and run.run_id is not None:
+                    v = Viewer(run.run_id, run.user)
+                    self.viewers.append(v)
+                    self.viewer_tasks.append(
+                        asyncio.create_task(self._view_later(client, v, deadline))
+                    )
+
+            users = [
+                asyncio.create_task(
+                    user_session(
+                        client,
+                        runs,
+                        Random(self.rng.random()),
+                        gap,  # noqa: S311
+                        deadline,
+                        accepted,
+                    )
+                )
+                for runs in self.plan.values()
+            ]
+            audits = asyncio.create_task(self._audit_loop())
+            await self._fault_loop(users)
+            await asyncio.gather(*users)
+            self.log("all submitted; waiting for every run to end")
+            await self._wait_terminal(deadline)
+            await asyncio.wait(self.viewer_tasks, timeout=120) if self.viewer_tasks else None
+            for t in self.viewer_tasks:
+                t.cancel()
+            audits.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await audits
+        return await asyncio.to_thread(self._verify)
+
+    async def _view_later(self, client: httpx.AsyncClient, v: Viewer, deadline: float) -> None:
+        # Most viewers join at once (live), some late (replay from Postgres, then live).
+        if self.rng.random() < 0.3:
+            await asyncio.sleep(self.rng.uniform(0.5, 8.0))
+        await follow(client, v, deadline)
+
+    async def _audit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(3.0)
+            await asyncio.to_thread(self.auditor.audit)
+            self.pool.check_exits()
+
+    async def _fault_loop(self, users: list[asyncio.Task[None]]) -> None:
+        cfg = self.cfg
+        kinds = list(cfg.fault_kinds())
+        poison_due = [
+            int((i + 1) * cfg.min_faults / (cfg.poison_rounds + 1))
+            for i in range(cfg.poison_rounds)
+        ]
+        await asyncio.sleep(min(5.0, cfg.fault_gap_s))
+        rounds = 0
+        while len(self.faults) < cfg.min_faults or not all(u.done() for u in users):
+            if rounds % len(kinds) == 0:
+                self.rng.shuffle(kinds)
+            kind = kinds[rounds % len(kinds)]
+            rounds += 1
+            self.log(f"fault {len(self.faults) + 1}: {kind}")
+            fault = await self.injector.inject(kind)
+            self.faults.append(fault)
+            self.log(
+                f"  {fault.kind} on {fault.target}: handoff {_secs(fault.handoff_s)} "
+                f"{'; '.join(fault.notes)}"
+            )
+            if len(self.faults) in poison_due:
+                self.poison += await asyncio.to_thread(inject_poison, self.settings)
+                self.log("  poison records written to the runs topic")
+            await asyncio.sleep(cfg.fault_gap_s)
+            if len(self.faults) >= cfg.min_faults and all(u.done() for u in users):
+                break
+
+    @property
+    def injector(self) -> fk.Injector:
+        if not hasattr(self, "_injector"):
+            self._injector = fk.Injector(
+                self.stack,
+                self.pool,
+                self.db,
+                self.rng,
+                self.cfg.session_timeout_s,
+                down_s=self.cfg.down_s,
+            )
+        return self._injector
+
+    async def _wait_terminal(self, deadline: float) -> None:
+        ids = [r.run_id for runs in self.plan.values() for r in runs if r.run_id]
+        last_log = 0.0
+        while time.monotonic() < deadline:
+            try:
+                rows = await asyncio.to_thread(
+                    self.db.query,
+                    "SELECT count(*) AS n FROM runs WHERE id = ANY(:ids)"
+                    " AND status IN ('done', 'failed', 'cancelled')",
+                    ids=ids,
+                )
+                left = len(ids) - rows[0].n
+            except Exception:  # noqa: BLE001 - keep waiting through a restart
+                left = -1
+            if left == 0:
+                return
+            if time.monotonic() - last_log > 15:
+                self.log(f"  {left} runs not terminal yet")
+                last_log = time.monotonic()
+            self.pool.check_exits()
+            await asyncio.sleep(1.0)
+
+    def _verify(self) -> Report:
+        behind = wait_all_committed(self.settings, self.monitor, timeout=60)
+        self.auditor.audit()
+        findings = check_all(
+            self.settings, self.db, self.plan, self.viewers, self.poison, self.auditor
+        )
+        for fault in self.faults:
+            if fault.kind in fk.SERVICE_KINDS and fault.back_at is not None:
+                fault.recover_s = self.monitor.recovery_after(fault.back_at)
+        self.pool.check_exits()
+        violations = list(findings.violations) + behind + self.pool.unexpected_exits
+        violations += [
+            f"{x.kind} on {x.target}: {n}"
+            for x in self.faults
+            for n in x.notes
+            if "exit code" in n or "not complete" in n
+        ]
+        return Report(self.cfg, findings, self.faults, time.monotonic() - self.started, violations)
+
+
+def run_on(cfg: Config, stack: Stack) -> Report:
+    """Run chaos against an existing stack (the caller owns and tears it down)."""
+    return asyncio.run(Chaos(cfg, stack).run())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m tests.chaos.harness",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--runs", type=int, default=2000)
+    p.add_argument("--users", type=int, default=200)
+    p.add_argument("--brokers", type=int, choices=(1, 3), default=3)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--faults", type=int, default=21, help="at least this many faults")
+    p.add_argument("--min-run", type=float, default=0.1, help="shortest run, seconds")
+    p.add_argument("--max-run", type=float, default=5.0, help="longest run, seconds")
+    p.add_argument("--watch", type=float, default=0.05, help="fraction of runs with a viewer")
+    p.add_argument("--poison-runs", type=int, default=5)
+    p.add_argument("--partitions", type=int, default=32)
+    p.add_argument("--max-inflight", type=int, default=8)
+    p.add_argument("--window", type=float, default=None, help="submission window, seconds")
+    p.add_argument("--gap", type=float, default=6.0, help="seconds between faults")
+    p.add_argument("--seed", type=int, default=int(time.time()))
+    p.add_argument("--state-dir", type=Path, default=None, help="default: a new /tmp dir")
+    p.add_argument("--keep", action="store_true", help="leave the state dir for inspection")
+    a = p.parse_args(argv)
+    cfg = Config(
+        runs=a.runs,
+        users=a.users,
+        brokers=a.brokers,
+        workers=a.workers,
+        min_faults=a.faults,
+        min_run_s=a.min_run,
+        max_run_s=a.max_run,
+        watch_fraction=a.watch,
+        poison_runs=a.poison_runs,
+        partitions=a.partitions,
+        max_inflight=a.max_inflight,
+        submit_window_s=a.window,
+        fault_gap_s=a.gap,
+        seed=a.seed,
+    )
+    state = a.state_dir or Path(tempfile.mkdtemp(prefix="koda-chaos-", dir="/tmp"))
+    print(f"chaos: seed {a.seed}, state dir {state}", flush=True)
+    try:
+        info = up(state, brokers=a.brokers)
+        report = run_on(cfg, Stack(state, info))
+    finally:
+        try:
+            down(state)
+        finally:
+            if not a.keep:
+                shutil.rmtree(state, ignore_errors=True)
+    print()
+    print(report.table())
+    if report.violations:
+        print(f"\n{len(report.violations)} violations:")
+        for line in report.violations[:100]:
+            print(f"  - {line}")
+        return 1
+    print("\nno violations")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

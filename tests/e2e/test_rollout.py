@@ -1,0 +1,205 @@
+"""Drill 3 of seeds/004: a rolling deploy with two versions of the worker at once.
+
+The old version is the code of an earlier commit (``OLD_RELEASE``, extracted with
+``git archive``), run from its own tree with ``python -S`` so nothing of this tree can
+leak into it through the editable install; the new one is this tree. The database is
+migrated first (migration 0003 adds the nullable ``runs.failures``, which the old code
+has never heard of and the new code writes), then the workers roll: two old workers
+take traffic, a new one joins, an old one gets SIGTERM, another new one joins, the
+last old one gets SIGTERM, while runs keep arriving (every fifth fails once first).
+Trigger records come in two shapes at once: from a newer gateway, with a field no
+worker knows (``priority``): old and new decoders must ignore it; from an older
+gateway, without the optional ``created_at``: new code must not need it.
+
+Afterwards: every run done with its exact output, both versions did runs, no dead
+letter, no error in any log, per-user order kept, both SIGTERMs exited 0.
+When a release is cut, move ``OLD_RELEASE`` to the previous release's commit.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Producer
+
+from koda.kafka import producer_config
+from koda.settings import Settings
+from processors.handlers.demo import demo_tokens
+from schemas.records import RUN_REQUESTED, headers_for
+from tests.support import wait_until
+from tests.workers import ROOT, Submitter, WorkerProcess, read_topic, settings_env
+from topics.catalogue import RUNS, RUNS_DLQ
+
+OLD_RELEASE = "4aab503f75429d4268725f29d9b5f2a520e75595"
+
+
+@pytest.fixture(scope="module")
+def old_tree() -> Iterator[Path]:
+    have = subprocess.run(  # noqa: S603
+        ["git", "-C", str(ROOT), "cat-file", "-e", f"{OLD_RELEASE}^{{commit}}"],  # noqa: S607
+        capture_output=True,
+        check=False,
+    )
+    if have.returncode != 0:
+        pytest.skip(f"git history with {OLD_RELEASE[:10]} is not available in this checkout")
+    archive = subprocess.run(  # noqa: S603
+        ["git", "-C", str(ROOT), "archive", "--format=tar", OLD_RELEASE],  # noqa: S607
+        capture_output=True,
+        check=True,
+    ).stdout
+    with tempfile.TemporaryDirectory(prefix="koda-old-release-") as d:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(d, filter="data")
+        yield Path(d)
+
+
+@dataclass
+class OldWorker(WorkerProcess):
+    """A worker of the old release: its own tree first on the import path."""
+
+    tree: Path = Path()
+
+    def start(self) -> OldWorker:
+        fd, name = tempfile.mkstemp(prefix=f"koda-{self.worker_id}-", suffix=".log")
+        self.log_path = Path(name)
+        env = settings_env(self.settings, KODA_WORKER_ID=self.worker_id, **self.extra_env)
+        # -S: no site module, so no .pth and no editable-install finder pointing here.
+        env["PYTHONPATH"] = f"{self.tree}:{sysconfig.get_paths()['purelib']}"
+        self.proc = subprocess.Popen(  # noqa: S603
+            [sys.executable, "-S", "-m", "koda", "worker"],
+            env=env,
+            cwd=self.tree,
+            stdout=fd,
+            stderr=fd,
+            start_new_session=True,
+        )
+        os.close(fd)
+        return self
+
+
+class Traffic:
+    """Runs for a few users, one every ~0.15 s, triggers alternating newer/older shape."""
+
+    def __init__(self, env: Settings) -> None:
+        self.sub = Submitter(env)
+        self.producer = Producer(producer_config(env, "rollout"))
+        self.topic = env.names.topic(RUNS)
+        self.ids: dict[str, list[str]] = {}
+        self.inputs: dict[str, dict] = {}  # type: ignore[type-arg]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.n = 0
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            user = f"roll-{self.n % 6}"
+            inp = {
+                "text": f"rollout {self.n}",
+                "demo": {"tokens": 5, "delay_ms": 80, "fail_attempts": int(self.n % 5 == 0)},
+            }
+            run_id = self.sub.submit(user, inp, publish=False)
+            record = {"run_id": run_id, "user_id": user, "session_id": f"s-{user}"}
+            if self.n % 2 == 0:
+                record |= {"created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ"), "priority": 5}
+            self.producer.produce(
+                self.topic,
+                key=user.encode(),
+                value=json.dumps(record),
+                headers=headers_for(RUN_REQUESTED),
+            )
+            self.producer.flush(30)
+            self.ids.setdefault(user, []).append(run_id)
+            self.inputs[run_id] = inp
+            self.n += 1
+            self._stop.wait(0.15)
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def all_ids(self) -> list[str]:
+        return [r for ids in self.ids.values() for r in ids]
+
+
+def test_old_and_new_workers_roll_without_error_or_loss(env: Settings, old_tree: Path) -> None:
+    procs: list[WorkerProcess] = []
+
+    def start(w: WorkerProcess) -> WorkerProcess:
+        procs.append(w.start())
+        return w
+
+    def assigned(w: WorkerProcess) -> bool:
+        assert w.alive(), w.log()[-3000:]
+        return "assigned partitions" in w.log()
+
+    try:
+        o1 = start(OldWorker(env, "old-1", tree=old_tree))
+        o2 = start(OldWorker(env, "old-2", tree=old_tree))
+        wait_until(lambda: assigned(o1) and assigned(o2), timeout=60, what="old workers up")
+        with Traffic(env) as traffic:
+
+            def more_runs(k: int) -> None:
+                goal = traffic.n + k
+                wait_until(lambda: traffic.n >= goal, timeout=30, what=f"{k} more runs")
+
+            more_runs(15)
+            n1 = start(WorkerProcess(env, "new-1"))
+            wait_until(lambda: assigned(n1), timeout=60, what="new-1 joined")
+            o1.signal(15)
+            assert o1.proc is not None and o1.proc.wait(40) == 0, o1.log()[-3000:]
+            n2 = start(WorkerProcess(env, "new-2"))
+            wait_until(lambda: assigned(n2), timeout=60, what="new-2 joined")
+            more_runs(10)
+            o2.signal(15)
+            assert o2.proc is not None and o2.proc.wait(40) == 0, o2.log()[-3000:]
+            more_runs(10)
+        ids = traffic.all_ids()
+        sub = traffic.sub
+        wait_until(lambda: sub.all_terminal(ids), timeout=90, what="every run terminal")
+        rows = {
+            r.id: r
+            for r in sub.query(
+                "SELECT id, user_id, status, worker_id, started_at, finished_at FROM runs"
+                " WHERE id = ANY(:ids)",
+                ids=ids,
+            )
+        }
+        assert {r.status for r in rows.values()} == {"done"}
+        workers = {r.worker_id for r in rows.values()}
+        assert workers & {"old-1", "old-2"} and workers & {"new-1", "new-2"}, workers
+        for run_id in ids:
+            msgs = sub.messages(run_id)
+            assert [m.seq for m in msgs] == list(range(len(msgs)))
+            last_reset = max((m.seq for m in msgs if m.kind == "reset"), default=-1)
+            text = "".join(m.content for m in msgs if m.kind == "chunk" and m.seq > last_reset)
+            assert text == "".join(demo_tokens(traffic.inputs[run_id]))
+        for user_ids in traffic.ids.values():
+            seq = [rows[r] for r in user_ids]
+            for prev, nxt in zip(seq, seq[1:], strict=False):
+                assert prev.started_at < nxt.started_at and prev.finished_at <= nxt.started_at
+        assert read_topic(env, env.names.topic(RUNS_DLQ), timeout=10) == []
+        for w in procs:
+            for bad in ("Traceback", "Crashed", "dead-letter"):
+                assert bad not in w.log(), f"{w.worker_id}:\n{w.log()[-3000:]}"
+        traffic.sub.close()
+    finally:
+        for w in procs:
+            if w.alive():
+                w.stop()
