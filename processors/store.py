@@ -81,9 +81,9 @@ class RunStore:
         # BEGIN and ROLLBACK round trips (two of a run's ~26 before this).
         self.reader = engine.execution_options(isolation_level="AUTOCOMMIT")
 
-    async def bump_epochs(self, topic: str, partitions: Sequence[int], worker_id: str) -> dict[
-        int, int
-    ]:
+    async def bump_epochs(
+        self, topic: str, partitions: Sequence[int], worker_id: str
+    ) -> dict[int, int]:
         """Take ownership of ``partitions``: their epochs grow by one; returns the new ones."""
         if not partitions:
             return {}
@@ -121,8 +121,14 @@ class RunStore:
         if row is None:
             return None
         return RunRow(
-            row.id, row.user_id, row.session_id, RunStatus(row.status), row.input, row.attempt,
-            row.fence, bool(row.older_pending),
+            row.id,
+            row.user_id,
+            row.session_id,
+            RunStatus(row.status),
+            row.input,
+            row.attempt,
+            row.fence,
+            bool(row.older_pending),
         )
 
     async def pending_predecessors(self, run: RunRow, limit: int = 50) -> list[RunRow]:
@@ -240,27 +246,7 @@ class RunStore:
                 return None
             if first_output:
                 await self._transition(conn, fence, run_id, RunStatus.STREAMING)
-            rows = await conn.execute(
-                text(
-                    """
-                    INSERT INTO messages (run_id, seq, kind, content, attempt)
-                    SELECT :run_id, s.seq, s.kind, s.content, s.attempt
-                      FROM unnest(CAST(:seqs AS int[]), CAST(:kinds AS text[]),
-                                  CAST(:contents AS text[]), CAST(:attempts AS int[]))
-                           AS s(seq, kind, content, attempt)
-                    ON CONFLICT (run_id, seq) DO NOTHING
-                    RETURNING seq
-                    """
-                ),
-                {
-                    "run_id": run_id,
-                    "seqs": [c.seq for c in chunks],
-                    "kinds": [c.kind.value for c in chunks],
-                    "contents": [c.content for c in chunks],
-                    "attempts": [c.attempt for c in chunks],
-                },
-            )
-            return sorted(int(r[0]) for r in rows)
+            return await _insert_chunks(conn, run_id, chunks)
 
     async def finish(
         self,
@@ -283,30 +269,7 @@ class RunStore:
         async with self.engine.begin() as conn:
             if not await self._owned(conn, fence, run_id):
                 return None
-            if final:
-                rows = await conn.execute(
-                    text(
-                        """
-                        INSERT INTO messages (run_id, seq, kind, content, attempt)
-                        SELECT :run_id, s.seq, s.kind, s.content, s.attempt
-                          FROM unnest(CAST(:seqs AS int[]), CAST(:kinds AS text[]),
-                                      CAST(:contents AS text[]), CAST(:attempts AS int[]))
-                               AS s(seq, kind, content, attempt)
-                        ON CONFLICT (run_id, seq) DO NOTHING
-                        RETURNING seq
-                        """
-                    ),
-                    {
-                        "run_id": run_id,
-                        "seqs": [c.seq for c in final],
-                        "kinds": [c.kind.value for c in final],
-                        "contents": [c.content for c in final],
-                        "attempts": [c.attempt for c in final],
-                    },
-                )
-                inserted = sorted(int(r[0]) for r in rows)
-            else:
-                inserted = []
+            inserted = await _insert_chunks(conn, run_id, final) if final else []
             for index, u in enumerate(usage):
                 await conn.execute(
                     text(
@@ -391,3 +354,31 @@ class RunStore:
                 },
             )
             return bool(result.rowcount)
+
+
+_INSERT_CHUNKS = text(
+    """
+    INSERT INTO messages (run_id, seq, kind, content, attempt)
+    SELECT :run_id, s.seq, s.kind, s.content, s.attempt
+      FROM unnest(CAST(:seqs AS int[]), CAST(:kinds AS text[]),
+                  CAST(:contents AS text[]), CAST(:attempts AS int[]))
+           AS s(seq, kind, content, attempt)
+    ON CONFLICT (run_id, seq) DO NOTHING
+    RETURNING seq
+    """
+)
+
+
+async def _insert_chunks(conn: AsyncConnection, run_id: str, chunks: Sequence[Chunk]) -> list[int]:
+    """Insert ``chunks`` idempotently; return the seqs actually inserted, sorted."""
+    rows = await conn.execute(
+        _INSERT_CHUNKS,
+        {
+            "run_id": run_id,
+            "seqs": [c.seq for c in chunks],
+            "kinds": [c.kind.value for c in chunks],
+            "contents": [c.content for c in chunks],
+            "attempts": [c.attempt for c in chunks],
+        },
+    )
+    return sorted(int(r[0]) for r in rows)
