@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 from koda.localstack import down, env_lines, up
 from koda.settings import Settings
@@ -83,9 +84,8 @@ def run_dev(state_dir: Path, environ: Mapping[str, str], *, workers: int = 2) ->
         while not stopping:
             for child in children:
                 if child.poll() is not None:
-                    print(
-                        f"koda dev: {child.args[3]} exited with {child.returncode}", file=sys.stderr
-                    )
+                    name = " ".join(str(a) for a in cast(list[str], child.args)[3:4])
+                    print(f"koda dev: {name} exited with {child.returncode}", file=sys.stderr)
                     stopping, status = True, 1
             time.sleep(0.5)
     finally:

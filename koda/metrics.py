@@ -52,6 +52,7 @@ __all__ = [
     "HEARTBEATS",
     "HTTP_REQUESTS",
     "HTTP_REQUEST_SECONDS",
+    "OFFSET_REWINDS",
     "PUBLISH",
     "PUBLISH_SECONDS",
     "QUEUE_AGE_SECONDS",
@@ -143,6 +144,11 @@ REBALANCES = Counter(
     "koda_rebalances_total",
     "Partition assignment changes seen by this worker, by event: assigned or revoked.",
     ["event"],
+    registry=REGISTRY,
+)
+OFFSET_REWINDS = Counter(
+    "koda_offset_rewinds_total",
+    "Times a worker found records dropped before reaching it and sought back for them.",
     registry=REGISTRY,
 )
 HANDOFF_SECONDS = Histogram(

@@ -33,8 +33,10 @@ from koda.lifecycle.handler import CancelToken, Handler
 from koda.metrics import HANDOFF_SECONDS, REBALANCES
 from koda.settings import Settings
 from processors.chains import ChainSet
+from processors.cursor import PartitionCursors
 from processors.emitter import Emitter
 from processors.handlers import build_handler
+from processors.offsets import GroupOffsetReader
 from processors.ops import WorkerOps
 from processors.runner import FencedOut, Record, RunExecutor
 from processors.store import Fence, RunStore
@@ -53,7 +55,12 @@ class WorkerRuntime:
     handler: Handler
     runs_topic: str
     chains: ChainSet | None = None
+    cursors: PartitionCursors | None = None
     fences: dict[int, Fence] = field(default_factory=dict)
+    # The runs partitions of the current assignment. Faust stamps records fetched just
+    # before a rebalance with the *new* generation, so the generation alone does not
+    # tell a record of a partition this worker just lost.
+    assigned: set[int] = field(default_factory=set)
     app: faust.App | None = None
     # Epoch bumps in progress. A record can arrive while on_assigned is still taking
     # the epochs (or before it starts); bumping a second time would fence out the run
@@ -64,6 +71,9 @@ class WorkerRuntime:
         fence = self.fences.get(partition)
         if fence is not None:
             return fence
+        if partition not in self.assigned:
+            # Taking the epoch of a partition we do not hold would fence out its owner.
+            raise FencedOut(f"partition {partition} is not assigned to this worker")
         pending = self.taking.get(partition)
         if pending is not None:
             return await asyncio.shield(pending)
@@ -101,6 +111,7 @@ class WorkerRuntime:
 
     async def on_assigned(self, partitions: list[int]) -> None:
         REBALANCES.labels(event="assigned").inc()
+        self.assigned = set(partitions)
         if self.chains is not None:
             self.chains.accepting = True
         # A partition whose first record already took (or is taking) its epoch in this
@@ -117,6 +128,7 @@ class WorkerRuntime:
 
     async def on_revoked(self, partitions: list[int]) -> dict[str, Any]:
         REBALANCES.labels(event="revoked").inc()
+        self.assigned.difference_update(partitions)
         loop = asyncio.get_running_loop()
         started = loop.time()
         result: dict[str, Any] = {}
@@ -143,7 +155,25 @@ class DrainingConsumer(faust_aiokafka.Consumer):
                 # commit() returns False if another commit was running: ask twice.
                 await self.commit(revoked)
                 await self.commit(revoked)
+                if rt.cursors is not None:
+                    rt.cursors.forget(ours)  # after the commits, which need them
         await super().on_partitions_revoked(revoked)
+
+    def _new_offset(self, tp: Any) -> int | None:
+        # Faust's own computation commits the first run of consecutive acks even when
+        # it does not start at the committed offset (always so when there is none):
+        # koda's commit cursor demands that it does.
+        rt = self.runtime
+        if rt is None or rt.cursors is None or tp.topic != rt.runs_topic:
+            return super()._new_offset(tp)
+        acked = self._acked[tp]
+        if not acked:
+            return None
+        acked.sort()
+        before = set(acked)
+        offset = rt.cursors.take_commit(tp.partition, acked)
+        self._acked_index[tp].difference_update(before.difference(acked))
+        return offset
 
 
 class IdempotentProducer(faust_aiokafka.Producer):
@@ -158,6 +188,7 @@ class KodaTransport(faust_aiokafka.Transport):
 
 class KodaApp(faust.App):
     ops: WorkerOps | None = None
+    offsets: GroupOffsetReader | None = None
 
     def _new_transport(self) -> Any:
         return KodaTransport(self.conf.broker_consumer, self)
@@ -178,6 +209,8 @@ class KodaApp(faust.App):
         finally:
             if self.ops is not None:
                 await self.ops.stop(crashed=self.crashed)
+            if self.offsets is not None:
+                await self.offsets.aclose()
 
 
 def faust_settings(settings: Settings, datadir: str) -> dict[str, Any]:
@@ -238,9 +271,7 @@ def build_worker(settings: Settings, datadir: str) -> tuple[faust.App, WorkerRun
     engine = async_engine(settings, pool_size=settings.max_inflight + 2, pre_ping=False)
     store = RunStore(engine)
     handler = build_handler(settings)
-    app = KodaApp(
-        settings.names.group(settings.worker_group), **faust_settings(settings, datadir)
-    )
+    app = KodaApp(settings.names.group(settings.worker_group), **faust_settings(settings, datadir))
     emitter = Emitter(settings, app.producer.send)
     executor = RunExecutor(settings, store, emitter, handler)
     runs_topic = settings.names.topic(RUNS)
@@ -267,25 +298,81 @@ def build_worker(settings: Settings, datadir: str) -> tuple[faust.App, WorkerRun
         low_water=max(1, settings.chain_high_water // 4),
     )
     rt.chains = chains
+
+    offsets = GroupOffsetReader(
+        settings, "cursor", runs_topic, settings.names.group(settings.worker_group)
+    )
+    app.offsets = offsets
+
+    async def base_offset(partition: int) -> int:
+        return await offsets.run(offsets.start_offset, partition)
+
+    async def seek(partition: int, offset: int) -> None:
+        await app.consumer.seek(tp(partition), offset)
+
+    cursors = PartitionCursors(base_offset, seek)
+    rt.cursors = cursors
     app.ops = WorkerOps(settings, app, rt)
     source = app.topic(
-        runs_topic, key_type=bytes, value_type=bytes, key_serializer="raw",
+        runs_topic,
+        key_type=bytes,
+        value_type=bytes,
+        key_serializer="raw",
         value_serializer="raw",
     )
+
+    def current(msg: Any) -> bool:
+        # A record fetched before the last rebalance, or of a partition this worker no
+        # longer holds: its owner reads it (again).
+        return bool(
+            msg.generation_id == app.consumer_generation_id and msg.tp.partition in rt.assigned
+        )
 
     @app.agent(source)
     async def dispatch(stream: Any) -> None:
         async for event in stream.noack().events():
             msg = event.message
-            if msg.generation_id != app.consumer_generation_id:
-                continue  # fetched before the last rebalance: the new owner re-reads it
-            chains.dispatch(event, msg.tp.partition, msg.offset)
+            partition = msg.tp.partition
+            if not current(msg) or not await admit(partition, msg.offset, msg.generation_id):
+                continue
+            if not current(msg):
+                continue  # the group changed while the cursor looked its base up
+            if chains.dispatch(event, partition, msg.offset):
+                cursors.advance(partition, msg.offset)
 
-    @app.on_partitions_assigned.connect
+    async def admit(partition: int, offset: int, generation: int) -> bool:
+        delay = 0.2
+        while generation == app.consumer_generation_id:
+            try:
+                return await cursors.admit(partition, offset, generation)
+            except Exception as exc:  # noqa: BLE001 - the broker may be restarting
+                log.warning(
+                    "cannot place partition=%d offset=%d: %s; retrying in %.1fs",
+                    partition,
+                    offset,
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        return False  # the partition moved on meanwhile: its next owner reads it
+
+    async def position(partition: int) -> int | None:
+        try:
+            pos = await app.consumer.position(tp(partition))
+        except Exception:  # noqa: BLE001 - not assigned any more, or the broker is away
+            return None
+        return None if pos is None else int(pos)
+
+    @app.timer(interval=2.0)  # type: ignore[untyped-decorator]
+    async def watch_tails() -> None:
+        await cursors.watch(position)
+
+    @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def _assigned(sender: Any, assigned: set[Any], **_: Any) -> None:
         await rt.on_assigned(sorted(t.partition for t in assigned if t.topic == runs_topic))
 
-    @app.on_before_shutdown.connect
+    @app.on_before_shutdown.connect  # type: ignore[arg-type]
     async def _shutdown(sender: Any, **_: Any) -> None:
         chains.accepting = False
         await rt.on_revoked(chains.held())

@@ -141,7 +141,10 @@ class RunExecutor:
         for pred in await self.store.pending_predecessors(run) if run.older_pending else []:
             log.info("predecessor first run_id=%s before=%s", pred.id, run.id)
             trigger = Record(
-                record.topic, record.partition, -1, pred.user_id.encode(),
+                record.topic,
+                record.partition,
+                -1,
+                pred.user_id.encode(),
                 RunRequested(pred.id, pred.user_id, pred.session_id, "").encode(),
                 headers_for(RUN_REQUESTED),
             )
@@ -171,13 +174,23 @@ class RunExecutor:
             futures: list[asyncio.Future[Any]] = []
             futures.append(
                 await self.emitter.event(
-                    fence.partition, run_id, "transition", to="running", attempt=attempt,
+                    fence.partition,
+                    run_id,
+                    "transition",
+                    to="running",
+                    attempt=attempt,
                     worker_id=self.worker_id,
                 )
             )
             seq = SeqCounter(claim.next_seq)
             batcher = ChunkBatcher(
-                self.store, self.emitter, fence, run_id, attempt, seq, futures,
+                self.store,
+                self.emitter,
+                fence,
+                run_id,
+                attempt,
+                seq,
+                futures,
                 self.settings.chunk_batch_size,
             )
             # The retry budget counts handler failures; resumptions after a handoff or a
@@ -188,7 +201,10 @@ class RunExecutor:
                 return
             if attempt > self.settings.max_attempts * MAX_CLAIMS_PER_ATTEMPT:
                 await self._give_up(
-                    record, batcher, fence, attempt - 1,
+                    record,
+                    batcher,
+                    fence,
+                    attempt - 1,
                     f"claimed {attempt - 1} times without finishing (cut off or its worker died)",
                 )
                 return
@@ -196,7 +212,11 @@ class RunExecutor:
                 batcher.add(ChunkKind.RESET, json.dumps({"attempt": attempt}))
             log.info(
                 "run start run_id=%s user_id=%s attempt=%d partition=%d offset=%d",
-                run_id, user_id, attempt, record.partition, record.offset,
+                run_id,
+                user_id,
+                attempt,
+                record.partition,
+                record.offset,
             )
             ctx = RunContext(run_id, user_id, inp, attempt, cancel)
             try:
@@ -211,7 +231,10 @@ class RunExecutor:
                     raise FencedOut(f"run {run_id}: failure count fenced out") from exc
                 log.warning(
                     "attempt failed run_id=%s attempt=%d failures=%d error=%s",
-                    run_id, attempt, failures, error[:200],
+                    run_id,
+                    attempt,
+                    failures,
+                    error[:200],
                 )
                 if self.policy.exhausted(failures):
                     await self._give_up(record, batcher, fence, attempt, error)
@@ -237,8 +260,13 @@ class RunExecutor:
             for i, u in enumerate(usage):
                 futures.append(
                     await self.emitter.event(
-                        fence.partition, run_id, "usage", call_index=i, model=u.model,
-                        prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                        fence.partition,
+                        run_id,
+                        "usage",
+                        call_index=i,
+                        model=u.model,
+                        prompt_tokens=u.prompt_tokens,
+                        completion_tokens=u.completion_tokens,
                     )
                 )
             await asyncio.gather(*futures)

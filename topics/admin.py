@@ -6,7 +6,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
+
+# confluent-kafka's stubs do not list these in admin's __all__; they are its public API.
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+)
 
 from koda.errors import TopicError
 from koda.settings import Settings
@@ -68,8 +75,12 @@ def apply_topics(settings: Settings, specs: list[TopicSpec] | None = None) -> li
         return []
     futures = admin.create_topics(
         [
-            NewTopic(s.name, num_partitions=s.partitions, replication_factor=s.replication_factor,
-                     config=dict(s.config))
+            NewTopic(
+                s.name,
+                num_partitions=s.partitions,
+                replication_factor=s.replication_factor,
+                config=dict(s.config),
+            )
             for s in missing
         ],
         operation_timeout=ADMIN_TIMEOUT_S,

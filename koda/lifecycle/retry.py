@@ -22,4 +22,4 @@ class RetryPolicy:
         """Seconds to wait after failed ``attempt`` (1-based) before the next one."""
         r = rng or random
         raw = min(self.cap_s, self.base_s * (2 ** max(0, attempt - 1)))
-        return raw * (0.5 + r.random() * 0.5)  # noqa: S311 - jitter, not crypto
+        return float(raw * (0.5 + r.random() * 0.5))  # noqa: S311 - jitter, not crypto

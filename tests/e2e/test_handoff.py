@@ -13,8 +13,8 @@ import pytest
 from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
 from tests.support import wait_until
-from tests.workers import Submitter, WorkerProcess, read_topic
-from topics.catalogue import RUN_CHUNKS, partition_for_key
+from tests.workers import Submitter, WorkerProcess, committed_offsets, read_topic
+from topics.catalogue import RUN_CHUNKS, RUNS, partition_for_key
 
 
 @pytest.fixture
@@ -197,3 +197,45 @@ def test_a_frozen_worker_that_wakes_up_writes_nothing(env, submitter, workers) -
     ]
     assert sorted({c["seq"] for c in chunks if c["attempt"] == 1}) == list(range(stopped_rows))
     assert a.alive()
+
+
+def end_offsets(env: Settings) -> dict[int, int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    from koda.kafka import consumer_config
+
+    topic = env.names.topic(RUNS)
+    consumer = Consumer(consumer_config(env, "test-ends", env.names.group("ends-probe")))
+    try:
+        return {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+            for p in range(env.partitions)
+        }
+    finally:
+        consumer.close()
+
+
+def test_rebalances_before_anything_is_committed_lose_no_run(env, submitter, workers) -> None:
+    # One run per user, so no later run of the same user can pull a skipped one along
+    # (the predecessor rule), and no sweeper: a record skipped by the consumer would
+    # leave its run pending for good. One run at a time per worker keeps most
+    # partitions with fetched records and nothing committed while the group changes.
+    one_at_a_time = {"KODA_MAX_INFLIGHT": "1"}
+    a = start(env, workers, "a", **one_at_a_time)
+    wait_until(lambda: "assigned partitions" in a.log(), timeout=60, what="a assigned")
+    inp = {"text": "short", "demo": {"tokens": 4, "delay_ms": 50}}
+    runs = [submitter.submit(f"once-{i}", inp) for i in range(48)]
+    b = start(env, workers, "b", **one_at_a_time)
+    start(env, workers, "c", **one_at_a_time)
+    wait_until(lambda: "assigned partitions" in b.log(), timeout=60, what="b assigned")
+    b.signal(signal.SIGTERM)
+    wait_until(lambda: submitter.all_terminal(runs), timeout=120, what="every run terminal")
+    rows = submitter.query("SELECT status, attempt FROM runs WHERE id = ANY(:ids)", ids=runs)
+    assert {(r.status, r.attempt) for r in rows} == {("done", 1)}
+    group = env.names.group(env.worker_group)
+    ends = end_offsets(env)
+    wait_until(
+        lambda: committed_offsets(env, group, env.names.topic(RUNS)) == ends,
+        timeout=30,
+        what=f"commits reach the end offsets {ends}",
+    )

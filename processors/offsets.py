@@ -1,0 +1,81 @@
+"""The group's committed offsets and the partitions' watermarks, read from the broker.
+
+Through a librdkafka *consumer* that never subscribes (so it never joins the group),
+in one thread of its own, and not through aiokafka's consumer inside Faust: there a
+``ListOffsets`` request queues behind the long-polling fetch and takes up to 1.5 s.
+Not through the AdminClient either: librdkafka's admin requests abort or crash the
+whole process when they time out across a broker restart (``rd_kafka_enq_once_del_
+source_return: Assertion `eonce->refcnt > 0' failed``, librdkafka issue 4605; seen
+here killing every worker at once when the broker came back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from confluent_kafka import Consumer, TopicPartition
+
+from koda.kafka import consumer_config
+from koda.settings import Settings
+
+T = TypeVar("T")
+
+# Each call blocks the reader's own thread at most this long (seconds).
+REQUEST_TIMEOUT_S = 5.0
+
+
+class GroupOffsetReader:
+    """Reads ``group``'s committed offsets and the watermarks of ``topic``'s partitions."""
+
+    def __init__(self, settings: Settings, role: str, topic: str, group: str) -> None:
+        self.settings, self.role, self.topic, self.group = settings, role, topic, group
+        self._consumer: Consumer | None = None
+        # One thread: calls on the consumer never overlap, and close() runs after them.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"koda-{role}")
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Run a blocking method of this reader on its thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def _client(self) -> Consumer:
+        if self._consumer is None:
+            conf = consumer_config(self.settings, self.role, self.group)
+            self._consumer = Consumer(conf | {"socket.timeout.ms": int(REQUEST_TIMEOUT_S * 1000)})
+        return self._consumer
+
+    def committed(self, partitions: Iterable[int]) -> dict[int, int | None]:
+        """Blocking: the committed offset per partition; None where the group has none."""
+        tps = [TopicPartition(self.topic, p) for p in partitions]
+        got = self._client().committed(tps, timeout=REQUEST_TIMEOUT_S)
+        return {tp.partition: (tp.offset if tp.offset >= 0 else None) for tp in got}
+
+    def watermarks(self, partition: int) -> tuple[int, int]:
+        """Blocking: (log start, end offset) of the partition, asked of its leader."""
+        low, high = self._client().get_watermark_offsets(
+            TopicPartition(self.topic, partition), timeout=REQUEST_TIMEOUT_S, cached=False
+        )
+        return int(low), int(high)
+
+    def start_offset(self, partition: int) -> int:
+        """Blocking: where a new assignment of ``partition`` starts reading.
+
+        The group's committed offset; the log start when the group has none, or when
+        retention has deleted records past it.
+        """
+        committed = self.committed([partition]).get(partition)
+        low, _ = self.watermarks(partition)
+        return max(committed or 0, low)
+
+    def _close(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            consumer.close()
+
+    async def aclose(self) -> None:
+        """Close the client once the calls queued before it are done (each at most
+        ``REQUEST_TIMEOUT_S``), then let the thread go."""
+        await self.run(self._close)
+        self._thread.shutdown(wait=False)

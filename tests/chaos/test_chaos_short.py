@@ -1,0 +1,39 @@
+"""The chaos run in miniature (about a minute and a half): one broker, every fault kind
+that applies to it, every check of tests/chaos/checks.py. `make chaos` runs the full one."""
+
+from __future__ import annotations
+
+from tests.chaos.cluster import Stack
+from tests.chaos.faults import kinds_for
+from tests.chaos.harness import Config, run_on
+
+
+def test_a_short_chaos_run_loses_nothing_and_keeps_order(stack_restored: Stack) -> None:
+    cfg = Config(
+        runs=100,
+        users=20,
+        brokers=1,
+        workers=3,
+        min_run_s=0.1,
+        max_run_s=2.0,
+        watch_fraction=0.15,
+        poison_runs=3,
+        poison_rounds=1,
+        min_faults=len(kinds_for(1)),
+        fault_gap_s=1.0,
+        submit_window_s=25.0,
+        partitions=8,
+        max_inflight=4,
+        down_s=2.0,
+        deadline_s=240.0,
+        seed=20261130,
+    )
+    report = run_on(cfg, stack_restored)
+    print(report.table())
+    assert report.ok, "\n".join(report.violations[:40]) + "\n\n" + report.table()
+    assert {f.kind for f in report.faults} == set(kinds_for(1))
+    f = report.findings
+    assert f.accepted == cfg.runs and f.failed == cfg.poison_runs and f.lost == 0
+    assert f.viewers > 0 and f.offset_audits > 0
+    # The worker faults were measured: their partitions moved to another worker.
+    assert [x.handoff_s for x in report.faults if x.handoff_s is not None]
