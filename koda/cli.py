@@ -1,4 +1,4 @@
-"""The ``koda`` command: services, topics, db, gateway, worker, runs.
+"""The ``koda`` command: services, topics, db, gateway, worker, runs, replay, dlq, schemas.
 
 Errors a user can hit print one line naming the problem and the fix, and exit 2.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
@@ -22,10 +23,14 @@ topics_app = typer.Typer(no_args_is_help=True, help="Create and check koda's top
 db_app = typer.Typer(no_args_is_help=True, help="Database migrations.")
 chunks_app = typer.Typer(no_args_is_help=True, help="The chunk topic as a replay log.")
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters.")
+schemas_app = typer.Typer(no_args_is_help=True, help="JSON Schemas of koda's records.")
 app.add_typer(topics_app, name="topics")
 app.add_typer(db_app, name="db")
 app.add_typer(chunks_app, name="chunks")
 app.add_typer(dlq_app, name="dlq")
+app.add_typer(schemas_app, name="schemas")
+
+CONFIRM_PROD = typer.Option(False, "--confirm-prod", help="Required in prod.")
 
 
 def fail(message: str) -> None:
@@ -50,17 +55,20 @@ def load_settings() -> Settings:
     return Settings.from_env()
 
 
+def guarded_settings(confirm_prod: bool, what: str) -> Settings:
+    """The settings, after refusing ``koda <what>`` in prod without ``--confirm-prod``."""
+    settings = load_settings()
+    require_confirmation(settings, confirm_prod, what)
+    return settings
+
+
 @topics_app.command("apply")
 @friendly
-def topics_apply(
-    confirm_prod: bool = typer.Option(False, "--confirm-prod", help="Required in prod."),
-) -> None:
+def topics_apply(confirm_prod: bool = CONFIRM_PROD) -> None:
     """Create every missing topic of the catalogue (idempotent)."""
     from topics.admin import apply_topics
 
-    settings = load_settings()
-    require_confirmation(settings, confirm_prod, "topics apply")
-    created = apply_topics(settings)
+    created = apply_topics(guarded_settings(confirm_prod, "topics apply"))
     for name in created:
         typer.echo(f"created {name}")
     typer.echo(f"topics ok ({len(created)} created)")
@@ -82,40 +90,76 @@ def topics_check() -> None:
 
 @topics_app.command("delete")
 @friendly
-def topics_delete(
-    confirm_prod: bool = typer.Option(False, "--confirm-prod", help="Required in prod."),
-) -> None:
+def topics_delete(confirm_prod: bool = CONFIRM_PROD) -> None:
     """Delete the catalogue's topics and every record in them (asks nothing in dev)."""
     from topics.admin import delete_topics
 
-    settings = load_settings()
-    require_confirmation(settings, confirm_prod, "topics delete")
-    deleted = delete_topics(settings)
+    deleted = delete_topics(guarded_settings(confirm_prod, "topics delete"))
     for name in deleted:
         typer.echo(f"deleted {name}")
     typer.echo(f"topics deleted ({len(deleted)})")
 
 
+@dlq_app.command("list")
+@friendly
+def dlq_list(
+    reason: list[str] | None = typer.Option(  # noqa: B008 - typer's idiom
+        None, "--reason", help="Only this reason (repeatable)."
+    ),
+    from_offset: int = typer.Option(0, "--from-offset", min=0, help="First DLQ offset."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="Stop after N letters."),
+) -> None:
+    """One line per dead letter: ID, time, reason, run, key, error."""
+    from topics.dlq import read_letters
+    from topics.dlq_view import list_line
+
+    shown = 0
+    letters = read_letters(load_settings(), from_offset=from_offset)
+    for at in letters:
+        if reason and (at.letter is None or at.letter.reason not in reason):
+            continue
+        typer.echo(list_line(at))
+        shown += 1
+        if limit is not None and shown >= limit:
+            letters.close()
+            break
+    typer.echo(f"{shown} dead letters; `koda dlq show ID` prints one in full")
+
+
+@dlq_app.command("show")
+@friendly
+def dlq_show(letter_id: str = typer.Argument(..., metavar="ID", help="PARTITION:OFFSET")) -> None:
+    """Every field of one dead letter, with its original record."""
+    from topics.dlq import LetterId, read_letters
+    from topics.dlq_view import detail_lines
+
+    for at in read_letters(load_settings(), only=LetterId.parse(letter_id)):
+        typer.echo("\n".join(detail_lines(at)))
+
+
 @dlq_app.command("replay")
 @friendly
 def dlq_replay(
+    letter_id: str | None = typer.Argument(
+        None, metavar="[ID]", help="Only this letter (PARTITION:OFFSET)."
+    ),
     reason: list[str] | None = typer.Option(  # noqa: B008 - typer's idiom
         None, "--reason", help="Only this reason (repeatable)."
     ),
     from_offset: int = typer.Option(0, "--from-offset", min=0, help="First DLQ offset."),
     limit: int | None = typer.Option(None, "--limit", min=1, help="Stop after N replayed."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Read and report; produce nothing."),
-    confirm_prod: bool = typer.Option(False, "--confirm-prod", help="Required in prod."),
+    confirm_prod: bool = CONFIRM_PROD,
 ) -> None:
-    """Re-publish dead letters' original records to the runs topic."""
-    from topics.dlq import replay_dead_letters
+    """Re-publish dead letters' original records (key, value, headers) to the runs topic."""
+    from topics.dlq import LetterId, replay_dead_letters
 
-    settings = load_settings()
-    require_confirmation(settings, confirm_prod, "dlq replay")
+    settings = guarded_settings(confirm_prod, "dlq replay")
     report = replay_dead_letters(
         settings,
         reasons=reason or (),
         from_offset=from_offset,
+        only=None if letter_id is None else LetterId.parse(letter_id),
         limit=limit,
         dry_run=dry_run,
         on_letter=typer.echo,
@@ -124,6 +168,82 @@ def dlq_replay(
     typer.echo(
         f"{verb} {report.replayed} of {report.read} dead letters; next offsets {report.next_offset}"
     )
+
+
+@app.command("replay")
+@friendly
+def replay_command(
+    topic: list[str] | None = typer.Argument(  # noqa: B008 - typer's idiom
+        None, help="runs, run-events, run-chunks, runs-dlq (default: all four)."
+    ),
+    to: str = typer.Option(
+        "duckdb:///warehouse.duckdb",
+        "--to",
+        help="duckdb:///FILE, postgresql://USER@HOST/DB[?schema=S] or parquet:///DIR.",
+    ),
+    start: str | None = typer.Option(None, "--from", help="earliest (the default)."),
+    from_timestamp: str | None = typer.Option(
+        None, "--from-timestamp", help="ISO 8601 date/time, unix seconds, or an age like -2h."
+    ),
+    from_offsets: Path | None = typer.Option(  # noqa: B008 - typer's idiom
+        None, "--from-offsets", help="File of '<topic> <partition> <offset>' lines."
+    ),
+    job: str | None = typer.Option(
+        None, "--job", help="A named job: resumes where it stopped (its own consumer group)."
+    ),
+    follow: bool = typer.Option(False, "--follow", help="Keep reading new records until stopped."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Read and count; write nothing."),
+    batch: int = typer.Option(5000, "--batch", min=1, help="Records per sink transaction."),
+    max_rate: float | None = typer.Option(
+        None, "--max-rate", min=1, help="At most this many records/s (spares the brokers)."
+    ),
+    save_offsets: Path | None = typer.Option(  # noqa: B008 - typer's idiom
+        None, "--save-offsets", help="Write where it stopped, for --from-offsets."
+    ),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress line."),
+) -> None:
+    """Replay koda's topics into a warehouse; idempotent (upserts on natural keys)."""
+    from koda.stopping import stop_on_signals
+    from topics.replay import Progress, ReplayOptions, run_replay, start_spec
+
+    settings = load_settings()
+    options = ReplayOptions(
+        topics=tuple(topic or ()),
+        start=start_spec(settings.names, start, from_timestamp, from_offsets),
+        sink_url=to,
+        job=job,
+        follow=follow,
+        dry_run=dry_run,
+        batch_records=batch,
+        max_rate=max_rate,
+        save_offsets=save_offsets,
+    )
+    with stop_on_signals() as stop:
+        summary = run_replay(settings, options, progress=Progress(enabled=not quiet), stop=stop)
+    typer.echo("\n".join(summary.lines()))
+    if summary.stopped:
+        raise typer.Exit(130)
+
+
+@schemas_app.command("write")
+@friendly
+def schemas_write(
+    check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 on drift."),
+) -> None:
+    """Regenerate schemas/json/*.schema.json from the record specs."""
+    from schemas.json_schemas import DIRECTORY, drift, write_all
+
+    if check:
+        stale = drift()
+        for name in stale:
+            typer.echo(f"drift: {DIRECTORY / name}")
+        if stale:
+            raise typer.Exit(1)
+        typer.echo("JSON Schemas match the record specs")
+        return
+    for path in write_all():
+        typer.echo(f"wrote {path}")
+    typer.echo(f"JSON Schemas up to date in {DIRECTORY}")
 
 
 @db_app.command("upgrade")

@@ -7,8 +7,11 @@
     ├── TopicError             the topic catalogue and the broker disagree, or admin calls failed
     ├── DatabaseError          a Postgres call failed after bounded retries
     ├── RecordError            a Kafka record cannot be decoded or is invalid (goes to the DLQ)
+    ├── DeadLetterError        a dead letter id is malformed or not on the DLQ topic
     ├── TransitionRejected     a conditional status write matched zero rows
-    └── HandlerError           the job handler failed (retried, then dead-lettered)
+    ├── HandlerError           the job handler failed (retried, then dead-lettered)
+    └── ReplayError            a warehouse replay cannot go on (topics/replay/errors.py
+                               draws its branches: bad options, the sink)
 
 Third-party errors are wrapped at the boundary with ``raise ... from exc`` and
 translated to HTTP statuses or DLQ reasons only at the edges.
@@ -53,9 +56,17 @@ class RecordError(KodaError):
         self.detail = detail
 
 
+class DeadLetterError(KodaError):
+    """A dead letter id is malformed or names no record of the DLQ topic."""
+
+
 class TransitionRejected(KodaError):
     """A status write matched zero rows: another writer moved first, or the fence is stale."""
 
 
 class HandlerError(KodaError):
     """The job handler raised; the run is retried in place, then dead-lettered."""
+
+
+class ReplayError(KodaError):
+    """Replaying topics into a warehouse failed; the message names the value or the sink."""

@@ -8,9 +8,11 @@ Shapes (``ns`` is an optional namespace that isolates tests or tenants):
 
     topic            dev.koda.runs            dev.koda.ns.runs
     group            dev.koda.workers         dev.koda.ns.workers
+    replay job group dev.koda.replay.<job>    dev.koda.ns.replay.<job>
     client           dev.koda.gateway.<id>    dev.koda.ns.gateway.<id>
     transactional    dev.koda.tx.<id>
     pg_schema        koda_dev                 koda_dev__ns
+    warehouse        koda_dev_warehouse       koda_dev__ns_warehouse
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def _check_part(what: str, value: str) -> str:
 def resource_name(kind: NameKind, env: AppEnv, base: str, *, namespace: str | None = None) -> str:
     """Build the name of a Kafka or Postgres resource for ``env``.
 
-    ``base`` is the catalogue name (``runs``, ``workers``, ``gateway.<id>``...).
+    ``base`` is the catalogue name (``runs``, ``workers``, ``gateway.<id>``...); for a
+    Postgres schema it is ``koda`` (koda's own tables) or a suffix such as ``warehouse``.
     ``namespace`` isolates a set of resources (tests use one per test).
     """
     if not isinstance(env, AppEnv):
@@ -79,6 +82,8 @@ def resource_name(kind: NameKind, env: AppEnv, base: str, *, namespace: str | No
         schema = f"{APP}_{env.value}"
         if namespace:
             schema += "__" + namespace.replace("-", "_")
+        if base != APP:
+            schema += "_" + base.replace("-", "_")
         return schema
     prefix = f"{env.value}.{APP}"
     if namespace:
@@ -111,3 +116,12 @@ class Names:
 
     def pg_schema(self) -> str:
         return resource_name(NameKind.PG_SCHEMA, self.env, APP, namespace=self.namespace)
+
+    def replay_group(self, job: str) -> str:
+        """The consumer group of the named replay job ``job``: it holds the job's committed
+        offsets and nothing else. Never the workers' group (``replay.`` comes first)."""
+        return self.group(f"replay.{job}")
+
+    def warehouse_schema(self) -> str:
+        """The default Postgres schema a replay writes its tables into (never koda's own)."""
+        return resource_name(NameKind.PG_SCHEMA, self.env, "warehouse", namespace=self.namespace)

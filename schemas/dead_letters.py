@@ -25,6 +25,9 @@ class DeadLetter:
     attempts: int
     reason: str
     error: str
+    at: str = ""
+    original_size: int | None = None
+    original_sha256: str | None = None
 
 
 def decode_dead_letter(value: bytes | None) -> DeadLetter:
@@ -46,6 +49,11 @@ def decode_dead_letter(value: bytes | None) -> DeadLetter:
             attempts=int(obj.get("attempts", 0)),
             reason=str(obj.get("reason", "")),
             error=str(obj.get("error", "")),
+            at=str(obj.get("at") or ""),
+            original_size=None if obj.get("original_size") is None else int(obj["original_size"]),
+            original_sha256=None
+            if obj.get("original_sha256") is None
+            else str(obj["original_sha256"]),
         )
     except (UnicodeDecodeError, json.JSONDecodeError, binascii.Error) as exc:
         raise RecordError("undecodable", f"dead letter is not decodable: {exc}") from None

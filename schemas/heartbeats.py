@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from koda.errors import RecordError
+from schemas import record_specs as spec
 from schemas.records import HEARTBEAT, Headers, dumps, headers_for
 
 __all__ = ["HEARTBEAT", "Beat", "beat_headers", "decode_beat"]
@@ -35,16 +36,15 @@ class Beat:
     host: str
 
     def encode(self) -> bytes:
-        return dumps(
-            {
-                "worker_id": self.worker_id,
-                "beat_at": self.beat_at.astimezone(UTC).isoformat(timespec="milliseconds"),
-                "in_flight": self.in_flight,
-                "version": self.version,
-                "partitions": list(self.partitions),
-                "host": self.host,
-            }
+        values = (
+            self.worker_id,
+            self.beat_at.astimezone(UTC).isoformat(timespec="milliseconds"),
+            self.in_flight,
+            self.version,
+            list(self.partitions),
+            self.host,
         )
+        return dumps(dict(zip(spec.HEARTBEAT.names, values, strict=True)))
 
 
 def beat_headers() -> Headers:

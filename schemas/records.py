@@ -15,22 +15,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from koda.errors import RecordError
+from schemas import record_specs as spec
 
 CONTENT_TYPE = "application/json"
-RUN_REQUESTED = "run.requested"
-RUN_CHUNK = "run.chunk"
-RUN_EVENT = "run.event"
-DEAD_LETTER = "run.dead-letter"
-HEARTBEAT = "worker.heartbeat"
-RUN_FINAL = "run.final"
-CURRENT_VERSION = {
-    RUN_REQUESTED: 1,
-    RUN_CHUNK: 1,
-    RUN_EVENT: 1,
-    DEAD_LETTER: 1,
-    HEARTBEAT: 1,
-    RUN_FINAL: 1,
-}
+RUN_REQUESTED = spec.RUN_REQUESTED.name
+RUN_CHUNK = spec.RUN_CHUNK.name
+RUN_EVENT = spec.RUN_EVENT.name
+DEAD_LETTER = spec.DEAD_LETTER.name
+HEARTBEAT = spec.HEARTBEAT.name
+RUN_FINAL = spec.RUN_FINAL.name
+CURRENT_VERSION = {s.name: s.version for s in spec.ALL}
 MAX_RUN_RECORD_BYTES = 256 * 1024
 # A dead letter must fit the broker's 1 MiB default after base64: larger originals keep a
 # prefix plus their size and sha256 (the full bytes stay on the source topic until retention).
@@ -75,21 +69,8 @@ class RunRequested:
     created_at: str
 
     def encode(self) -> bytes:
-        return dumps(
-            {
-                "run_id": self.run_id,
-                "user_id": self.user_id,
-                "session_id": self.session_id,
-                "created_at": self.created_at,
-            }
-        )
-
-
-def _require_str(obj: dict[str, Any], field: str) -> str:
-    value = obj.get(field)
-    if not isinstance(value, str) or not value or len(value) > 200:
-        raise RecordError("invalid", f"field {field!r} must be a non-empty string of <=200 chars")
-    return value
+        values = (self.run_id, self.user_id, self.session_id, self.created_at)
+        return dumps(dict(zip(spec.RUN_REQUESTED.names, values, strict=True)))
 
 
 def decode_run_requested(key: bytes | None, value: bytes | None, headers: Any) -> RunRequested:
@@ -97,9 +78,7 @@ def decode_run_requested(key: bytes | None, value: bytes | None, headers: Any) -
     if value is None:
         raise RecordError("null_value", "record has no value")
     if len(value) > MAX_RUN_RECORD_BYTES:
-        raise RecordError(
-            "oversized", f"value is {len(value)} bytes, limit {MAX_RUN_RECORD_BYTES}"
-        )
+        raise RecordError("oversized", f"value is {len(value)} bytes, limit {MAX_RUN_RECORD_BYTES}")
     if key is None:
         raise RecordError("null_key", "record has no key; runs are keyed by user_id")
     schema = header_value(headers, "schema")
@@ -111,16 +90,11 @@ def decode_run_requested(key: bytes | None, value: bytes | None, headers: Any) -
             raise RecordError(
                 "unknown_schema_version", f"{RUN_REQUESTED} version {version!r} is not supported"
             )
-    try:
-        obj = json.loads(value.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecordError("undecodable", f"value is not UTF-8 JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise RecordError("invalid", "value is not a JSON object")
+    obj = spec.RUN_REQUESTED.check(json_object(value))
     record = RunRequested(
-        run_id=_require_str(obj, "run_id"),
-        user_id=_require_str(obj, "user_id"),
-        session_id=_require_str(obj, "session_id"),
+        run_id=obj["run_id"],
+        user_id=obj["user_id"],
+        session_id=obj["session_id"],
         created_at=str(obj.get("created_at") or ""),
     )
     if key.decode("utf-8", "replace") != record.user_id:
@@ -130,9 +104,8 @@ def decode_run_requested(key: bytes | None, value: bytes | None, headers: Any) -
 
 def chunk_value(run_id: str, seq: int, kind: str, content: str, attempt: int) -> bytes:
     """``run.chunk/1`` value."""
-    return dumps(
-        {"run_id": run_id, "seq": seq, "kind": kind, "content": content, "attempt": attempt}
-    )
+    values = (run_id, seq, kind, content, attempt)
+    return dumps(dict(zip(spec.RUN_CHUNK.names, values, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -146,7 +119,8 @@ class ChunkRecord:
     attempt: int
 
 
-def _json_object(value: bytes | None) -> dict[str, Any]:
+def json_object(value: bytes | None) -> dict[str, Any]:
+    """A record value as a JSON object; RecordError (null_value, undecodable, invalid)."""
     if value is None:
         raise RecordError("null_value", "record has no value")
     try:
@@ -158,26 +132,15 @@ def _json_object(value: bytes | None) -> dict[str, Any]:
     return obj
 
 
-def _require_int(obj: dict[str, Any], field: str) -> int:
-    value = obj.get(field)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise RecordError("invalid", f"field {field!r} must be a non-negative integer")
-    return value
-
-
 def decode_chunk_value(value: bytes | None) -> ChunkRecord:
     """Decode one chunk-topic value; raise RecordError with a reason."""
-    obj = _json_object(value)
-    content = obj.get("content")
-    kind = obj.get("kind")
-    if not isinstance(content, str) or not isinstance(kind, str):
-        raise RecordError("invalid", "fields 'kind' and 'content' must be strings")
+    obj = spec.RUN_CHUNK.check(json_object(value))
     return ChunkRecord(
-        run_id=_require_str(obj, "run_id"),
-        seq=_require_int(obj, "seq"),
-        kind=kind,
-        content=content,
-        attempt=_require_int(obj, "attempt"),
+        run_id=obj["run_id"],
+        seq=obj["seq"],
+        kind=obj["kind"],
+        content=obj["content"],
+        attempt=obj["attempt"],
     )
 
 
@@ -198,38 +161,39 @@ class FinalRecord:
     attempt: int
 
     def encode(self) -> bytes:
-        return dumps(
-            {
-                "run_id": self.run_id,
-                "kind": "final",
-                "last_seq": self.last_seq,
-                "end": self.end,
-                "end_content": self.end_content,
-                "content": self.content,
-                "attempt": self.attempt,
-            }
+        values = (
+            self.run_id,
+            "final",
+            self.last_seq,
+            self.end,
+            self.end_content,
+            self.content,
+            self.attempt,
         )
+        return dumps(dict(zip(spec.RUN_FINAL.names, values, strict=True)))
 
 
 def decode_final_value(value: bytes | None) -> FinalRecord:
     """Decode a ``<run_id>:final`` value; raise RecordError with a reason."""
-    obj = _json_object(value)
-    fields = ("end", "end_content", "content")
-    if not all(isinstance(obj.get(f), str) for f in fields):
-        raise RecordError("invalid", "fields 'end', 'end_content', 'content' must be strings")
+    obj = spec.RUN_FINAL.check(json_object(value))
     return FinalRecord(
-        run_id=_require_str(obj, "run_id"),
-        last_seq=_require_int(obj, "last_seq"),
+        run_id=obj["run_id"],
+        last_seq=obj["last_seq"],
         end=obj["end"],
         end_content=obj["end_content"],
         content=obj["content"],
-        attempt=_require_int(obj, "attempt"),
+        attempt=obj["attempt"],
     )
 
 
 def event_value(run_id: str, event: str, **fields: Any) -> bytes:
-    """``run.event/1`` value: status transitions and usage records, for the warehouse."""
-    return dumps({"run_id": run_id, "event": event, "at": now_iso(), **fields})
+    """``run.event/1`` value: status transitions and usage records, for the warehouse.
+
+    Raises ValueError for a field the spec does not declare for ``event``.
+    """
+    return dumps(
+        spec.RUN_EVENT.value({"run_id": run_id, "event": event, "at": now_iso(), **fields})
+    )
 
 
 def dead_letter_value(
@@ -257,21 +221,23 @@ def dead_letter_value(
         else value[:MAX_DEAD_LETTER_ORIGINAL]
     )
     return dumps(
-        {
-            "original_key": b64(key),
-            "original_value": b64(kept),
-            "original_size": size,
-            "original_sha256": None if value is None else hashlib.sha256(value).hexdigest(),
-            "original_truncated": kept is not value,
-            "original_headers": [[k, b64(v)] for k, v in items],
-            "topic": topic,
-            "partition": partition,
-            "offset": offset,
-            "attempts": attempts,
-            "reason": reason,
-            "error": error[:2000],
-            "at": now_iso(),
-        }
+        spec.DEAD_LETTER.value(
+            {
+                "original_key": b64(key),
+                "original_value": b64(kept),
+                "original_size": size,
+                "original_sha256": None if value is None else hashlib.sha256(value).hexdigest(),
+                "original_truncated": kept is not value,
+                "original_headers": [[k, b64(v)] for k, v in items],
+                "topic": topic,
+                "partition": partition,
+                "offset": offset,
+                "attempts": attempts,
+                "reason": reason,
+                "error": error[:2000],
+                "at": now_iso(),
+            }
+        )
     )
 
 

@@ -1,36 +1,71 @@
-"""Replay dead letters: re-publish their original records to the runs topic.
+"""Dead letters: read them (``koda dlq list``, ``show``) and re-publish their originals to
+the runs topic (``koda dlq replay``).
 
-``koda dlq replay`` reads ``<env>.koda.runs-dlq`` from an offset up to its end
-(as of the start; no consumer group joins or commits) and produces each dead
-letter's original key, value and headers to ``<env>.koda.runs``, with the same
-partitioner as the gateway, so a user's record lands in the user's partition.
+A dead letter's id is its place on ``<env>.koda.runs-dlq``: ``<partition>:<offset>``
+(``17`` alone means partition 0). Reading goes from an offset up to the end as of the
+start; the consumer assigns partitions itself, so no consumer group joins or commits.
 
-What a replay can and cannot do: the worker skips runs that are already
-terminal in Postgres (redelivery is routine), so a run that failed after its
-attempts stays failed; replay re-drives records that never reached a run, e.g.
-``unknown_schema_version`` after deploying a worker that reads the new version,
-or ``unknown_run`` after the run's row was restored. Dead letters whose original
-was truncated (over 512 KiB) cannot be replayed and are counted as skipped.
+``replay`` produces each chosen letter's original key, value and headers to
+``<env>.koda.runs`` with the gateway's partitioner, so a user's record lands in the
+user's partition. What a replay can and cannot do: the worker skips runs that are
+already terminal in Postgres (the run's row, created once per idempotency key, is the
+truth), so replaying a letter twice, or a letter of a run that since finished, runs
+nothing twice; a run that failed after its attempts stays failed. Replay re-drives
+records that never reached a run, e.g. ``unknown_schema_version`` after deploying a
+worker that reads the new version, or ``unknown_run`` after the run's row was
+restored. Letters whose original was truncated (over 512 KiB) cannot be replayed and
+are counted as skipped.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from koda.errors import RecordError, TopicError
+from koda.errors import DeadLetterError, RecordError, TopicError
 from koda.kafka import consumer_config, producer_config
 from koda.settings import Settings
-from schemas.dead_letters import decode_dead_letter
+from schemas.dead_letters import DeadLetter, decode_dead_letter
 from topics.catalogue import RUNS, RUNS_DLQ
 
 ROLE = "dlq-replay"
 TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, order=True)
+class LetterId:
+    """Where a dead letter is on the DLQ topic."""
+
+    partition: int
+    offset: int
+
+    def __str__(self) -> str:
+        return f"{self.partition}:{self.offset}"
+
+    @classmethod
+    def parse(cls, text: str) -> LetterId:
+        """``P:O`` or ``O`` (partition 0); raises DeadLetterError naming the value."""
+        head, sep, tail = text.strip().rpartition(":")
+        part, off = (head, tail) if sep else ("0", tail)
+        if not part.isdigit() or not off.isdigit():
+            raise DeadLetterError(
+                f"dead letter id {text!r}: use <partition>:<offset> as `koda dlq list` prints it"
+            )
+        return cls(int(part), int(off))
+
+
+@dataclass(frozen=True)
+class LetterAt:
+    """One DLQ record: ``letter`` is None when the value is not a dead letter."""
+
+    id: LetterId
+    letter: DeadLetter | None
+    timestamp_ms: int
 
 
 @dataclass
@@ -43,25 +78,80 @@ class ReplayReport:
     next_offset: dict[int, int] = field(default_factory=dict)
 
 
+def read_letters(
+    settings: Settings,
+    *,
+    from_offset: int = 0,
+    only: LetterId | None = None,
+    next_offset: dict[int, int] | None = None,
+) -> Generator[LetterAt, None, None]:
+    """Every DLQ record from ``from_offset`` (each partition) to the end as of the call,
+    or just ``only``. ``next_offset`` (when given) is kept at the offset after the last
+    record read per partition. Raises DeadLetterError when ``only`` is not on the topic."""
+    dlq = settings.names.topic(RUNS_DLQ)
+    consumer = Consumer(consumer_config(settings, ROLE, settings.names.group(ROLE)))
+    try:
+        ranges = _ranges(consumer, dlq, from_offset)
+        if only is not None:
+            low_high = ranges.get(only.partition)
+            low = low_high[0] if low_high else from_offset
+            if low_high is None or not low <= only.offset < low_high[1]:
+                raise DeadLetterError(f"no dead letter {only} on {dlq}: see `koda dlq list`")
+            ranges = {only.partition: (only.offset, only.offset + 1)}
+        positions = {p: start for p, (start, _) in ranges.items()}
+        if next_offset is not None:
+            next_offset.update(positions)
+        consumer.assign([TopicPartition(dlq, p, start) for p, start in positions.items()])
+        pending = {p for p, (start, end) in ranges.items() if start < end}
+        deadline = time.monotonic() + TIMEOUT_S
+        while pending:
+            if time.monotonic() > deadline:
+                raise TopicError(f"timed out reading {dlq}")
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            error = msg.error()
+            if error is not None:
+                raise TopicError(f"cannot read {dlq}: {error.str()}")
+            p, offset = msg.partition() or 0, msg.offset() or 0
+            if p not in pending or offset >= ranges[p][1]:
+                continue
+            if offset + 1 >= ranges[p][1]:
+                pending.discard(p)
+            if next_offset is not None:
+                next_offset[p] = offset + 1
+            deadline = time.monotonic() + TIMEOUT_S
+            try:
+                letter: DeadLetter | None = decode_dead_letter(msg.value())
+            except RecordError:
+                letter = None
+            yield LetterAt(LetterId(p, offset), letter, msg.timestamp()[1])
+    except KafkaException as exc:
+        raise TopicError(f"reading {dlq} failed: {exc}") from exc
+    finally:
+        consumer.close()
+
+
 def replay_dead_letters(
     settings: Settings,
     *,
     reasons: Collection[str] = (),
     from_offset: int = 0,
+    only: LetterId | None = None,
     limit: int | None = None,
     dry_run: bool = False,
     on_letter: Callable[[str], None] | None = None,
 ) -> ReplayReport:
-    """Re-publish dead letters from ``from_offset`` on (every DLQ partition) to the end.
+    """Re-publish dead letters from ``from_offset`` on (every DLQ partition) to the end,
+    or the one letter ``only``.
 
     ``reasons`` keeps only letters with one of those reasons (empty: all);
     ``limit`` stops after that many replayed; ``dry_run`` produces nothing.
     ``on_letter`` receives one line per letter read, for the CLI.
     """
     names = settings.names
-    dlq, runs = names.topic(RUNS_DLQ), names.topic(RUNS)
+    runs = names.topic(RUNS)
     report = ReplayReport()
-    consumer = Consumer(consumer_config(settings, ROLE, names.group(ROLE)))
     producer = (
         None
         if dry_run
@@ -73,36 +163,21 @@ def replay_dead_letters(
         if err is not None:
             failures.append(err.str())
 
+    letters = read_letters(
+        settings, from_offset=from_offset, only=only, next_offset=report.next_offset
+    )
     try:
-        ends = _ranges(consumer, dlq, from_offset)
-        consumer.assign([TopicPartition(dlq, p, start) for p, (start, _) in ends.items()])
-        pending = {p for p, (start, end) in ends.items() if start < end}
-        report.next_offset = {p: start for p, (start, _) in ends.items()}
-        deadline = time.monotonic() + TIMEOUT_S
-        while pending and time.monotonic() < deadline:
-            if limit is not None and report.replayed >= limit:
-                break
-            msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            error = msg.error()
-            if error is not None:
-                raise TopicError(f"cannot read {dlq}: {error.str()}")
-            p, offset = msg.partition() or 0, msg.offset() or 0
-            report.next_offset[p] = offset + 1
-            if offset + 1 >= ends[p][1]:
-                pending.discard(p)
+        for at in letters:
             report.read += 1
-            deadline = time.monotonic() + TIMEOUT_S
-            verdict = _replay_one(msg.value(), runs, reasons, producer, delivered)
+            verdict = _replay_one(at.letter, runs, reasons, producer, delivered)
             if verdict == "replayed":
                 report.replayed += 1
             else:
                 report.skipped[verdict] += 1
             if on_letter is not None:
-                on_letter(f"{dlq}[{p}]@{offset}: {verdict}")
-        if pending and not (limit is not None and report.replayed >= limit):
-            raise TopicError(f"timed out reading {dlq}; replayed {report.replayed} so far")
+                on_letter(f"{names.topic(RUNS_DLQ)}[{at.id.partition}]@{at.id.offset}: {verdict}")
+            if limit is not None and report.replayed >= limit:
+                break
         if producer is not None and producer.flush(TIMEOUT_S):
             raise TopicError(f"some replayed records were not delivered to {runs} in time")
         if failures:
@@ -110,7 +185,7 @@ def replay_dead_letters(
     except KafkaException as exc:
         raise TopicError(f"dead-letter replay failed: {exc}") from exc
     finally:
-        consumer.close()
+        letters.close()
     return report
 
 
@@ -127,15 +202,13 @@ def _ranges(consumer: Consumer, topic: str, from_offset: int) -> dict[int, tuple
 
 
 def _replay_one(
-    value: bytes | None,
+    letter: DeadLetter | None,
     runs_topic: str,
     reasons: Collection[str],
     producer: Producer | None,
     delivered: Callable[[KafkaError | None, Any], None],
 ) -> str:
-    try:
-        letter = decode_dead_letter(value)
-    except RecordError:
+    if letter is None:
         return "skipped: not a dead letter"
     if reasons and letter.reason not in reasons:
         return f"skipped: reason {letter.reason}"

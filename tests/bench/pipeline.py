@@ -35,11 +35,16 @@ async def submit_all(url: str, runs: int, chunks: int, users: int, concurrency: 
 
         async def one(i: int) -> None:
             user = f"bench-{i % users}"
-            body = {"input": {"text": f"run {i}", "demo": {"tokens": chunks, "delay_ms": 0,
-                                                             "token_bytes": 8}}}
+            body = {
+                "input": {
+                    "text": f"run {i}",
+                    "demo": {"tokens": chunks, "delay_ms": 0, "token_bytes": 8},
+                }
+            }
             async with sem:
-                r = await client.post("/v1/runs", json=body,
-                                      headers={"Authorization": f"Bearer dev:{user}"})
+                r = await client.post(
+                    "/v1/runs", json=body, headers={"Authorization": f"Bearer dev:{user}"}
+                )
             r.raise_for_status()
             ids.append(r.json()["run_id"])
 
@@ -87,7 +92,8 @@ def main() -> None:
         t_done = time.monotonic()
         rows = sub.query(
             "SELECT status, extract(epoch FROM finished_at - created_at) AS latency"
-            " FROM runs WHERE id = ANY(:ids)", ids=ids,
+            " FROM runs WHERE id = ANY(:ids)",
+            ids=ids,
         )
         latencies = [float(r.latency) for r in rows]
         done = sum(1 for r in rows if r.status == "done")
@@ -96,9 +102,12 @@ def main() -> None:
             ids=ids,
         )[0].n
         wall = t_done - t0
-        print(f"pipeline: {args.runs} runs x {args.chunks} chunks, {args.workers} workers, "
-              f"{args.users} users, cores={os.cpu_count()}")
-        print(f"  submit phase         {t_submitted - t0:8.2f} s ({args.runs / (t_submitted - t0):.0f} POST/s)")
+        print(
+            f"pipeline: {args.runs} runs x {args.chunks} chunks, {args.workers} workers, "
+            f"{args.users} users, cores={os.cpu_count()}"
+        )
+        submit_s = t_submitted - t0
+        print(f"  submit phase         {submit_s:8.2f} s ({args.runs / submit_s:.0f} POST/s)")
         print(f"  wall (first POST -> last done) {wall:8.2f} s")
         print(f"  runs/s               {args.runs / wall:8.1f}")
         print(f"  chunks/s             {chunk_rows / wall:8.1f}")

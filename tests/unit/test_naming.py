@@ -37,6 +37,18 @@ def test_names_have_the_documented_shape() -> None:
     assert Names(AppEnv.DEV, "t-1").pg_schema() == "koda_dev__t_1"
 
 
+def test_replay_jobs_and_the_warehouse_have_names_of_their_own() -> None:
+    dev, ns = Names(AppEnv.DEV), Names(AppEnv.PROD, "t1")
+    assert dev.replay_group("nightly") == "dev.koda.replay.nightly"
+    assert ns.replay_group("nightly") == "prod.koda.t1.replay.nightly"
+    assert dev.replay_group("workers") != dev.group("workers")
+    assert dev.warehouse_schema() == "koda_dev_warehouse"
+    assert ns.warehouse_schema() == "koda_prod__t1_warehouse"
+    assert dev.warehouse_schema() != dev.pg_schema()
+    with pytest.raises(ConfigError, match="name part"):
+        dev.replay_group("a b")
+
+
 def test_dev_and_prod_names_never_collide() -> None:
     bases = ["runs", "run-control", "run-chunks", "run-events", "runs-dlq", "workers"]
     for kind, base, ns in itertools.product(NameKind, bases, [None, "a", "b"]):

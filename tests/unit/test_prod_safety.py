@@ -66,6 +66,7 @@ def test_prod_refuses_topic_autocreation_and_defaults_it_off() -> None:
         ["topics", "apply"],
         ["dlq", "replay"],
         ["dlq", "replay", "--dry-run", "--reason", "unknown_run"],
+        ["dlq", "replay", "0:3"],
     ],
 )
 def test_destructive_commands_refuse_in_prod_without_the_flag(argv: list[str]) -> None:

@@ -35,6 +35,15 @@ ALLOWED = {
     ("schemas/migrate.py", 'CREATE SCHEMA IF NOT EXISTS "{schema}"'),
     # A constant of the local stack's launcher.
     ("koda/localstack/postgres.py", 'create database "{DATABASE}"'),
+    # The replay sinks' statements: table, column and key names from the code constants
+    # of topics/replay/tables.py, every value a bound parameter (topics/replay/sql.py).
+    ("topics/replay/sql.py", "CREATE TABLE IF NOT EXISTS {table.name} ({cols}"),
+    ("topics/replay/sql.py", "INSERT INTO {table.name} AS cur ({cols}) SELECT {cols}"),
+    ("topics/replay/sql.py", "SELECT count(*) FROM {table.name}"),
+    ("topics/replay/sql.py", "INSERT INTO _dirty SELECT DISTINCT '{table.name}'"),
+    ("topics/replay/sql.py", "SELECT {cols} FROM {table.name} WHERE day = ?"),
+    # The warehouse schema as a quoted identifier (psycopg's sql.Identifier).
+    ("topics/replay/sinks/postgres.py", "pgsql.Identifier(self.schema)"),
 }
 
 

@@ -1,0 +1,75 @@
+"""Reading ``run.event/1`` values (written by :func:`schemas.records.event_value`).
+
+Two variants, told apart by ``event``: a status ``transition`` and a ``usage`` record
+(one model call). Fields are checked against :data:`schemas.record_specs.RUN_EVENT`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
+
+from koda.errors import RecordError
+from schemas import record_specs as spec
+from schemas.records import json_object
+
+
+@dataclass(frozen=True)
+class Transition:
+    """The run moved to ``to`` at ``at``; ``worker_id`` is set on ``running`` only."""
+
+    run_id: str
+    to: str
+    attempt: int
+    worker_id: str | None
+    at: datetime
+
+
+@dataclass(frozen=True)
+class UsageEvent:
+    """One model call's tokens; ``cost_usd`` only when the record carries it."""
+
+    run_id: str
+    call_index: int
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: Decimal | None
+    at: datetime
+
+
+def parse_instant(text: str) -> datetime:
+    """An ISO 8601 instant as an aware datetime (no zone means UTC); ValueError if not one."""
+    value = datetime.fromisoformat(text)
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def decode_run_event(value: bytes | None) -> Transition | UsageEvent:
+    """Decode one run-events value; raise RecordError (reason ``invalid``, ``unknown_event``)."""
+    obj = spec.RUN_EVENT.check(json_object(value))
+    try:
+        at = parse_instant(obj["at"])
+    except ValueError:
+        raise RecordError(
+            "invalid", f"field 'at' is not an ISO 8601 instant: {obj['at']!r}"
+        ) from None
+    if obj["event"] == "transition":
+        worker = obj.get("worker_id")
+        return Transition(obj["run_id"], obj["to"], obj["attempt"], worker, at)
+    if obj["event"] == "usage":
+        cost = obj.get("cost_usd")
+        try:
+            money = None if cost is None else Decimal(cost)
+        except InvalidOperation:
+            raise RecordError("invalid", f"field 'cost_usd' is not a decimal: {cost!r}") from None
+        return UsageEvent(
+            obj["run_id"],
+            obj["call_index"],
+            obj["model"],
+            obj["prompt_tokens"],
+            obj["completion_tokens"],
+            money,
+            at,
+        )
+    raise RecordError("unknown_event", f"event {obj['event']!r} is not transition or usage")

@@ -1,0 +1,248 @@
+"""Records in, warehouse rows out: one batch of upserts (see tables.py for the tables).
+
+What each topic becomes:
+
+    runs          run.requested/1  → runs (identity; status ``pending`` until an event)
+    run-events    run.event/1      → run_transitions + runs (latest state), or usage
+    run-chunks    run.chunk/1      → chunks (the sink then rebuilds the run's outputs row)
+                  run.final/1      → outputs (compacted: the final text wins)
+                  tombstone        → counted, nothing deleted: the warehouse keeps what it read
+    runs-dlq      run.dead-letter/1 → dead_letters
+
+A record whose schema header names an unknown record type or version, or that does not
+decode, goes to ``raw_records`` with its bytes and the reason: nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import date
+from typing import Any
+
+from koda.errors import RecordError
+from koda.lifecycle.chunks import split_chunk_key
+from koda.lifecycle.states import RunStatus
+from koda.naming import Names
+from schemas.dead_letters import DeadLetter, decode_dead_letter
+from schemas.events import Transition, decode_run_event, parse_instant
+from schemas.records import (
+    CURRENT_VERSION,
+    DEAD_LETTER,
+    RUN_CHUNK,
+    RUN_EVENT,
+    RUN_FINAL,
+    decode_chunk_value,
+    decode_final_value,
+    decode_run_requested,
+    header_value,
+)
+from topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
+from topics.replay import tables as t
+from topics.replay.batch import Message, RowBatch, instant, run_day, uuid7_day
+from topics.replay.prices import PriceBook
+
+__all__ = ["REPLAYABLE", "RecordDecoder", "RowBatch", "run_day"]
+
+REPLAYABLE = (RUNS, RUN_EVENTS, RUN_CHUNKS, RUNS_DLQ)
+# A terminal transition outranks any other event of its run, whatever its offset:
+# terminal states have no outgoing edge (DESIGN §4).
+TERMINAL_RANK = 1 << 62
+_TERMINAL = frozenset(s.value for s in RunStatus if s.terminal)
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+def _headers_json(headers: Any) -> str:
+    return json.dumps([[k, _b64(v)] for k, v in headers or []])
+
+
+class RecordDecoder:
+    """Turns records of the replayable topics into rows of a :class:`RowBatch`."""
+
+    DAY_CACHE = 100_000  # run ids whose day is remembered (a run's records come together)
+
+    def __init__(self, names: Names, prices: PriceBook) -> None:
+        self.bases = {names.topic(b): b for b in REPLAYABLE}
+        self.prices = prices
+        self._days: dict[str, date] = {}
+
+    def _day(self, run_id: str, ts_ms: int) -> date:
+        """:func:`run_day`, remembered per run (the fallback is never remembered)."""
+        day = self._days.get(run_id)
+        if day is None:
+            day = uuid7_day(run_id)
+            if day is None:
+                return instant(ts_ms).date()
+            if len(self._days) >= self.DAY_CACHE:
+                self._days.clear()
+            self._days[run_id] = day
+        return day
+
+    def add(self, msg: Message, batch: RowBatch) -> None:
+        batch.records += 1
+        topic = msg.topic() or ""
+        base = self.bases[topic]
+        ts = msg.timestamp()[1]
+        try:
+            if base == RUNS:
+                self._run_requested(msg, ts, batch)
+            elif base == RUN_EVENTS:
+                self._run_event(msg, ts, batch)
+            elif base == RUN_CHUNKS:
+                self._chunk(msg, ts, batch)
+            else:
+                self._dead_letter(msg, ts, batch)
+        except RecordError as exc:
+            self._raw(msg, ts, batch, exc.reason, exc.detail)
+
+    def _expect(self, msg: Message, *names: str) -> None:
+        """Raise RecordError unless the schema header (if any) is a known version of ``names``."""
+        raw = header_value(msg.headers(), "schema")
+        if raw is None:
+            return
+        name, _, version = raw.decode("utf-8", "replace").partition("/")
+        if name not in names:
+            raise RecordError("unknown_schema", f"schema {name!r} is not {' or '.join(names)}")
+        if version != str(CURRENT_VERSION[name]):
+            raise RecordError("unknown_schema_version", f"{name} version {version!r} is not known")
+
+    def _raw(self, msg: Message, ts_ms: int, batch: RowBatch, reason: str, detail: str) -> None:
+        schema = header_value(msg.headers(), "schema")
+        ts = instant(ts_ms)
+        row = (
+            msg.topic(),
+            msg.partition(),
+            msg.offset(),
+            ts.date(),
+            ts,
+            None if schema is None else schema.decode("utf-8", "replace"),
+            reason,
+            detail[:2000],
+            msg.key(),
+            msg.value(),
+            _headers_json(msg.headers()),
+        )
+        batch.add(t.RAW_RECORDS, row)
+        batch.raw[reason] += 1
+
+    def _run_requested(self, msg: Message, ts: int, batch: RowBatch) -> None:
+        req = decode_run_requested(msg.key(), msg.value(), msg.headers())
+        try:
+            created = parse_instant(req.created_at) if req.created_at else None
+        except ValueError:
+            created = None
+        day = self._day(req.run_id, ts)
+        row = (req.run_id, day, req.user_id, req.session_id, created, "pending", 0)
+        batch.add(t.RUNS, (*row, None, None, None, -1, None))
+
+    def _run_event(self, msg: Message, ts: int, batch: RowBatch) -> None:
+        self._expect(msg, RUN_EVENT)
+        event = decode_run_event(msg.value())
+        day = self._day(event.run_id, ts)
+        if not isinstance(event, Transition):
+            cost = event.cost_usd
+            source: str | None = "record"
+            if cost is None:
+                cost = self.prices.cost(
+                    event.model, event.prompt_tokens, event.completion_tokens, event.at
+                )
+                source = "price_table" if cost is not None else None
+            row = (event.run_id, event.call_index, day, event.model, event.prompt_tokens)
+            batch.add(t.USAGE, (*row, event.completion_tokens, cost, source, event.at))
+            return
+        offset = msg.offset() or 0
+        where = (msg.topic(), msg.partition(), offset)
+        batch.add(
+            t.RUN_TRANSITIONS,
+            (*where, event.run_id, day, event.to, event.attempt, event.worker_id, event.at),
+        )
+        terminal = event.to in _TERMINAL
+        claim = event.to == RunStatus.RUNNING.value
+        batch.add(
+            t.RUNS,
+            (
+                event.run_id,
+                day,
+                None,
+                None,
+                None,
+                event.to,
+                event.attempt,
+                event.at if claim else None,
+                event.at if terminal else None,
+                event.worker_id if claim else None,
+                offset + (TERMINAL_RANK if terminal else 0),
+                offset if claim else None,
+            ),
+        )
+
+    def _chunk(self, msg: Message, ts: int, batch: RowBatch) -> None:
+        try:
+            run_id, seq = split_chunk_key((msg.key() or b"").decode("utf-8", "replace"))
+        except ValueError as exc:
+            raise RecordError("bad_key", str(exc)) from None
+        if msg.value() is None:
+            batch.tombstones += 1
+            return
+        day = self._day(run_id, ts)
+        if seq is None:
+            self._expect(msg, RUN_FINAL)
+            final = decode_final_value(msg.value())
+            if final.run_id != run_id:
+                raise RecordError("key_mismatch", "final record's run_id is not its key's")
+            row = (run_id, day, final.content, final.end, final.end_content, final.last_seq, True)
+            batch.add(t.OUTPUTS, row)
+            batch.final_runs.add(run_id)
+            return
+        self._expect(msg, RUN_CHUNK)
+        chunk = decode_chunk_value(msg.value())
+        if (chunk.run_id, chunk.seq) != (run_id, seq):
+            raise RecordError("key_mismatch", "chunk's run_id and seq are not its key's")
+        batch.add(t.CHUNKS, (run_id, seq, day, chunk.kind, chunk.content, chunk.attempt))
+        batch.chunk_runs[run_id] = day
+
+    def _dead_letter(self, msg: Message, ts: int, batch: RowBatch) -> None:
+        self._expect(msg, DEAD_LETTER)
+        letter = decode_dead_letter(msg.value())
+        try:
+            at = parse_instant(letter.at) if letter.at else instant(ts)
+        except ValueError:
+            at = instant(ts)
+        batch.add(
+            t.DEAD_LETTERS,
+            (
+                msg.topic(),
+                msg.partition(),
+                msg.offset(),
+                at.date(),
+                at,
+                letter.reason,
+                letter.error,
+                letter.attempts,
+                _original_run_id(letter),
+                letter.topic,
+                letter.partition,
+                letter.offset,
+                letter.key,
+                letter.value,
+                json.dumps([[k, _b64(v)] for k, v in letter.headers]),
+                letter.original_size,
+                letter.original_sha256,
+                letter.truncated,
+            ),
+        )
+
+
+def _original_run_id(letter: DeadLetter) -> str | None:
+    """The run the original record named, when it is a JSON object with a string run_id."""
+    if letter.value is None:
+        return None
+    try:
+        obj = json.loads(letter.value)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    run_id = obj.get("run_id") if isinstance(obj, dict) else None
+    return run_id if isinstance(run_id, str) else None

@@ -1,0 +1,79 @@
+"""Where a replay writes: a sink chosen by the ``--to`` URL.
+
+    duckdb:///warehouse.duckdb        a DuckDB file (relative path; four slashes for an
+                                      absolute one: duckdb:////srv/warehouse.duckdb)
+    postgresql://user@host/db         a PostgreSQL schema (``?schema=NAME``; default
+                                      ``Names.warehouse_schema()``, e.g. koda_dev_warehouse)
+    parquet:///warehouse              Parquet files partitioned by day under a directory
+
+Every message shows the URL through :func:`redact` (no password).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from koda.naming import Names
+from topics.replay.errors import ReplayOptionError
+from topics.replay.sinks.base import Sink
+
+__all__ = ["DEFAULT_URL", "Sink", "open_sink", "redact"]
+
+DEFAULT_URL = "duckdb:///warehouse.duckdb"
+SCHEMES = ("duckdb", "postgresql", "postgres", "parquet")
+_SCHEMA = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+def redact(url: str) -> str:
+    """``url`` with its password replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host += f":{parts.port}"
+    netloc = f"{parts.username or ''}:***@{host}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _path(url: str, scheme: str) -> Path:
+    rest = url[len(scheme) + len("://") :]
+    if not rest.startswith("/") or rest == "/":
+        raise ReplayOptionError(
+            f"--to {redact(url)}: write {scheme}:///relative/path or {scheme}:////absolute/path"
+        )
+    return Path(rest[1:])
+
+
+def open_sink(url: str, names: Names) -> Sink:
+    """The sink for ``url``, not yet opened. Raises ReplayOptionError for an unknown scheme."""
+    scheme = urlsplit(url).scheme.lower()
+    if scheme == "duckdb":
+        from topics.replay.sinks.duckdb import DuckDBSink
+
+        return DuckDBSink(_path(url, "duckdb"), redact(url))
+    if scheme == "parquet":
+        from topics.replay.sinks.parquet import ParquetSink
+
+        return ParquetSink(_path(url, "parquet"), redact(url))
+    if scheme in ("postgresql", "postgres"):
+        from topics.replay.sinks.postgres import PostgresSink
+
+        parts = urlsplit(url)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        schema = next((v for k, v in query if k == "schema"), "") or names.warehouse_schema()
+        if not _SCHEMA.match(schema):
+            raise ReplayOptionError(
+                f"--to {redact(url)}: schema={schema!r} is not a plain identifier"
+                " (letters, digits, _; at most 63)"
+            )
+        dsn = urlunsplit(
+            parts._replace(query=urlencode([(k, v) for k, v in query if k != "schema"]))
+        )
+        return PostgresSink(dsn, schema, redact(url), refuse=names.pg_schema())
+    raise ReplayOptionError(
+        f"--to {redact(url)}: unknown sink; use one of {', '.join(s + '://' for s in SCHEMES)}"
+        f" (e.g. {DEFAULT_URL})"
+    )

@@ -1,0 +1,110 @@
+"""What every sink does with a batch: one transaction of upserts, then the outputs rows.
+
+A sink writes a :class:`~topics.replay.rows.RowBatch` in one transaction: every
+table's rows (in the fixed table order, by key), then the ``outputs`` rows: a run's
+``run.final`` record when the batch has one, else the text rebuilt from the run's
+``chunks`` rows as they stand after this batch (the text after the last reset, the
+rule SSE and the compactor use). A run whose stored output came from a final record
+keeps it: that is the run's whole answer, and its chunks may be gone from the topic.
+A failure rolls the whole batch back; nothing is half-written.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from koda.lifecycle.chunks import ChunkKind, visible_output
+from topics.replay import tables as t
+from topics.replay.rows import RowBatch
+
+_TERMINAL = frozenset(k.value for k in ChunkKind if k.terminal)
+
+
+class Sink(ABC):
+    """A warehouse. ``display`` is its URL without a password, for messages and logs."""
+
+    display: str
+
+    @abstractmethod
+    def open(self) -> None:
+        """Connect and create missing tables; raise SinkError naming ``display``."""
+
+    @abstractmethod
+    def write(self, batch: RowBatch) -> dict[str, int]:
+        """Apply ``batch`` in one transaction; return rows upserted per table."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def count(self, table: str) -> int:
+        """Rows in ``table`` now."""
+
+
+class SqlSink(Sink):
+    """A sink over a SQL database with ``INSERT ... ON CONFLICT`` (DuckDB, PostgreSQL)."""
+
+    @abstractmethod
+    def transaction(self) -> AbstractContextManager[None]:
+        """Commit on exit, roll back on an exception."""
+
+    @abstractmethod
+    def upsert(self, table: t.Table, rows: list[tuple[Any, ...]]) -> None: ...
+
+    @abstractmethod
+    def select(self, sql: str, run_ids: list[str]) -> list[tuple[Any, ...]]:
+        """Run ``sql`` whose one parameter is the list ``run_ids``; return its rows."""
+
+    def write(self, batch: RowBatch) -> dict[str, int]:
+        written: dict[str, int] = {}
+        with self.transaction():
+            for table in t.TABLES:
+                if table is t.OUTPUTS:
+                    continue
+                rows = batch.sorted_rows(table)
+                if rows:
+                    self.upsert(table, rows)
+                    written[table.name] = len(rows)
+            outputs = batch.sorted_rows(t.OUTPUTS) + self._rebuilt_outputs(batch)
+            outputs.sort(key=lambda row: row[0])
+            if outputs:
+                self.upsert(t.OUTPUTS, outputs)
+                written[t.OUTPUTS.name] = len(outputs)
+        return written
+
+    def _rebuilt_outputs(self, batch: RowBatch) -> list[tuple[Any, ...]]:
+        wanted = sorted(r for r in batch.chunk_runs if r not in batch.final_runs)
+        if not wanted:
+            return []
+        compacted = {row[0] for row in self.select(self.compacted_sql, wanted)}
+        todo = [r for r in wanted if r not in compacted]
+        if not todo:
+            return []
+        events: dict[str, list[tuple[int, str, str]]] = {r: [] for r in todo}
+        for run_id, seq, kind, content in self.select(self.chunks_sql, todo):
+            events[run_id].append((seq, kind, content))
+        return [output_row(r, batch.chunk_runs[r], events[r]) for r in todo]
+
+    # Both dialects spell "this list" differently; subclasses supply the two queries.
+    compacted_sql: str
+    chunks_sql: str
+
+
+def output_row(run_id: str, day: Any, events: Iterable[tuple[int, str, str]]) -> tuple[Any, ...]:
+    """The outputs row of a run rebuilt from its chunks (``compacted`` false)."""
+    ordered = sorted(events)
+    ends = [e for e in ordered if e[1] in _TERMINAL]
+    end = ends[-1] if ends else None
+    last_seq = ordered[-1][0] if ordered else None
+    return (
+        run_id,
+        day,
+        visible_output(ordered),
+        None if end is None else end[1],
+        None if end is None else end[2],
+        last_seq,
+        False,
+    )
