@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from koda.errors import HandlerError, KodaError, RecordError
@@ -246,12 +247,12 @@ class RunExecutor:
             final = batcher.pending
             batcher.pending = []
             first = not batcher.streaming and any(c.kind is ChunkKind.CHUNK for c in final)
-            inserted = await self.store.finish(
+            finished = await self.store.finish(
                 fence, run_id, RunStatus.DONE, final, usage, first_output=first
             )
-            if inserted is None:
+            if finished is None:
                 raise FencedOut(f"run {run_id}: finish fenced out")
-            futures += await self.emitter.chunks(fence.partition, _only(final, inserted))
+            futures += await self.emitter.chunks(fence.partition, _only(final, finished.inserted))
             futures.append(
                 await self.emitter.event(
                     fence.partition, run_id, "transition", to="done", attempt=attempt
@@ -267,6 +268,7 @@ class RunExecutor:
                         model=u.model,
                         prompt_tokens=u.prompt_tokens,
                         completion_tokens=u.completion_tokens,
+                        **_cost(finished.costs.get(i)),
                     )
                 )
             await asyncio.gather(*futures)
@@ -333,12 +335,12 @@ class RunExecutor:
         batcher.add(ChunkKind.ERROR, json.dumps({"error": error[:500], "attempts": attempts}))
         final = batcher.pending
         batcher.pending = []
-        inserted = await self.store.finish(
+        finished = await self.store.finish(
             fence, final[0].run_id, RunStatus.FAILED, final, error=error[:2000]
         )
-        if inserted is None:
+        if finished is None:
             raise FencedOut(f"run {final[0].run_id}: fail fenced out")
-        futures = await self.emitter.chunks(fence.partition, _only(final, inserted))
+        futures = await self.emitter.chunks(fence.partition, _only(final, finished.inserted))
         futures.append(
             await self.emitter.event(
                 fence.partition, final[0].run_id, "transition", to="failed", attempt=attempts
@@ -376,3 +378,8 @@ async def _pump(source: AsyncIterator[str | Usage], queue: asyncio.Queue[Any]) -
 
 def _kv(fields: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def _cost(usd: Decimal | None) -> dict[str, str]:
+    """The usage event's ``cost_usd`` field, priced in the same transaction as the row."""
+    return {} if usd is None else {"cost_usd": str(usd)}

@@ -12,7 +12,8 @@ match zero rows. A frozen worker that wakes up cannot write.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import text
@@ -70,6 +71,14 @@ def _fence_params(fence: Fence, run_id: str) -> dict[str, Any]:
         "run_id": run_id,
         "active": [s.value for s in ACTIVE],
     }
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What ``finish`` wrote: the chunk seqs inserted, and each usage row's cost (USD)."""
+
+    inserted: list[int]
+    costs: dict[int, Decimal] = field(default_factory=dict)
 
 
 class RunStore:
@@ -258,20 +267,22 @@ class RunStore:
         error: str | None = None,
         *,
         first_output: bool = False,
-    ) -> list[int] | None:
+    ) -> Finished | None:
         """Write the trailing chunks, usage and the terminal transition atomically.
 
         With ``first_output`` (the run's first chunks are among ``final``) the same
         UPDATE sets ``first_chunk_at``: ``streaming`` would be visible to nobody
-        inside this transaction. Returns the inserted seqs, or None when fenced out
+        inside this transaction. Returns the inserted seqs and the usage costs as
+        priced here (so the usage events carry them), or None when fenced out
         (nothing written).
         """
         async with self.engine.begin() as conn:
             if not await self._owned(conn, fence, run_id):
                 return None
             inserted = await _insert_chunks(conn, run_id, final) if final else []
+            costs: dict[int, Decimal] = {}
             for index, u in enumerate(usage):
-                await conn.execute(
+                priced = await conn.execute(
                     text(
                         """
                         INSERT INTO usage (run_id, call_index, model, prompt_tokens,
@@ -283,6 +294,7 @@ class RunStore:
                                           WHERE p.model = :model AND p.effective_from <= now()
                                           ORDER BY p.effective_from DESC LIMIT 1), 0)
                         ON CONFLICT (run_id, call_index) DO NOTHING
+                        RETURNING cost_usd
                         """
                     ),
                     {
@@ -293,10 +305,13 @@ class RunStore:
                         "ct": u.completion_tokens,
                     },
                 )
+                row = priced.first()
+                if row is not None:
+                    costs[index] = row.cost_usd
             await self._transition(
                 conn, fence, run_id, status, error=error, first_output=first_output
             )
-            return inserted
+            return Finished(inserted, costs)
 
     async def _owned(self, conn: AsyncConnection, fence: Fence, run_id: str) -> bool:
         row = (await conn.execute(text(_OWNED), _fence_params(fence, run_id))).first()

@@ -140,7 +140,7 @@ RUN_EVENT = RecordSpec(
         ),
         Variant(
             "usage",
-            "One model call's token counts. Cost is priced from Postgres `prices`.",
+            "One model call's token counts and its cost as priced from Postgres `prices`.",
             (
                 _count("call_index", "The call's position in the run, from 0."),
                 Field("model", "string", "The model's name (the price table's key)."),
@@ -149,9 +149,9 @@ RUN_EVENT = RecordSpec(
                 Field(
                     "cost_usd",
                     "string",
-                    "Optional: the call's cost in USD as a decimal string. Readers use it "
-                    "when present, else they price the tokens from the price table in "
-                    "force at `at`.",
+                    "The call's cost in USD as a decimal string, priced by the worker in the "
+                    "run's transaction. Absent from records of older workers: price their "
+                    "tokens from the price table in force at `at`.",
                     required=False,
                 ),
             ),

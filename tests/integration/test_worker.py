@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from decimal import Decimal
 
 import pytest
 
@@ -89,6 +90,16 @@ def test_runs_reach_done_with_contiguous_chunks_and_events(env, submitter, worke
         "SELECT count(*) AS n, sum(cost_usd) AS c FROM usage WHERE run_id = ANY(:ids)", ids=ids
     )
     assert usage[0].n == len(ids) and usage[0].c > 0
+    # The usage events carry the cost priced in the run's own transaction.
+    rows = submitter.query(
+        "SELECT run_id, call_index, cost_usd FROM usage WHERE run_id = ANY(:ids)", ids=ids
+    )
+    on_topic = {
+        (e["run_id"], e["call_index"]): Decimal(e["cost_usd"])
+        for e in events
+        if e["event"] == "usage" and e["run_id"] in ids
+    }
+    assert on_topic == {(r.run_id, r.call_index): r.cost_usd for r in rows}
 
 
 def test_per_user_order_with_two_workers(env, submitter, workers) -> None:
