@@ -159,6 +159,15 @@ class DrainingConsumer(faust_aiokafka.Consumer):
                     rt.cursors.forget(ours)  # after the commits, which need them
         await super().on_partitions_revoked(revoked)
 
+    async def on_partitions_assigned(self, assigned: set[Any], generation_id: int = 0) -> None:
+        # Before Faust's own callbacks, which may resume the flow before the app's
+        # on_partitions_assigned signal: records arriving then must not be taken for
+        # records of partitions this worker does not hold.
+        rt = self.runtime
+        if rt is not None:
+            rt.assigned = {tp.partition for tp in assigned if tp.topic == rt.runs_topic}
+        await super().on_partitions_assigned(assigned, generation_id)
+
     def _new_offset(self, tp: Any) -> int | None:
         # Faust's own computation commits the first run of consecutive acks even when
         # it does not start at the committed offset (always so when there is none):
@@ -366,7 +375,11 @@ def build_worker(settings: Settings, datadir: str) -> tuple[faust.App, WorkerRun
 
     @app.timer(interval=2.0)  # type: ignore[untyped-decorator]
     async def watch_tails() -> None:
-        await cursors.watch(position)
+        generation = app.consumer_generation_id
+        try:
+            await cursors.watch(sorted(rt.assigned), generation, position)
+        except Exception:  # noqa: BLE001 - a failed seek is retried at the next pass
+            log.exception("tail check failed")
 
     @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def _assigned(sender: Any, assigned: set[Any], **_: Any) -> None:

@@ -82,11 +82,7 @@ class PartitionCursors:
         chain already has it, or records before it were lost on the way and the
         consumer has been sent back for them.
         """
-        cur = self._cursors.get(partition)
-        if cur is None or cur.generation != generation:
-            base = await self._lookup_base(partition)
-            cur = _Cursor(generation, base, base)
-            self._cursors[partition] = cur
+        cur = await self._cursor(partition, generation)
         if offset == cur.next:
             cur.rewound_at = None
             cur.rewinds = 0
@@ -121,15 +117,34 @@ class PartitionCursors:
         await self._seek(partition, cur.next)
         return False
 
-    async def watch(self, position: Callable[[int], Awaitable[int | None]]) -> None:
-        """One pass of the tail check; call it every few seconds.
+    async def _cursor(self, partition: int, generation: int) -> _Cursor:
+        cur = self._cursors.get(partition)
+        if cur is not None and cur.generation == generation:
+            return cur
+        base = await self._lookup_base(partition)
+        cur = self._cursors.get(partition)  # made by someone else during the lookup?
+        if cur is None or cur.generation != generation:
+            cur = _Cursor(generation, base, base)
+            self._cursors[partition] = cur
+        return cur
+
+    async def watch(
+        self,
+        partitions: Iterable[int],
+        generation: int,
+        position: Callable[[int], Awaitable[int | None]],
+    ) -> None:
+        """One pass of the tail check over the held ``partitions``; call it every few
+        seconds.
 
         A record dropped on the way is noticed by ``admit`` when a later one arrives;
-        when it was the partition's last record, nothing arrives. So: a partition
-        whose consumer position is past ``next`` and made no progress since the last
-        pass is sent back to ``next``.
+        when it was the partition's last record (or every record of the partition was
+        dropped, so it has no cursor yet), nothing arrives. So: a partition whose
+        consumer position is past ``next`` and made no progress since the last pass
+        is sent back to ``next``.
         """
-        for partition, cur in list(self._cursors.items()):
+        for partition in list(partitions):
+            cur = await self._cursor(partition, generation)
             pos = await position(partition)
             if pos is None or pos <= cur.next:
                 cur.watched = None

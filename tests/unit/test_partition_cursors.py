@@ -146,9 +146,9 @@ def test_a_lost_last_record_is_found_by_the_tail_watch() -> None:
     async def position(partition: int) -> int:
         return 6
 
-    asyncio.run(cursors.watch(position))
+    asyncio.run(cursors.watch([3], 1, position))
     assert broker.seeks == []  # behind once: could still be on its way
-    asyncio.run(cursors.watch(position))
+    asyncio.run(cursors.watch([3], 1, position))
     assert broker.seeks == [(3, 4)]
     assert feed(cursors, [4, 5]) == [4, 5]
 
@@ -161,9 +161,23 @@ def test_the_tail_watch_leaves_a_partition_that_progresses_alone() -> None:
     async def position(partition: int) -> int:
         return next(positions)
 
-    asyncio.run(cursors.watch(position))
+    asyncio.run(cursors.watch([3], 1, position))
     feed(cursors, [1])  # progress between passes
-    asyncio.run(cursors.watch(position))
+    asyncio.run(cursors.watch([3], 1, position))
     feed(cursors, [2])  # caught up with the position
-    asyncio.run(cursors.watch(position))
+    asyncio.run(cursors.watch([3], 1, position))
     assert broker.seeks == []
+
+
+def test_a_partition_whose_every_record_was_dropped_is_found_by_the_tail_watch() -> None:
+    # Records 0..4 arrived before the worker knew it held the partition and were
+    # dropped: no record was admitted, so no hole was ever seen.
+    cursors, broker, _ = make(base=0)
+
+    async def position(partition: int) -> int:
+        return 5
+
+    asyncio.run(cursors.watch([3], 1, position))
+    asyncio.run(cursors.watch([3], 1, position))
+    assert broker.seeks == [(3, 0)]
+    assert feed(cursors, [0, 1, 2, 3, 4]) == [0, 1, 2, 3, 4]
