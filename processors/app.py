@@ -350,21 +350,14 @@ def build_worker(settings: Settings, datadir: str) -> tuple[faust.App, WorkerRun
                 cursors.advance(partition, msg.offset)
 
     async def admit(partition: int, offset: int, generation: int) -> bool:
-        delay = 0.2
-        while generation == app.consumer_generation_id:
-            try:
-                return await cursors.admit(partition, offset, generation)
-            except Exception as exc:  # noqa: BLE001 - the broker may be restarting
-                log.warning(
-                    "cannot place partition=%d offset=%d: %s; retrying in %.1fs",
-                    partition,
-                    offset,
-                    exc,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-        return False  # the partition moved on meanwhile: its next owner reads it
+        try:
+            return await cursors.admit(partition, offset, generation)
+        except Exception as exc:  # noqa: BLE001 - the broker may be restarting
+            # Never wait here: every partition's records queue behind this one. The
+            # record is dropped; the tail check finds the partition behind its consumer
+            # position once the broker answers again and seeks back for it.
+            log.warning("cannot place partition=%d offset=%d: %s", partition, offset, exc)
+            return False
 
     async def position(partition: int) -> int | None:
         try:
@@ -378,8 +371,8 @@ def build_worker(settings: Settings, datadir: str) -> tuple[faust.App, WorkerRun
         generation = app.consumer_generation_id
         try:
             await cursors.watch(sorted(rt.assigned), generation, position)
-        except Exception:  # noqa: BLE001 - a failed seek is retried at the next pass
-            log.exception("tail check failed")
+        except Exception as exc:  # noqa: BLE001 - retried at the next pass
+            log.warning("tail check failed: %s", exc)
 
     @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def _assigned(sender: Any, assigned: set[Any], **_: Any) -> None:

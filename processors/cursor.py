@@ -31,6 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+from koda.errors import TopicError
 from koda.metrics import OFFSET_REWINDS
 
 log = logging.getLogger("koda.worker")
@@ -74,6 +75,7 @@ class PartitionCursors:
         self._max_rewinds = max_rewinds
         self._clock = clock
         self._cursors: dict[int, _Cursor] = {}
+        self._retry_at: dict[int, float] = {}
 
     async def admit(self, partition: int, offset: int, generation: int) -> bool:
         """True if ``offset`` is the record the partition's chain must get next.
@@ -121,7 +123,16 @@ class PartitionCursors:
         cur = self._cursors.get(partition)
         if cur is not None and cur.generation == generation:
             return cur
-        base = await self._lookup_base(partition)
+        if self._clock() < self._retry_at.get(partition, 0.0):
+            raise TopicError(f"start offset of partition {partition} unknown; retrying soon")
+        try:
+            base = await self._lookup_base(partition)
+        except Exception:
+            # Records of this partition are dropped without asking again for a while:
+            # each lookup may wait out a request timeout, and the dispatcher waits with it.
+            self._retry_at[partition] = self._clock() + self._reseek_after_s
+            raise
+        self._retry_at.pop(partition, None)
         cur = self._cursors.get(partition)  # made by someone else during the lookup?
         if cur is None or cur.generation != generation:
             cur = _Cursor(generation, base, base)

@@ -62,12 +62,14 @@ class GroupOffsetReader:
     def start_offset(self, partition: int) -> int:
         """Blocking: where a new assignment of ``partition`` starts reading.
 
-        The group's committed offset; the log start when the group has none, or when
-        retention has deleted records past it.
+        The group's committed offset (asked of the group coordinator only); the log
+        start when the group has none (asked of the partition's leader).
         """
         committed = self.committed([partition]).get(partition)
+        if committed is not None:
+            return committed
         low, _ = self.watermarks(partition)
-        return max(committed or 0, low)
+        return low
 
     def _close(self) -> None:
         consumer, self._consumer = self._consumer, None

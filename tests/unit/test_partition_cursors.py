@@ -181,3 +181,28 @@ def test_a_partition_whose_every_record_was_dropped_is_found_by_the_tail_watch()
     asyncio.run(cursors.watch([3], 1, position))
     assert broker.seeks == [(3, 0)]
     assert feed(cursors, [0, 1, 2, 3, 4]) == [0, 1, 2, 3, 4]
+
+
+def test_a_failed_base_lookup_is_not_repeated_at_once() -> None:
+    cursors, broker, clock = make(base=0, reseek_after_s=2.0)
+    calls = 0
+
+    async def failing(partition: int) -> int:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("leader not available")
+
+    cursors._lookup_base = failing
+
+    async def admit(offset: int) -> object:
+        try:
+            return await cursors.admit(3, offset, 1)
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__
+
+    assert asyncio.run(admit(0)) == "RuntimeError"
+    assert asyncio.run(admit(1)) == "TopicError"  # no second broker call yet
+    assert calls == 1
+    clock.now = 2.5
+    cursors._lookup_base = broker.lookup
+    assert asyncio.run(admit(0)) is True
