@@ -111,7 +111,6 @@ class WorkerRuntime:
 
     async def on_assigned(self, partitions: list[int]) -> None:
         REBALANCES.labels(event="assigned").inc()
-        self.assigned = set(partitions)
         if self.chains is not None:
             self.chains.accepting = True
         # A partition whose first record already took (or is taking) its epoch in this

@@ -113,11 +113,15 @@ class PartitionCursors:
             partition,
             cur.next,
         )
-        OFFSET_REWINDS.inc()
-        cur.rewound_at = now
         cur.rewinds += 1
-        await self._seek(partition, cur.next)
+        await self._rewind(partition, cur)
         return False
+
+    async def _rewind(self, partition: int, cur: _Cursor) -> None:
+        """Send the consumer back to ``cur.next``; admit drops arrivals for a while."""
+        OFFSET_REWINDS.inc()
+        cur.rewound_at = self._clock()
+        await self._seek(partition, cur.next)
 
     async def _cursor(self, partition: int, generation: int) -> _Cursor:
         cur = self._cursors.get(partition)
@@ -171,10 +175,8 @@ class PartitionCursors:
                 partition,
                 cur.next,
             )
-            OFFSET_REWINDS.inc()
             cur.watched = None
-            cur.rewound_at = self._clock()
-            await self._seek(partition, cur.next)
+            await self._rewind(partition, cur)
 
     def advance(self, partition: int, offset: int) -> None:
         """The chain has queued ``offset``: expect the one after it."""
