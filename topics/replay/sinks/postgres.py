@@ -4,9 +4,9 @@ The tables live in their own schema (``schema=`` in the URL, default
 ``Names.warehouse_schema()``); koda's own schema is refused, so a replay never writes
 koda's tables. A batch is copied (``COPY``) into session-local staging tables and
 upserted from there, all in one transaction. Two replays may write one schema at the
-same time: rows are upserted in one global order (tables.TABLES, then key), so their
-row locks cannot deadlock; a serialization failure or deadlock still retries the
-whole batch a few times.
+same time: their set-up takes turns on an advisory lock, and rows are upserted in one
+global order (tables.TABLES, then key), so their row locks cannot deadlock; a
+serialization failure or deadlock still retries the whole batch a few times.
 """
 
 from __future__ import annotations
@@ -74,6 +74,14 @@ class PostgresSink(SqlSink):
             raise SinkError(f"cannot reach {self.display}: {_first_line(exc)}") from None
         try:
             with self.conn.transaction():
+                # IF NOT EXISTS is not safe against a concurrent create of the same name
+                # (both pass the check, one fails on the catalogue's unique index), so
+                # replays setting up one schema take turns; the lock ends with the
+                # transaction.
+                self.conn.execute(
+                    "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                    [f"koda.replay.setup:{self.schema}"],
+                )
                 self.conn.execute(
                     pgsql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
                         pgsql.Identifier(self.schema)
