@@ -24,12 +24,23 @@ def alembic_config(settings: Settings) -> Config:
 
 
 def upgrade(settings: Settings, revision: str = "head") -> None:
-    """Create the namespace's schema if missing and migrate it to ``revision``."""
+    """Create the namespace's schema if missing and migrate it to ``revision``.
+
+    Overlapping upgrades (two deploys' migrate jobs) take turns on a session advisory
+    lock held for the whole upgrade: `CREATE ... IF NOT EXISTS` and alembic's version
+    check are not safe against a concurrent run, and the second would fail half-way.
+    The one that waits finds the schema at head and does nothing."""
     schema = settings.names.pg_schema()
     engine = sync_engine(settings)
     try:
-        with engine.begin() as conn:
-            conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            key = {"key": f"koda.migrate:{schema}"}
+            conn.execute(text("SELECT pg_advisory_lock(hashtextextended(:key, 0))"), key)
+            try:
+                conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+                command.upgrade(alembic_config(settings), revision)
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(hashtextextended(:key, 0))"), key)
     except OperationalError as exc:
         raise DatabaseError(
             f"cannot reach PostgreSQL at KODA_DATABASE_URL: {exc.orig}; "
@@ -37,7 +48,6 @@ def upgrade(settings: Settings, revision: str = "head") -> None:
         ) from exc
     finally:
         engine.dispose()
-    command.upgrade(alembic_config(settings), revision)
 
 
 def downgrade(settings: Settings, revision: str) -> None:

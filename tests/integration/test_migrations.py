@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import multiprocessing
+from multiprocessing.synchronize import Barrier
+
 import pytest
 from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError
@@ -26,6 +29,39 @@ def test_migrations_build_every_table_on_an_empty_schema(settings: Settings) -> 
         assert pk["constrained_columns"] == ["run_id", "seq"]
         engine.dispose()
     finally:
+        drop_schema(settings)
+
+
+def _migrate(settings: Settings, start: Barrier) -> None:
+    start.wait(timeout=60)
+    upgrade(settings)
+
+
+def test_upgrades_started_together_on_an_empty_schema_all_succeed(settings: Settings) -> None:
+    """Two deploys' migrate jobs may overlap. Without the advisory lock both pass
+    `CREATE SCHEMA IF NOT EXISTS` or both create alembic's version table, and one fails
+    on a catalogue unique index. Processes, as in production: alembic's context is
+    process-global."""
+    spawn = multiprocessing.get_context("spawn")
+    start = spawn.Barrier(4)
+    jobs = [spawn.Process(target=_migrate, args=(settings, start)) for _ in range(4)]
+    try:
+        for job in jobs:
+            job.start()
+        for job in jobs:
+            job.join(timeout=120)
+        assert [job.exitcode for job in jobs] == [0, 0, 0, 0]
+        engine = sync_engine(settings)
+        schema = settings.names.pg_schema()
+        assert TABLES <= set(inspect(engine).get_table_names(schema=schema))
+        with engine.connect() as conn:
+            versions = conn.execute(text(f'SELECT count(*) FROM "{schema}".alembic_version'))
+            assert versions.scalar_one() == 1
+        engine.dispose()
+    finally:
+        for job in jobs:
+            if job.is_alive():
+                job.kill()
         drop_schema(settings)
 
 
