@@ -151,6 +151,12 @@ OFFSET_REWINDS = Counter(
     "Times a worker found records dropped before reaching it and sought back for them.",
     registry=REGISTRY,
 )
+GROUP_COMMIT_RUNS = Histogram(
+    "koda_group_commit_runs",
+    "Runs whose chunk batches or finishes were written together in one transaction.",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    registry=REGISTRY,
+)
 HANDOFF_SECONDS = Histogram(
     "koda_handoff_seconds",
     "Time spent draining in-flight runs when partitions were revoked.",

@@ -35,6 +35,7 @@ from koda.settings import Settings
 from processors.chains import ChainSet
 from processors.cursor import PartitionCursors
 from processors.emitter import Emitter
+from processors.groupcommit import GroupWriter
 from processors.handlers import build_handler
 from processors.offsets import GroupOffsetReader
 from processors.ops import WorkerOps
@@ -197,6 +198,7 @@ class KodaTransport(faust_aiokafka.Transport):
 class KodaApp(faust.App):
     ops: WorkerOps | None = None
     offsets: GroupOffsetReader | None = None
+    group_writer: GroupWriter | None = None
 
     def _new_transport(self) -> Any:
         return KodaTransport(self.conf.broker_consumer, self)
@@ -219,6 +221,8 @@ class KodaApp(faust.App):
                 await self.ops.stop(crashed=self.crashed)
             if self.offsets is not None:
                 await self.offsets.aclose()
+            if self.group_writer is not None:
+                await self.group_writer.close()
 
 
 def faust_settings(settings: Settings, datadir: str) -> dict[str, Any]:
@@ -282,6 +286,7 @@ def build_worker(settings: Settings, datadir: str) -> tuple[faust.App, WorkerRun
     app = KodaApp(settings.names.group(settings.worker_group), **faust_settings(settings, datadir))
     emitter = Emitter(settings, app.producer.send)
     executor = RunExecutor(settings, store, emitter, handler)
+    app.group_writer = executor.writer
     runs_topic = settings.names.topic(RUNS)
     rt = WorkerRuntime(settings, store, executor, handler, runs_topic, app=app)
     DrainingConsumer.runtime = rt

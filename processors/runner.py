@@ -32,7 +32,8 @@ from koda.metrics import (
 )
 from koda.settings import Settings
 from processors.emitter import Emitter
-from processors.store import Fence, RunStore
+from processors.groupcommit import GroupWriter
+from processors.store import ChunkWrite, ClaimWrite, Fence, FinishWrite, RunStore
 from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, headers_for
 
 log = logging.getLogger("koda.worker")
@@ -66,7 +67,7 @@ class ChunkBatcher:
 
     def __init__(
         self,
-        store: RunStore,
+        writer: GroupWriter,
         emitter: Emitter,
         fence: Fence,
         run_id: str,
@@ -75,7 +76,7 @@ class ChunkBatcher:
         futures: list[asyncio.Future[Any]],
         max_size: int,
     ) -> None:
-        self.store, self.emitter, self.fence = store, emitter, fence
+        self.writer, self.emitter, self.fence = writer, emitter, fence
         self.run_id, self.attempt, self.seq = run_id, attempt, seq
         self.futures = futures
         self.max_size = max_size
@@ -94,7 +95,7 @@ class ChunkBatcher:
             return
         batch, self.pending = self.pending, []
         first = not self.streaming and any(c.kind is ChunkKind.CHUNK for c in batch)
-        inserted = await self.store.write_chunks(self.fence, self.run_id, batch, first_output=first)
+        inserted = await self.writer.chunks(ChunkWrite(self.fence, self.run_id, batch, first))
         if inserted is None:
             raise FencedOut(f"run {self.run_id}: chunk write fenced out")
         if first:
@@ -117,6 +118,7 @@ class RunExecutor:
         self.store = store
         self.emitter = emitter
         self.handler = handler
+        self.writer = GroupWriter(store)
         self.policy = RetryPolicy(settings.max_attempts, settings.retry_base_s)
         self.worker_id = settings.worker_id
 
@@ -163,7 +165,7 @@ class RunExecutor:
     ) -> None:
         started = time.monotonic()
         while True:
-            claim = await self.store.claim(run_id, fence, self.worker_id)
+            claim = await self.writer.claim(ClaimWrite(fence, run_id, self.worker_id))
             if claim is None:
                 current = await self.store.load_run(run_id)
                 if current is not None and current.status.terminal:
@@ -185,7 +187,7 @@ class RunExecutor:
             )
             seq = SeqCounter(claim.next_seq)
             batcher = ChunkBatcher(
-                self.store,
+                self.writer,
                 self.emitter,
                 fence,
                 run_id,
@@ -247,8 +249,8 @@ class RunExecutor:
             final = batcher.pending
             batcher.pending = []
             first = not batcher.streaming and any(c.kind is ChunkKind.CHUNK for c in final)
-            finished = await self.store.finish(
-                fence, run_id, RunStatus.DONE, final, usage, first_output=first
+            finished = await self.writer.finish(
+                FinishWrite(fence, run_id, RunStatus.DONE, final, usage, first_output=first)
             )
             if finished is None:
                 raise FencedOut(f"run {run_id}: finish fenced out")
@@ -335,8 +337,8 @@ class RunExecutor:
         batcher.add(ChunkKind.ERROR, json.dumps({"error": error[:500], "attempts": attempts}))
         final = batcher.pending
         batcher.pending = []
-        finished = await self.store.finish(
-            fence, final[0].run_id, RunStatus.FAILED, final, error=error[:2000]
+        finished = await self.writer.finish(
+            FinishWrite(fence, final[0].run_id, RunStatus.FAILED, final, error=error[:2000])
         )
         if finished is None:
             raise FencedOut(f"run {final[0].run_id}: fail fenced out")

@@ -74,11 +74,62 @@ def _fence_params(fence: Fence, run_id: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class ChunkWrite:
+    """One run's chunk batch, written only while ``fence`` owns the run."""
+
+    fence: Fence
+    run_id: str
+    chunks: Sequence[Chunk]
+    first_output: bool
+
+
+@dataclass(frozen=True)
+class FinishWrite:
+    """One run's ending, as :meth:`RunStore.finish` writes it: trailing chunks, usage and
+    the terminal transition, only while ``fence`` owns the run."""
+
+    fence: Fence
+    run_id: str
+    status: RunStatus
+    chunks: Sequence[Chunk]
+    usage: Sequence[Usage] = ()
+    error: str | None = None
+    first_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.status.terminal:
+            raise ValueError(f"a finish ends a run; {self.status.value} is not terminal")
+
+
+@dataclass(frozen=True)
 class Finished:
     """What ``finish`` wrote: the chunk seqs inserted, and each usage row's cost (USD)."""
 
     inserted: list[int]
     costs: dict[int, Decimal] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClaimWrite:
+    """Claim one run (``→ running``, ``attempt + 1``) under ``fence``, as ``worker_id``."""
+
+    fence: Fence
+    run_id: str
+    worker_id: str
+    chunks: Sequence[Chunk] = ()  # a claim writes none; the group writer sizes by this
+
+
+GroupWrite = ClaimWrite | ChunkWrite | FinishWrite
+GroupResult = Claim | list[int] | Finished | None
+
+
+def _all_moved(moved: int, expected: int, to: RunStatus) -> None:
+    if moved != expected:
+        from koda.errors import TransitionRejected
+
+        raise TransitionRejected(
+            f"{expected - moved} of {expected} transitions to {to.value} matched no row"
+        )
 
 
 class RunStore:
@@ -257,6 +308,105 @@ class RunStore:
                 await self._transition(conn, fence, run_id, RunStatus.STREAMING)
             return await _insert_chunks(conn, run_id, chunks)
 
+    async def write_group(self, writes: Sequence[GroupWrite]) -> list[GroupResult]:
+        """Several runs' claims, chunk batches and finishes in one transaction.
+
+        At most seven statements however many runs: the claims and their next seqs,
+        the ownership check, the chunks, the usage rows, the first-output and the
+        terminal transitions. Per write, the same rule and result as :meth:`claim` (a
+        :class:`Claim`), :meth:`write_chunks` (the seqs inserted) or :meth:`finish` (a
+        :class:`Finished`), or None when that run could not be claimed or is fenced out:
+        its part is not written, the others are. Ownership rows are locked ``FOR SHARE``
+        in (partition, run) order, the order in which an epoch bump takes them, so a
+        group and a bump cannot deadlock. Raises :class:`koda.errors.TransitionRejected`
+        when a transition matches no row; the caller then writes each part alone, where
+        only that run fails. A group must not name a run twice.
+        """
+        claims = [w for w in writes if isinstance(w, ClaimWrite)]
+        parts = [w for w in writes if not isinstance(w, ClaimWrite)]
+        async with self.engine.begin() as conn:
+            claimed = await _claim_group(conn, claims) if claims else {}
+            mine = await _owned_group(conn, parts) if parts else []
+            inserted: dict[str, list[int]] = {w.run_id: [] for w in mine}
+            chunks = [c for w in mine for c in w.chunks]
+            if chunks:
+                rows = await conn.execute(
+                    _INSERT_CHUNK_GROUP,
+                    {
+                        "ids": [c.run_id for c in chunks],
+                        "seqs": [c.seq for c in chunks],
+                        "kinds": [c.kind.value for c in chunks],
+                        "contents": [c.content for c in chunks],
+                        "attempts": [c.attempt for c in chunks],
+                    },
+                )
+                for run_id, seq in rows:
+                    inserted[run_id].append(int(seq))
+            finishes = [w for w in mine if isinstance(w, FinishWrite)]
+            costs = await _insert_usage_group(conn, finishes)
+            first = [w for w in mine if isinstance(w, ChunkWrite) and w.first_output]
+            if first:
+                moved = await conn.execute(
+                    text(
+                        """
+                        UPDATE runs r SET status = :to,
+                               first_chunk_at = COALESCE(r.first_chunk_at, now())
+                          FROM unnest(CAST(:ids AS text[]), CAST(:epochs AS bigint[]))
+                               AS q(run_id, epoch)
+                         WHERE r.id = q.run_id AND r.fence = q.epoch
+                           AND r.status = ANY(:sources)
+                        RETURNING r.id
+                        """
+                    ),
+                    {
+                        "ids": [w.run_id for w in first],
+                        "epochs": [w.fence.epoch for w in first],
+                        "to": RunStatus.STREAMING.value,
+                        "sources": [s.value for s in sources_of(RunStatus.STREAMING)],
+                    },
+                )
+                _all_moved(len(moved.all()), len(first), RunStatus.STREAMING)
+            if finishes:
+                ended = await conn.execute(
+                    text(
+                        """
+                        UPDATE runs r SET status = q.target, finished_at = now(),
+                               error = q.error,
+                               first_chunk_at = CASE WHEN q.first_output
+                                   THEN COALESCE(r.first_chunk_at, now())
+                                   ELSE r.first_chunk_at END
+                          FROM unnest(CAST(:ids AS text[]), CAST(:epochs AS bigint[]),
+                                      CAST(:targets AS text[]), CAST(:errors AS text[]),
+                                      CAST(:firsts AS bool[]))
+                               AS q(run_id, epoch, target, error, first_output)
+                         WHERE r.id = q.run_id AND r.fence = q.epoch
+                           AND r.status = ANY(:active)
+                        RETURNING r.id
+                        """
+                    ),
+                    {
+                        "ids": [w.run_id for w in finishes],
+                        "epochs": [w.fence.epoch for w in finishes],
+                        "targets": [w.status.value for w in finishes],
+                        "errors": [w.error for w in finishes],
+                        "firsts": [w.first_output for w in finishes],
+                        # Every terminal status may follow any active one (states.ALLOWED).
+                        "active": [s.value for s in ACTIVE],
+                    },
+                )
+                _all_moved(len(ended.all()), len(finishes), RunStatus.DONE)
+        out: list[GroupResult] = []
+        for w in writes:
+            if isinstance(w, ClaimWrite):
+                out.append(claimed.get(w.run_id))
+            elif w.run_id not in inserted:
+                out.append(None)
+            elif isinstance(w, FinishWrite):
+                out.append(Finished(sorted(inserted[w.run_id]), costs.get(w.run_id, {})))
+            else:
+                out.append(sorted(inserted[w.run_id]))
+        return out
+
     async def finish(
         self,
         fence: Fence,
@@ -382,6 +532,148 @@ _INSERT_CHUNKS = text(
     RETURNING seq
     """
 )
+
+
+_INSERT_CHUNK_GROUP = text(
+    """
+    INSERT INTO messages (run_id, seq, kind, content, attempt)
+    SELECT s.run_id, s.seq, s.kind, s.content, s.attempt
+      FROM unnest(CAST(:ids AS text[]), CAST(:seqs AS int[]), CAST(:kinds AS text[]),
+                  CAST(:contents AS text[]), CAST(:attempts AS int[]))
+           AS s(run_id, seq, kind, content, attempt)
+    ON CONFLICT (run_id, seq) DO NOTHING
+    RETURNING run_id, seq
+    """
+)
+
+
+async def _claim_group(conn: AsyncConnection, claims: Sequence[ClaimWrite]) -> dict[str, Claim]:
+    """:meth:`RunStore.claim` for several runs: the claims that succeeded, by run."""
+    rows = await conn.execute(
+        text(
+            """
+            UPDATE runs r SET status = 'running', attempt = r.attempt + 1,
+                   fence = q.epoch, worker_id = q.worker, partition = q.partition,
+                   started_at = COALESCE(r.started_at, now())
+              FROM unnest(CAST(:ids AS text[]), CAST(:topics AS text[]),
+                          CAST(:parts AS int[]), CAST(:epochs AS bigint[]),
+                          CAST(:workers AS text[]))
+                   AS q(run_id, topic, partition, epoch, worker)
+             WHERE r.id = q.run_id AND r.status = ANY(:sources) AND r.fence <= q.epoch
+               AND EXISTS (SELECT 1 FROM partition_epochs e
+                            WHERE e.topic = q.topic AND e.partition = q.partition
+                              AND e.epoch = q.epoch FOR SHARE)
+            RETURNING r.id, r.attempt, COALESCE(r.failures, 0) AS failures,
+                      EXTRACT(EPOCH FROM r.started_at - r.created_at) AS queue_age_s
+            """
+        ),
+        {
+            "ids": [w.run_id for w in claims],
+            "topics": [w.fence.topic for w in claims],
+            "parts": [w.fence.partition for w in claims],
+            "epochs": [w.fence.epoch for w in claims],
+            "workers": [w.worker_id for w in claims],
+            "sources": [s.value for s in sources_of(RunStatus.RUNNING)],
+        },
+    )
+    won = {r.id: r for r in rows}
+    if not won:
+        return {}
+    # As in claim(): read after the UPDATE, so a previous owner's writes that the row
+    # lock waited for are seen (READ COMMITTED takes a new snapshot per statement).
+    seqs = await conn.execute(
+        text(
+            """
+            SELECT q.run_id, COALESCE(MAX(m.seq) + 1, 0),
+                   COUNT(m.seq) FILTER (WHERE m.kind = 'chunk')
+              FROM unnest(CAST(:ids AS text[])) AS q(run_id)
+              LEFT JOIN messages m ON m.run_id = q.run_id
+             GROUP BY q.run_id
+            """
+        ),
+        {"ids": list(won)},
+    )
+    out = {}
+    for run_id, next_seq, chunks in seqs:
+        row = won[run_id]
+        out[run_id] = Claim(
+            attempt=int(row.attempt),
+            next_seq=int(next_seq),
+            had_output=chunks > 0,
+            queue_age_s=None if row.queue_age_s is None else float(row.queue_age_s),
+            failures=int(row.failures),
+        )
+    return out
+
+
+async def _owned_group(
+    conn: AsyncConnection, parts: Sequence[ChunkWrite | FinishWrite]
+) -> list[ChunkWrite | FinishWrite]:
+    """The parts whose run ``parts``' fences still own, locked ``FOR SHARE`` in
+    (partition, run) order."""
+    owned = await conn.execute(
+        text(
+            """
+            SELECT q.i FROM unnest(CAST(:topics AS text[]), CAST(:parts AS int[]),
+                                   CAST(:epochs AS bigint[]), CAST(:ids AS text[]))
+                            WITH ORDINALITY AS q(topic, partition, epoch, run_id, i)
+              JOIN partition_epochs e ON e.topic = q.topic
+               AND e.partition = q.partition AND e.epoch = q.epoch
+              JOIN runs r ON r.id = q.run_id AND r.fence = q.epoch
+               AND r.status = ANY(:active)
+             ORDER BY q.partition, q.run_id
+               FOR SHARE OF e, r
+            """
+        ),
+        {
+            "topics": [w.fence.topic for w in parts],
+            "parts": [w.fence.partition for w in parts],
+            "epochs": [w.fence.epoch for w in parts],
+            "ids": [w.run_id for w in parts],
+            "active": [s.value for s in ACTIVE],
+        },
+    )
+    return [parts[int(i) - 1] for (i,) in owned]
+
+
+async def _insert_usage_group(
+    conn: AsyncConnection, finishes: Sequence[FinishWrite]
+) -> dict[str, dict[int, Decimal]]:
+    """The usage rows of ``finishes``, priced as :meth:`RunStore.finish` prices them;
+    the costs of the rows inserted, by run and call index."""
+    calls = [(w.run_id, i, u) for w in finishes for i, u in enumerate(w.usage)]
+    if not calls:
+        return {}
+    rows = await conn.execute(
+        text(
+            """
+            INSERT INTO usage (run_id, call_index, model, prompt_tokens, completion_tokens,
+                               cost_usd)
+            SELECT u.run_id, u.idx, u.model, u.pt, u.ct,
+                   COALESCE((SELECT (u.pt * p.prompt_usd_per_mtok
+                                     + u.ct * p.completion_usd_per_mtok) / 1000000
+                               FROM prices p
+                              WHERE p.model = u.model AND p.effective_from <= now()
+                              ORDER BY p.effective_from DESC LIMIT 1), 0)
+              FROM unnest(CAST(:ids AS text[]), CAST(:idx AS int[]), CAST(:models AS text[]),
+                          CAST(:pt AS int[]), CAST(:ct AS int[]))
+                   AS u(run_id, idx, model, pt, ct)
+            ON CONFLICT (run_id, call_index) DO NOTHING
+            RETURNING run_id, call_index, cost_usd
+            """
+        ),
+        {
+            "ids": [r for r, _, _ in calls],
+            "idx": [i for _, i, _ in calls],
+            "models": [u.model for _, _, u in calls],
+            "pt": [u.prompt_tokens for _, _, u in calls],
+            "ct": [u.completion_tokens for _, _, u in calls],
+        },
+    )
+    costs: dict[str, dict[int, Decimal]] = {}
+    for run_id, index, cost in rows:
+        costs.setdefault(run_id, {})[int(index)] = cost
+    return costs
 
 
 async def _insert_chunks(conn: AsyncConnection, run_id: str, chunks: Sequence[Chunk]) -> list[int]:

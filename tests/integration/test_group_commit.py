@@ -1,0 +1,327 @@
+"""Group commit (processors/groupcommit.py) on the real database.
+
+Provoked here: many runs flushing at once share transactions; finishes in a group
+write the same rows, costs and transitions as alone; a fenced-out run in a group is
+refused while the others are written; a part Postgres refuses fails only its own run;
+a run cancelled while its part waits leaves nothing written; a closed writer fails
+what still waits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from decimal import Decimal
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from koda.db import async_engine
+from koda.lifecycle.chunks import Chunk, ChunkKind
+from koda.lifecycle.handler import Usage
+from koda.lifecycle.ids import uuid7
+from koda.lifecycle.states import RunStatus
+from koda.settings import Settings
+from processors.groupcommit import GroupWriter
+from processors.store import ChunkWrite, Claim, ClaimWrite, Fence, Finished, FinishWrite, RunStore
+
+TOPIC = "group-commit-runs"
+
+
+@dataclass
+class Stack:
+    engine: AsyncEngine
+    store: RunStore
+
+
+@pytest.fixture
+async def db(database: Settings) -> AsyncIterator[Stack]:
+    engine = async_engine(database, pool_size=4)
+    try:
+        yield Stack(engine, RunStore(engine))
+    finally:
+        await engine.dispose()
+
+
+async def new_run(s: Stack, partition: int) -> tuple[str, Fence]:
+    """A ``pending`` run, and the partition's current epoch."""
+    run_id, session = uuid7(), uuid7()
+    async with s.engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO sessions (id, user_id) VALUES (:s, 'u')"), {"s": session}
+        )
+        await conn.execute(
+            text(
+                "INSERT INTO runs (id, session_id, user_id, idempotency_key, input)"
+                " VALUES (:id, :s, 'u', :id, CAST(:input AS jsonb))"
+            ),
+            {"id": run_id, "s": session, "input": json.dumps({})},
+        )
+        row = await conn.execute(
+            text("SELECT epoch FROM partition_epochs WHERE topic = :t AND partition = :p"),
+            {"t": TOPIC, "p": partition},
+        )
+        epoch = row.scalar_one()
+    return run_id, Fence(TOPIC, partition, int(epoch))
+
+
+async def claimed_run(s: Stack, partition: int) -> tuple[str, Fence]:
+    """A run claimed (``running``) under the partition's current epoch."""
+    run_id, fence = await new_run(s, partition)
+    assert await s.store.claim(run_id, fence, "w1") is not None
+    return run_id, fence
+
+
+def batch(run_id: str, start: int, n: int, content: str = "tok") -> list[Chunk]:
+    return [Chunk(run_id, start + i, ChunkKind.CHUNK, f"{content}{i}", 1) for i in range(n)]
+
+
+async def stored(s: Stack, run_id: str) -> tuple[list[int], str]:
+    async with s.engine.connect() as conn:
+        seqs = await conn.execute(
+            text("SELECT seq FROM messages WHERE run_id = :id ORDER BY seq"), {"id": run_id}
+        )
+        status = await conn.execute(text("SELECT status FROM runs WHERE id = :id"), {"id": run_id})
+        return [int(r[0]) for r in seqs], str(status.scalar_one())
+
+
+async def test_runs_flushing_together_share_transactions(db: Stack) -> None:
+    await db.store.bump_epochs(TOPIC, range(8), "w1")
+    runs = [await claimed_run(db, i % 8) for i in range(40)]
+    writer = GroupWriter(db.store)
+    try:
+        results = await asyncio.gather(
+            *(writer.chunks(ChunkWrite(f, r, batch(r, 0, 3), True)) for r, f in runs)
+        )
+        assert results == [[0, 1, 2]] * 40
+        # All were waiting before the writer first ran: one transaction for forty runs.
+        assert writer.groups == 1, writer.groups
+        for r, _ in runs:
+            assert await stored(db, r) == ([0, 1, 2], "streaming")
+        # Writing the same batches again inserts nothing (ON CONFLICT DO NOTHING).
+        again = await asyncio.gather(
+            *(writer.chunks(ChunkWrite(f, r, batch(r, 0, 3), False)) for r, f in runs)
+        )
+        assert again == [[]] * 40
+    finally:
+        await writer.close()
+
+
+async def ended(s: Stack, run_id: str) -> tuple[str, str | None, bool, bool, list[tuple]]:
+    """Status, error, finished_at set, first_chunk_at set, and the usage rows."""
+    async with s.engine.connect() as conn:
+        run = (
+            await conn.execute(
+                text(
+                    "SELECT status, error, finished_at IS NOT NULL, first_chunk_at IS NOT NULL"
+                    " FROM runs WHERE id = :id"
+                ),
+                {"id": run_id},
+            )
+        ).one()
+        usage = await conn.execute(
+            text(
+                "SELECT call_index, model, prompt_tokens, completion_tokens, cost_usd"
+                " FROM usage WHERE run_id = :id ORDER BY call_index"
+            ),
+            {"id": run_id},
+        )
+        return (run[0], run[1], run[2], run[3], [tuple(r) for r in usage])
+
+
+async def test_finishes_in_a_group_write_what_each_would_write_alone(db: Stack) -> None:
+    await db.store.bump_epochs(TOPIC, [0, 1], "w1")
+    async with db.engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO prices (model, prompt_usd_per_mtok, completion_usd_per_mtok,"
+                " effective_from) VALUES ('m-priced', 3, 15, now() - interval '1 day')"
+            )
+        )
+    usage = [Usage("m-priced", 1000, 200), Usage("m-unpriced", 7, 9)]
+    alone, grouped = [await claimed_run(db, i % 2) for i in range(4)], []
+    for i in range(4):
+        grouped.append(await claimed_run(db, i % 2))
+
+    def finishing(run: str, fence: Fence, n: int) -> FinishWrite:
+        if n == 3:  # one failure, with its error and no usage
+            chunks = [Chunk(run, 0, ChunkKind.ERROR, "{}", 1)]
+            return FinishWrite(fence, run, RunStatus.FAILED, chunks, error="boom")
+        chunks = [*batch(run, 0, 2), Chunk(run, 2, ChunkKind.DONE, "{}", 1)]
+        return FinishWrite(fence, run, RunStatus.DONE, chunks, usage, first_output=n == 0)
+
+    expected = []
+    for n, (run, fence) in enumerate(alone):
+        w = finishing(run, fence, n)
+        expected.append(
+            await db.store.finish(
+                fence, run, w.status, w.chunks, w.usage, w.error, first_output=w.first_output
+            )
+        )
+    writer = GroupWriter(db.store)
+    try:
+        got = await asyncio.gather(
+            *(writer.finish(finishing(r, f, n)) for n, (r, f) in enumerate(grouped))
+        )
+    finally:
+        await writer.close()
+    assert got == expected
+    assert got[0] == Finished([0, 1, 2], {0: Decimal("0.00600000"), 1: Decimal("0E-8")})
+    for (a, _), (g, _) in zip(alone, grouped, strict=True):
+        status, error, done_at, first_at, rows = await ended(db, g)
+        assert (status, error, done_at, first_at) == (await ended(db, a))[:4]
+        assert rows == (await ended(db, a))[4]
+        assert (await stored(db, g))[0] == (await stored(db, a))[0]
+    assert (await ended(db, grouped[3][0]))[:2] == ("failed", "boom")
+    with pytest.raises(ValueError, match="not terminal"):
+        FinishWrite(grouped[0][1], grouped[0][0], RunStatus.STREAMING, [])
+
+
+async def test_chunk_batches_and_finishes_share_a_group(db: Stack) -> None:
+    await db.store.bump_epochs(TOPIC, [0], "w1")
+    streaming, ending, late = [await claimed_run(db, 0) for _ in range(3)]
+    writer = GroupWriter(db.store)
+    try:
+        (r1, f1), (r2, f2), (r3, f3) = streaming, ending, late
+        done = [Chunk(r2, 0, ChunkKind.DONE, "{}", 1)]
+        results = await asyncio.gather(
+            writer.chunks(ChunkWrite(f1, r1, batch(r1, 0, 1), True)),
+            writer.chunks(ChunkWrite(f1, r1, batch(r1, 1, 1), False)),
+            writer.finish(FinishWrite(f2, r2, RunStatus.DONE, done)),
+            writer.chunks(ChunkWrite(f3, r3, batch(r3, 0, 3), True)),
+        )
+        assert results == [[0], [1], Finished([0], {}), [0, 1, 2]]
+        assert writer.groups == 2  # r1's first batch with r2 and r3, then r1's second
+        assert await stored(db, r2) == ([0], "done")
+        assert await stored(db, r3) == ([0, 1, 2], "streaming")
+    finally:
+        await writer.close()
+
+
+async def test_claims_in_a_group_match_claims_alone(db: Stack) -> None:
+    await db.store.bump_epochs(TOPIC, [0, 1], "w1")
+    fresh, resumed, finished, stale = [await new_run(db, p) for p in (0, 0, 0, 1)]
+    # `resumed` was claimed and wrote output before; `finished` is done already.
+    (r, f), (t, g) = resumed, finished
+    await db.store.claim(r, f, "old")
+    await db.store.write_chunks(f, r, batch(r, 0, 3), first_output=True)
+    await db.store.claim(t, g, "old")
+    await db.store.finish(g, t, RunStatus.DONE, [Chunk(t, 0, ChunkKind.DONE, "{}", 1)])
+    # `stale` is claimed under an epoch its partition no longer has.
+    old_fence = stale[1]
+    await db.store.bump_epochs(TOPIC, [1], "w1")
+    writer = GroupWriter(db.store)
+    try:
+        got = await asyncio.gather(
+            writer.claim(ClaimWrite(f, fresh[0], "w2")),
+            writer.claim(ClaimWrite(f, r, "w2")),
+            writer.claim(ClaimWrite(g, t, "w2")),
+            writer.claim(ClaimWrite(old_fence, stale[0], "w2")),
+        )
+    finally:
+        await writer.close()
+    assert writer.groups == 1
+    assert got[0] is not None and got[1] is not None
+    assert (got[0].attempt, got[0].next_seq, got[0].had_output, got[0].failures) == (1, 0, False, 0)
+    assert (got[1].attempt, got[1].next_seq, got[1].had_output) == (2, 3, True)
+    assert isinstance(got[0].queue_age_s, float) and got[0].queue_age_s >= 0
+    assert got[2] is None  # terminal: nothing to claim
+    assert got[3] is None  # fenced: the partition's epoch moved on
+    assert await stored(db, stale[0]) == ([], "pending")
+    # The same claim alone gives the same answer as in the group.
+    alone = await db.store.claim(fresh[0], f, "w2")
+    assert alone == Claim(2, 0, False, got[0].queue_age_s, 0)
+
+
+async def test_a_fenced_out_run_is_refused_and_the_rest_of_its_group_written(db: Stack) -> None:
+    await db.store.bump_epochs(TOPIC, [0, 1], "w1")
+    kept, kept_fence = await claimed_run(db, 0)
+    lost, lost_fence = await claimed_run(db, 1)
+    await db.store.bump_epochs(TOPIC, [1], "successor")  # partition 1 moved away
+    writer = GroupWriter(db.store)
+    try:
+        ends = [Chunk(lost, 0, ChunkKind.DONE, "{}", 1)]
+        results = await asyncio.gather(
+            writer.chunks(ChunkWrite(kept_fence, kept, batch(kept, 0, 2), True)),
+            writer.chunks(ChunkWrite(lost_fence, lost, batch(lost, 0, 2), True)),
+            writer.chunks(ChunkWrite(kept_fence, kept, batch(kept, 2, 2), False)),
+            writer.finish(FinishWrite(lost_fence, lost, RunStatus.DONE, ends)),
+        )
+        assert results == [[0, 1], None, [2, 3], None]
+        assert await stored(db, kept) == ([0, 1, 2, 3], "streaming")
+        assert await stored(db, lost) == ([], "running")
+    finally:
+        await writer.close()
+
+
+async def test_a_batch_postgres_refuses_fails_only_its_own_run(db: Stack) -> None:
+    await db.store.bump_epochs(TOPIC, [0], "w1")
+    runs = [await claimed_run(db, 0) for _ in range(5)]
+    bad_run, bad_fence = runs[2]
+    writer = GroupWriter(db.store)
+    # Hold the writer in a first group so the next five gather into one.
+    first_run, first_fence = await claimed_run(db, 0)
+    try:
+        writes = [writer.chunks(ChunkWrite(first_fence, first_run, batch(first_run, 0, 1), True))]
+        for r, f in runs:
+            chunks = batch(r, 0, 2, content="nul\x00" if r == bad_run else "ok")
+            writes.append(writer.chunks(ChunkWrite(f, r, chunks, True)))
+        results = await asyncio.gather(*writes, return_exceptions=True)
+        assert isinstance(results[3], Exception), results
+        assert "0x00" in str(results[3]) or "NUL" in str(results[3]), results[3]
+        assert [x for i, x in enumerate(results) if i != 3] == [[0]] + [[0, 1]] * 4
+        assert await stored(db, bad_run) == ([], "running")  # nothing half-written
+        for r, _ in runs:
+            if r != bad_run:
+                assert await stored(db, r) == ([0, 1], "streaming")
+    finally:
+        await writer.close()
+
+
+async def test_a_run_cancelled_while_its_batch_waits_leaves_nothing(db: Stack) -> None:
+    await db.store.bump_epochs(TOPIC, [0], "w1")
+    (busy, busy_fence), (cut, cut_fence) = [await claimed_run(db, 0) for _ in range(2)]
+    writer = GroupWriter(db.store)
+    try:
+        async with db.engine.connect() as blocker:
+            # Lock the first run's row so the first group waits inside its transaction.
+            tx = await blocker.begin()
+            await blocker.execute(
+                text("SELECT 1 FROM runs WHERE id = :id FOR UPDATE"), {"id": busy}
+            )
+            first = asyncio.create_task(
+                writer.chunks(ChunkWrite(busy_fence, busy, batch(busy, 0, 1), True))
+            )
+            await asyncio.sleep(0.3)  # the first group is now blocked on the row lock
+            waiting = asyncio.create_task(
+                writer.chunks(ChunkWrite(cut_fence, cut, batch(cut, 0, 2), True))
+            )
+            await asyncio.sleep(0.1)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await tx.rollback()
+        assert await first == [0]
+        await asyncio.sleep(0.3)  # give a wrongly queued batch the chance to be written
+        assert await stored(db, cut) == ([], "running")
+        assert writer.groups == 1
+    finally:
+        await writer.close()
+
+
+async def test_closing_the_writer_fails_batches_still_waiting(db: Stack) -> None:
+    await db.store.bump_epochs(TOPIC, [0], "w1")
+    run, fence = await claimed_run(db, 0)
+    writer = GroupWriter(db.store)
+    async with db.engine.connect() as blocker:
+        tx = await blocker.begin()
+        await blocker.execute(text("SELECT 1 FROM runs WHERE id = :id FOR UPDATE"), {"id": run})
+        pending = asyncio.create_task(writer.chunks(ChunkWrite(fence, run, batch(run, 0, 1), True)))
+        await asyncio.sleep(0.3)
+        await writer.close()
+        with pytest.raises(RuntimeError, match="group writer was closed"):
+            await pending
+        await tx.rollback()
+    assert await stored(db, run) == ([], "running")
