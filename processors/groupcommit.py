@@ -56,12 +56,12 @@ class _Waiting:
 
 
 class GroupWriter:
-    """Writes runs' chunk batches and finishes to Postgres in shared transactions."""
+    """Writes runs' claims, chunk batches and finishes to Postgres in shared transactions."""
 
     def __init__(self, store: RunStore, max_rows: int = MAX_GROUP_ROWS) -> None:
         self.store = store
         self.max_rows = max_rows
-        self.groups = 0  # transactions committed (or tried) for groups, for tests and logs
+        self.groups = 0  # group transactions tried (tests read it)
         self._queue: list[_Waiting] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
