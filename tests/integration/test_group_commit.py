@@ -26,6 +26,7 @@ from koda.lifecycle.states import RunStatus
 from koda.settings import Settings
 from processors.groupcommit import GroupWriter
 from processors.store import ChunkWrite, Claim, ClaimWrite, Fence, Finished, FinishWrite, RunStore
+from tests.support import async_wait_until
 
 TOPIC = "group-commit-runs"
 
@@ -280,6 +281,22 @@ async def test_a_batch_postgres_refuses_fails_only_its_own_run(db: Stack) -> Non
         await writer.close()
 
 
+async def blocked_on_a_lock(s: Stack) -> None:
+    """Until some session of this database waits for a lock (a group held by the blocker)."""
+
+    async def waiting() -> bool:
+        async with s.engine.connect() as conn:
+            row = await conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                )
+            )
+            return bool(row.scalar_one())
+
+    await async_wait_until(waiting, timeout=10, interval=0.02, what="a group waiting on a lock")
+
+
 async def test_a_run_cancelled_while_its_batch_waits_leaves_nothing(db: Stack) -> None:
     await db.store.bump_epochs(TOPIC, [0], "w1")
     (busy, busy_fence), (cut, cut_fence) = [await claimed_run(db, 0) for _ in range(2)]
@@ -294,19 +311,23 @@ async def test_a_run_cancelled_while_its_batch_waits_leaves_nothing(db: Stack) -
             first = asyncio.create_task(
                 writer.chunks(ChunkWrite(busy_fence, busy, batch(busy, 0, 1), True))
             )
-            await asyncio.sleep(0.3)  # the first group is now blocked on the row lock
+            await blocked_on_a_lock(db)
             waiting = asyncio.create_task(
                 writer.chunks(ChunkWrite(cut_fence, cut, batch(cut, 0, 2), True))
             )
-            await asyncio.sleep(0.1)
+            await async_wait_until(
+                lambda: _now(len(writer._queue) == 1), timeout=10, interval=0.01, what="queued"
+            )
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiting
             await tx.rollback()
         assert await first == [0]
-        await asyncio.sleep(0.3)  # give a wrongly queued batch the chance to be written
+        # A later write is taken after anything still queued: had the cut batch stayed
+        # queued, it would be written by now.
+        assert await writer.chunks(ChunkWrite(busy_fence, busy, batch(busy, 1, 1), False)) == [1]
         assert await stored(db, cut) == ([], "running")
-        assert writer.groups == 1
+        assert writer.groups == 2
     finally:
         await writer.close()
 
@@ -319,9 +340,13 @@ async def test_closing_the_writer_fails_batches_still_waiting(db: Stack) -> None
         tx = await blocker.begin()
         await blocker.execute(text("SELECT 1 FROM runs WHERE id = :id FOR UPDATE"), {"id": run})
         pending = asyncio.create_task(writer.chunks(ChunkWrite(fence, run, batch(run, 0, 1), True)))
-        await asyncio.sleep(0.3)
+        await blocked_on_a_lock(db)
         await writer.close()
         with pytest.raises(RuntimeError, match="group writer was closed"):
             await pending
         await tx.rollback()
     assert await stored(db, run) == ([], "running")
+
+
+async def _now(value: bool) -> bool:
+    return value
