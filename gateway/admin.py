@@ -39,14 +39,37 @@ class WorkerRow(BaseModel):
     version: str
     partitions: list[int] = Field(description="Runs partitions the worker holds.")
     host: str
+    pid: int | None = Field(description="Its process id on that host (null: an older worker).")
+    instance: str = Field(description="The random id its process drew at start ('' if older).")
     stale: bool = Field(description="No beat for more than KODA_BEAT_STALE_AFTER seconds.")
+    conflict: bool = Field(description="More than one live process beats under this worker_id.")
+
+
+class ConflictingProcess(BaseModel):
+    host: str
+    pid: int | None
+    instance: str
+    lastBeatMs: int  # noqa: N815
+    stale: bool
+
+
+class WorkerIdConflict(BaseModel):
+    worker_id: str
+    processes: list[ConflictingProcess] = Field(
+        description="Every process whose beats under this worker_id interleave with another's."
+    )
 
 
 class WorkersReport(BaseModel):
-    status: str = Field(description="ok, or degraded: fewer alive than expected, or any stale.")
+    status: str = Field(
+        description="ok, or degraded: fewer alive than expected, any stale, or any conflict."
+    )
     expected: int = Field(description="KODA_EXPECTED_WORKERS.")
     alive: int
     stale: int
+    conflicts: list[WorkerIdConflict] = Field(
+        description="Worker ids that two or more live processes claim (each should have its own)."
+    )
     workers: list[WorkerRow]
 
 

@@ -12,42 +12,77 @@ gateway's clock, so hosts need synchronised clocks (NTP); a beat from the
 future counts as fresh. Rows of workers that vanished without a tombstone
 (SIGKILL, a lost node) stay, stale, for ``KODA_BEAT_FORGET_AFTER`` s and are
 then dropped so a replaced pod does not keep the status degraded forever.
+
+Two live processes beating under one worker id (a copied ``KODA_WORKER_ID``, two
+workers of an older release on one host) share one key, so each beat would overwrite
+the other's. Every beat carries its process's ``instance`` (drawn at start), and the
+table keeps the instances of each id apart: two instances whose beats interleave on
+the topic are a *conflict*, reported with both hosts and pids, and the status is
+``degraded``. An instance whose beats all came before another's first one was that
+process's predecessor (a restart under a stable id): it is dropped, not a conflict.
+A tombstone removes the id with all its instances (it does not say which process
+wrote it; a twin still alive reappears with its next beat).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
-
 from koda import metrics
 from koda.errors import RecordError
-from koda.kafka import aiokafka_security
 from koda.settings import Settings
 from schemas.heartbeats import Beat, decode_beat
-from topics.catalogue import WORKERS
+from topics.workerlog import WorkerLogTail
 
 log = logging.getLogger(__name__)
 
-POLL_TIMEOUT_MS = 1000
-RETRY_MAX_S = 10.0
+# Instances remembered per worker id: a crash-looping worker under a stable id draws a
+# new one at every start.
+MAX_INSTANCES = 16
+
+
+@dataclass
+class _Instance:
+    """One process beating under a worker id: its latest beat, and where its beats lie."""
+
+    beat: Beat
+    first: int
+    last: int
+
+
+def _overlapping(instances: dict[str, _Instance]) -> list[str]:
+    """The instances whose beats interleave with another instance's: live twins.
+
+    An instance whose beats all lie before (or after) every other's is a predecessor
+    (or successor) of theirs, not a twin.
+    """
+    return [
+        name
+        for name, a in instances.items()
+        if any(a.first <= b.last and b.first <= a.last for b in instances.values() if b is not a)
+    ]
 
 
 class WorkerTable:
-    """The latest beat per worker, and the status computed from it (no I/O)."""
+    """The latest beat per worker and process, and the status computed from it (no I/O)."""
 
     def __init__(self, stale_after_s: float, forget_after_s: float = 0.0) -> None:
         self.stale_after_s = stale_after_s
         self.forget_after_s = forget_after_s
-        self._beats: dict[str, Beat] = {}
+        self._workers: dict[str, dict[str, _Instance]] = {}
+        self._next = 0
 
-    def apply(self, key: bytes | None, value: bytes | None) -> None:
-        """Fold one workers-topic record in; an invalid record is logged and skipped."""
+    def apply(self, key: bytes | None, value: bytes | None, offset: int | None = None) -> None:
+        """Fold one workers-topic record in; an invalid record is logged and skipped.
+
+        ``offset`` orders the records of one key (default: the order of the calls);
+        applying a record twice changes nothing.
+        """
+        pos = self._next if offset is None else offset
+        self._next = max(self._next, pos + 1)
         try:
             beat = decode_beat(key, value)
         except RecordError as exc:
@@ -55,42 +90,93 @@ class WorkerTable:
             return
         if beat is None:
             if key is not None:
-                self._beats.pop(key.decode("utf-8", "replace"), None)
+                self._workers.pop(key.decode("utf-8", "replace"), None)
             return
-        self._beats[beat.worker_id] = beat
+        instances = self._workers.setdefault(beat.worker_id, {})
+        was_conflict = len(_overlapping(instances)) > 1
+        known = instances.get(beat.instance)
+        if known is None:
+            instances[beat.instance] = _Instance(beat, pos, pos)
+        else:
+            if pos >= known.last:
+                known.beat = beat
+            known.first, known.last = min(known.first, pos), max(known.last, pos)
+        # Predecessors are kept (one may yet wake up and beat again), a bounded number.
+        for name in sorted(instances, key=lambda n: instances[n].last)[:-MAX_INSTANCES]:
+            del instances[name]
+        live = _overlapping(instances)
+        if len(live) > 1 and not was_conflict:
+            log.error(
+                "event=worker_id_conflict worker_id=%s processes=%s: more than one live "
+                "process beats under this worker id; give each worker its own KODA_WORKER_ID",
+                beat.worker_id,
+                ",".join(sorted(instances[n].beat.who for n in live)),
+            )
 
     def report(self, expected: int, now: datetime | None = None) -> dict[str, Any]:
-        """``{status, expected, alive, stale, workers: [...]}`` as of ``now`` (default: now).
+        """``{status, expected, alive, stale, conflicts, workers: [...]}`` as of ``now``.
 
-        ``status`` is ``degraded`` when fewer than ``expected`` workers are alive or
-        any is stale, else ``ok``.
+        One row per worker id: its latest beat. ``conflicts`` lists the ids that more
+        than one live process beats under, with every such process. ``status`` is
+        ``degraded`` when fewer than ``expected`` workers are alive, any is stale, or
+        any id is in conflict; else ``ok``.
         """
         now = now or datetime.now(UTC)
         workers = []
-        for worker_id in sorted(self._beats):
-            beat = self._beats[worker_id]
-            age_s = max(0.0, (now - beat.beat_at).total_seconds())
-            if self.forget_after_s and age_s > self.forget_after_s:
-                del self._beats[worker_id]
-                continue
+        conflicts = []
+        for worker_id in sorted(self._workers):
+            instances = self._workers[worker_id]
+            ages = {
+                name: max(0.0, (now - inst.beat.beat_at).total_seconds())
+                for name, inst in instances.items()
+            }
+            if self.forget_after_s:
+                for name in [n for n, age in ages.items() if age > self.forget_after_s]:
+                    del instances[name], ages[name]
+                if not instances:
+                    del self._workers[worker_id]
+                    continue
+            latest = max(instances, key=lambda n: instances[n].last)
+            beat = instances[latest].beat
+            twins = _overlapping(instances)
             workers.append(
                 {
                     "worker_id": beat.worker_id,
-                    "lastBeatMs": int(age_s * 1000),
+                    "lastBeatMs": int(ages[latest] * 1000),
                     "in_flight": beat.in_flight,
                     "version": beat.version,
                     "partitions": list(beat.partitions),
                     "host": beat.host,
-                    "stale": age_s > self.stale_after_s,
+                    "pid": beat.pid,
+                    "instance": beat.instance,
+                    "stale": ages[latest] > self.stale_after_s,
+                    "conflict": bool(twins),
                 }
             )
+            if twins:
+                conflicts.append(
+                    {
+                        "worker_id": worker_id,
+                        "processes": [
+                            {
+                                "host": instances[name].beat.host,
+                                "pid": instances[name].beat.pid,
+                                "instance": instances[name].beat.instance,
+                                "lastBeatMs": int(ages[name] * 1000),
+                                "stale": ages[name] > self.stale_after_s,
+                            }
+                            for name in sorted(twins, key=lambda n: instances[n].first)
+                        ],
+                    }
+                )
         stale = sum(1 for w in workers if w["stale"])
         alive = len(workers) - stale
         return {
-            "status": "degraded" if alive < expected or stale else "ok",
+            "status": "degraded" if alive < expected or stale or conflicts else "ok",
             "expected": expected,
             "alive": alive,
             "stale": stale,
+            "conflicts": conflicts,
             "workers": workers,
         }
 
@@ -100,60 +186,24 @@ class WorkerDirectory:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.topic = settings.names.topic(WORKERS)
         self.expected = settings.expected_workers
         self.table = WorkerTable(settings.beat_stale_after_s, settings.beat_forget_after_s)
-        self._task: asyncio.Task[None] | None = None
+        self.tail = WorkerLogTail(
+            settings, "gateway", self.table.apply, start="beginning", after_poll=self.report
+        )
+        self.topic = self.tail.topic
 
     def report(self) -> dict[str, Any]:
         report = self.table.report(self.expected)
         metrics.WORKERS.labels(state="alive").set(report["alive"])
         metrics.WORKERS.labels(state="stale").set(report["stale"])
         metrics.WORKERS_EXPECTED.set(self.expected)
+        metrics.WORKER_ID_CONFLICTS.set(len(report["conflicts"]))
         return report
 
     def start(self) -> None:
         """Start tailing (connects in the background; never fails the gateway's start)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="gateway-workers-tail")
+        self.tail.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    def _consumer(self) -> AIOKafkaConsumer:
-        return AIOKafkaConsumer(
-            bootstrap_servers=self.settings.kafka_bootstrap,
-            client_id=self.settings.names.client_id("gateway", "workers-tail"),
-            group_id=None,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            **aiokafka_security(self.settings),
-        )
-
-    async def _run(self) -> None:
-        delay = 0.5
-        while True:
-            consumer = self._consumer()
-            try:
-                await consumer.start()
-                partitions = consumer.partitions_for_topic(self.topic) or {0}
-                consumer.assign([TopicPartition(self.topic, p) for p in sorted(partitions)])
-                await consumer.seek_to_beginning()
-                delay = 0.5
-                while True:
-                    batches = await consumer.getmany(timeout_ms=POLL_TIMEOUT_MS)
-                    for records in batches.values():
-                        for record in records:
-                            self.table.apply(record.key, record.value)
-                    self.report()
-            except (KafkaError, OSError) as exc:
-                log.warning("event=workers_tail_failed topic=%s error=%r", self.topic, exc)
-            finally:
-                with contextlib.suppress(Exception):
-                    await consumer.stop()
-            await asyncio.sleep(delay)
-            delay = min(RETRY_MAX_S, delay * 2)
+        await self.tail.stop()

@@ -74,6 +74,8 @@ __all__ = [
     "TIME_TO_FIRST_CHUNK_SECONDS",
     "WORKERS",
     "WORKERS_EXPECTED",
+    "WORKER_ID_CONFLICTS",
+    "WORKER_ID_TWIN_BEATS",
     "render",
     "start_metrics_server",
 ]
@@ -267,6 +269,16 @@ WORKERS = Gauge(
     "koda_workers",
     "Workers in the heartbeat table as this gateway sees it, by state: alive or stale.",
     ["state"],
+    registry=REGISTRY,
+)
+WORKER_ID_CONFLICTS = Gauge(
+    "koda_worker_id_conflicts",
+    "Worker ids that more than one live process beats under, as this gateway sees it.",
+    registry=REGISTRY,
+)
+WORKER_ID_TWIN_BEATS = Counter(
+    "koda_worker_id_twin_beats_total",
+    "Beats under this worker's own id that another process sent (two workers, one id).",
     registry=REGISTRY,
 )
 WORKERS_EXPECTED = Gauge(

@@ -7,10 +7,12 @@ and pass the result down.
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from koda import __version__
 from koda.errors import ConfigError
@@ -18,6 +20,43 @@ from koda.naming import AppEnv, Names
 
 DEFAULT_DATABASE_URL = "postgresql://koda@127.0.0.1:5432/koda"
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+
+# Where the worker id came from: KODA_WORKER_ID, KODA_POD_NAME, or drawn at start.
+WorkerIdSource = Literal["configured", "pod", "generated"]
+# What Kafka accepts as a group.instance.id (the broker refuses other characters).
+_INSTANCE_ID = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_WORKER_ID_MAX = 200
+_process_worker_id: tuple[int, str] | None = None
+
+
+def generated_worker_id() -> str:
+    """This process's default worker id: ``<hostname>-<pid>-<6 hex digits>``.
+
+    Unique per process (two workers on one host differ by pid, and the random suffix
+    tells a restarted process from its predecessor even if the pid is reused, as it
+    always is for PID 1 in a container) and the same for the whole life of the
+    process: it is drawn once per pid, so a forked child draws its own.
+    """
+    global _process_worker_id
+    pid = os.getpid()
+    if _process_worker_id is None or _process_worker_id[0] != pid:
+        _process_worker_id = (pid, f"{socket.gethostname()}-{pid}-{secrets.token_hex(3)}")
+    return _process_worker_id[1]
+
+
+def _identity(env: Mapping[str, str]) -> tuple[str, WorkerIdSource]:
+    """The worker id and its source: KODA_WORKER_ID, else KODA_POD_NAME, else generated."""
+    for key, source in (("KODA_WORKER_ID", "configured"), ("KODA_POD_NAME", "pod")):
+        raw = env.get(key) or ""
+        if not raw:
+            continue
+        if len(raw) > _WORKER_ID_MAX or not raw.isprintable() or any(c.isspace() for c in raw):
+            raise ConfigError(
+                f"{key}={raw[:60]!r} is not a worker id: use 1..{_WORKER_ID_MAX} printable "
+                "characters without spaces"
+            )
+        return raw, source  # type: ignore[return-value]
+    return generated_worker_id(), "generated"
 
 
 def _int(env: Mapping[str, str], key: str, default: int, *, lo: int, hi: int) -> int:
@@ -120,7 +159,8 @@ class Settings:
     # compaction of the chunk topic
     compact_after_s: float = 24 * 3600.0
     # worker
-    worker_id: str = field(default_factory=lambda: socket.gethostname())
+    worker_id: str = field(default_factory=generated_worker_id)
+    worker_id_source: WorkerIdSource = "generated"
     worker_group: str = "workers"
     static_membership: bool = False
     worker_port: int = 0
@@ -183,6 +223,36 @@ class Settings:
                     "and create topics with `koda topics apply --confirm-prod`"
                 )
 
+    def group_instance_id(self) -> str | None:
+        """The consumer's ``group.instance.id``: None unless ``KODA_STATIC_MEMBERSHIP``.
+
+        A static member is known to the group by this id across restarts, so it must
+        stay the same when the worker restarts and differ from every other worker's.
+        Only an id that was configured (``KODA_WORKER_ID``) or is the pod's name
+        (``KODA_POD_NAME``) is both; the generated default changes at every start.
+        Raises ConfigError otherwise, or when the id is not a legal Kafka instance id.
+        """
+        if not self.static_membership:
+            return None
+        if self.worker_id_source == "generated":
+            raise ConfigError(
+                "KODA_STATIC_MEMBERSHIP=true needs a worker id that is stable across "
+                "restarts and unique to this worker: set KODA_WORKER_ID (one per worker, "
+                "kept across restarts) or, in Kubernetes, KODA_POD_NAME from the downward "
+                "API (metadata.name, with a StatefulSet). Without one the generated id "
+                f"({self.worker_id}) changes at every start, so a restarted worker joins as "
+                "a new static member while the old one keeps its partitions unserved "
+                "until the session timeout; and the host name alone is shared by every "
+                "worker on the host, whose members would fence each other out of the group"
+            )
+        if not _INSTANCE_ID.fullmatch(self.worker_id):
+            source = "KODA_WORKER_ID" if self.worker_id_source == "configured" else "KODA_POD_NAME"
+            raise ConfigError(
+                f"{source}={self.worker_id!r} cannot be a Kafka group.instance.id "
+                "(KODA_STATIC_MEMBERSHIP=true): use 1..249 of A-Z a-z 0-9 . _ -"
+            )
+        return self.worker_id
+
     @property
     def names(self) -> Names:
         return Names(self.app_env, self.namespace)
@@ -213,6 +283,7 @@ class Settings:
                 )
             tokens[token] = user
         ceiling = _float(env, "KODA_HANDOFF_CEILING", 20.0, lo=0.1, hi=600)
+        worker_id, worker_id_source = _identity(env)
         return cls(
             app_env=app_env,
             kafka_bootstrap=env.get("KODA_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
@@ -240,7 +311,8 @@ class Settings:
                 env, "KODA_FEED_DISCOVERY_INTERVAL", 30.0, lo=0.1, hi=3600
             ),
             compact_after_s=_float(env, "KODA_COMPACT_AFTER", 24 * 3600.0, lo=0, hi=365 * 86400),
-            worker_id=env.get("KODA_WORKER_ID") or socket.gethostname(),
+            worker_id=worker_id,
+            worker_id_source=worker_id_source,
             worker_group=env.get("KODA_WORKER_GROUP") or "workers",
             static_membership=_bool(env, "KODA_STATIC_MEMBERSHIP", False),
             worker_port=_int(env, "KODA_WORKER_PORT", 0, lo=0, hi=65535),

@@ -243,8 +243,10 @@ def faust_settings(settings: Settings, datadir: str) -> dict[str, Any]:
         broker_credentials = faust.SSLCredentials(sec["ssl_context"])
     # Static membership (KIP-345): a worker restarting within the session timeout gets its
     # partitions back without a rebalance; the price is that a clean exit does not leave
-    # the group, so its successor waits out the session timeout. Off by default.
-    instance_id = settings.worker_id if settings.static_membership else None
+    # the group, so its successor waits out the session timeout. Off by default. The
+    # instance id must survive restarts and be this worker's alone, so a generated
+    # worker id is refused here, before anything connects (Settings.group_instance_id).
+    instance_id = settings.group_instance_id()
     return {
         "broker": hosts,
         "consumer_group_instance_id": instance_id,

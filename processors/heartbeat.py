@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import socket
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
@@ -36,7 +38,9 @@ TOMBSTONE_TIMEOUT_S = 2.0
 class Heartbeat:
     """Produces this worker's beats; ``send`` is the producer's ``send`` (returns a future).
 
-    ``in_flight`` and ``partitions`` are read at every beat.
+    ``in_flight`` and ``partitions`` are read at every beat. ``instance`` is drawn once
+    per process (16 hex digits) unless given: with ``host`` and ``pid`` it tells this
+    process apart from any other beating under the same worker id.
     """
 
     def __init__(
@@ -47,12 +51,15 @@ class Heartbeat:
         in_flight: Callable[[], int],
         partitions: Callable[[], Iterable[int]],
         host: str | None = None,
+        instance: str | None = None,
     ) -> None:
         self.topic = settings.names.topic(WORKERS)
         self.worker_id = settings.worker_id
         self.version = settings.version
         self.interval_s = settings.beat_interval_s
         self.host = host or socket.gethostname()
+        self.pid = os.getpid()
+        self.instance = instance or secrets.token_hex(8)
         self._send = send
         self._in_flight = in_flight
         self._partitions = partitions
@@ -67,6 +74,8 @@ class Heartbeat:
             version=self.version,
             partitions=tuple(sorted(set(self._partitions()))),
             host=self.host,
+            pid=self.pid,
+            instance=self.instance,
         )
 
     async def beat(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from koda.settings import Settings
 from processors.health import GroupMembership, HealthServer, LoopProbe
 from processors.heartbeat import Heartbeat
+from processors.identity import TwinWatch
 from processors.lag import LagMonitor
 
 log = logging.getLogger("koda.worker")
@@ -35,7 +36,7 @@ def in_flight(runtime: Any) -> int:
 
 
 class WorkerOps:
-    """Heartbeat, health server (when ``KODA_WORKER_PORT`` is set) and lag sampling."""
+    """Heartbeat and its twin watch, health server (``KODA_WORKER_PORT``), lag sampling."""
 
     def __init__(self, settings: Settings, app: Any, runtime: Any) -> None:
         self.settings = settings
@@ -49,6 +50,7 @@ class WorkerOps:
             in_flight=lambda: in_flight(runtime),
             partitions=lambda: held_partitions(runtime),
         )
+        self.twins = TwinWatch(settings, self.heartbeat)
         self.lag = LagMonitor(settings, lambda: held_partitions(runtime))
         self.server: HealthServer | None = None
         if settings.worker_port:
@@ -68,6 +70,7 @@ class WorkerOps:
         self.loop_probe.start()
         if self.server is not None:
             await self.server.start()
+        self.twins.start()
         self.heartbeat.start()
         self.lag.start()
 
@@ -77,6 +80,7 @@ class WorkerOps:
             return
         self.started = False
         await self.lag.stop()
+        await self.twins.stop()
         if crashed:
             await self.heartbeat.stop()
         else:

@@ -7,7 +7,12 @@ worker that stops beating without a tombstone is lost, and shows as stale.
 Value (UTF-8 JSON)::
 
     {"worker_id": "w-1", "beat_at": "2025-01-01T00:00:00.000+00:00", "in_flight": 2,
-     "version": "0.1.0", "partitions": [0, 5], "host": "node-a"}
+     "version": "0.1.0", "partitions": [0, 5], "host": "node-a", "pid": 4242,
+     "instance": "9f2c51d07a3e4b18"}
+
+``pid`` and ``instance`` came later and are optional: older workers' beats lack them
+and still decode (``pid`` None, ``instance`` empty). ``instance`` is drawn once per
+process, so two live processes beating under one worker id can be told apart.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class Beat:
     version: str
     partitions: tuple[int, ...]
     host: str
+    pid: int | None = None
+    instance: str = ""
 
     def encode(self) -> bytes:
         values = (
@@ -43,8 +50,16 @@ class Beat:
             self.version,
             list(self.partitions),
             self.host,
+            self.pid,
+            self.instance or None,
         )
-        return dumps(dict(zip(spec.HEARTBEAT.names, values, strict=True)))
+        fields = zip(spec.HEARTBEAT.names, values, strict=True)
+        return dumps(spec.HEARTBEAT.value({k: v for k, v in fields if v is not None}))
+
+    @property
+    def who(self) -> str:
+        """``host/pid`` (``host`` alone for an older worker's beat), for messages."""
+        return self.host if self.pid is None else f"{self.host}/{self.pid}"
 
 
 def beat_headers() -> Headers:
@@ -74,6 +89,7 @@ def decode_beat(key: bytes | None, value: bytes | None) -> Beat | None:
         beat_at = datetime.fromisoformat(str(obj["beat_at"]))
         in_flight = int(obj.get("in_flight", 0))
         partitions = tuple(sorted(int(p) for p in obj.get("partitions") or ()))
+        pid = None if obj.get("pid") is None else int(obj["pid"])
     except (KeyError, TypeError, ValueError) as exc:
         raise RecordError("invalid", f"heartbeat field is invalid: {exc}") from None
     if beat_at.tzinfo is None:
@@ -85,4 +101,6 @@ def decode_beat(key: bytes | None, value: bytes | None) -> Beat | None:
         version=str(obj.get("version") or "unknown"),
         partitions=partitions,
         host=str(obj.get("host") or ""),
+        pid=pid,
+        instance=str(obj.get("instance") or "")[:64],
     )

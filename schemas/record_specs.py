@@ -227,7 +227,12 @@ HEARTBEAT = RecordSpec(
     topic="workers",
     key="worker_id (UTF-8)",
     fields=(
-        Field("worker_id", "string", "The worker (KODA_WORKER_ID, else the host name)."),
+        Field(
+            "worker_id",
+            "string",
+            "The worker: KODA_WORKER_ID, else KODA_POD_NAME, else <host>-<pid>-<random> "
+            "drawn when the process started.",
+        ),
         Field("beat_at", "string", "The worker's wall clock (ISO 8601, UTC).", format="date-time"),
         _count("in_flight", "Runs in progress."),
         Field("version", "string", "koda's version on that worker."),
@@ -238,6 +243,23 @@ HEARTBEAT = RecordSpec(
             items={"type": "integer", "minimum": 0},
         ),
         Field("host", "string", "The host name."),
+        Field(
+            "pid",
+            "integer",
+            "The worker's process id on that host (absent from older workers' beats).",
+            required=False,
+            minimum=0,
+        ),
+        Field(
+            "instance",
+            "string",
+            "A random id the process drew when it started: two processes beating under "
+            "one worker_id differ here, so readers can tell them apart (absent from "
+            "older workers' beats).",
+            required=False,
+            min_length=1,
+            max_length=64,
+        ),
     ),
 )
 

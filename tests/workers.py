@@ -50,18 +50,22 @@ def settings_env(settings: Settings, **extra: str) -> dict[str, str]:
 
 @dataclass
 class WorkerProcess:
-    """One ``koda worker`` child process with its log in a temp file."""
+    """One ``koda worker`` child process with its log in a temp file.
+
+    ``worker_id`` None leaves ``KODA_WORKER_ID`` unset: the worker makes up its own id.
+    """
 
     settings: Settings
-    worker_id: str
+    worker_id: str | None
     extra_env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
 
     def start(self) -> WorkerProcess:
-        fd, name = tempfile.mkstemp(prefix=f"koda-{self.worker_id}-", suffix=".log")
+        fd, name = tempfile.mkstemp(prefix=f"koda-{self.worker_id or 'worker'}-", suffix=".log")
         self.log_path = Path(name)
-        env = settings_env(self.settings, KODA_WORKER_ID=self.worker_id, **self.extra_env)
+        identity = {"KODA_WORKER_ID": self.worker_id} if self.worker_id is not None else {}
+        env = settings_env(self.settings, **identity, **self.extra_env)
         self.proc = subprocess.Popen(  # noqa: S603
             [sys.executable, "-m", "koda", "worker"],
             env=env,

@@ -146,6 +146,15 @@ def test_compose_runs_kraft_postgres_jobs_gateway_workers_and_prometheus(compose
     assert services["topics"]["command"] == ["--confirm-prod"]
 
 
+def test_compose_replicas_make_up_their_own_worker_ids(compose) -> None:
+    worker = compose["services"]["worker"]
+    assert worker["deploy"]["replicas"] > 1
+    env = {**compose["x-koda"]["environment"], **worker["environment"]}
+    # One id for three replicas would make them one worker to the heartbeat table.
+    assert "KODA_WORKER_ID" not in env
+    assert env.get("KODA_STATIC_MEMBERSHIP", "false") == "false"
+
+
 def test_compose_grace_periods_exceed_the_code_ceilings(compose) -> None:
     services = compose["services"]
     worker_grace = seconds(services["worker"]["stop_grace_period"])
@@ -229,7 +238,15 @@ def test_k8s_worker_grace_probes_and_identity(k8s) -> None:
     c = container(worker)
     env = {e["name"]: e for e in c["env"]}
     assert env["ROLE"]["value"] == "worker"
-    assert env["KODA_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["KODA_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    config = k8s[("ConfigMap", "koda-config")]["data"]
+    # Shared by every pod: an id there would be every worker's id.
+    assert "KODA_WORKER_ID" not in config and "KODA_WORKER_ID" not in env
+    # A Deployment's pod names change at every rollout: not a static instance id.
+    assert config.get("KODA_STATIC_MEMBERSHIP", "false") == "false"
+    secret = k8s[("Secret", "koda-secrets")]["stringData"]
+    pod = Settings.from_env({**config, **secret, "KODA_POD_NAME": "koda-worker-7d9f-x2k4q"})
+    assert (pod.worker_id, pod.worker_id_source) == ("koda-worker-7d9f-x2k4q", "pod")
     for kind in ("livenessProbe", "readinessProbe", "startupProbe"):
         assert probe_path(c, kind) in WORKER_ROUTES
     assert probe_path(c, "livenessProbe") == "/livez"

@@ -50,8 +50,16 @@ async def client_for(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     )
     directory = WorkerDirectory(settings)  # not started: filled by hand below
     now = datetime.now(UTC)
-    for worker_id, age_s in (("w-1", 1.0), ("w-2", 60.0)):
-        beat = Beat(worker_id, now - timedelta(seconds=age_s), 1, "v9", (0, 2), "node")
+    # w-1 is claimed by two live processes (their beats interleave): a conflict.
+    for worker_id, age_s, pid, instance in (
+        ("w-1", 2.0, 11, "i-a"),
+        ("w-1", 1.5, 12, "i-b"),
+        ("w-1", 1.0, 11, "i-a"),
+        ("w-2", 60.0, 13, "i-c"),
+    ):
+        beat = Beat(
+            worker_id, now - timedelta(seconds=age_s), 1, "v9", (0, 2), "node", pid, instance
+        )
         directory.table.apply(worker_id.encode(), beat.encode())
     app.state.workers = directory
     try:
@@ -81,8 +89,18 @@ async def test_report_shape_in_dev_is_open() -> None:
         "version",
         "partitions",
         "host",
+        "pid",
+        "instance",
         "stale",
+        "conflict",
     }
+    assert (w1["pid"], w1["instance"], w1["conflict"], w2["conflict"]) == (11, "i-a", True, False)
+    (conflict,) = body["conflicts"]
+    assert conflict["worker_id"] == "w-1"
+    assert [(p["host"], p["pid"], p["instance"], p["stale"]) for p in conflict["processes"]] == [
+        ("node", 11, "i-a", False),
+        ("node", 12, "i-b", False),
+    ]
     assert (w1["worker_id"], w1["stale"], w1["partitions"], w1["version"]) == (
         "w-1",
         False,

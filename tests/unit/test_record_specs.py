@@ -88,6 +88,9 @@ def test_the_wire_format_is_unchanged() -> None:
         b'{"worker_id":"w-1","beat_at":"2025-01-01T00:00:00.000+00:00","in_flight":2,'
         b'"version":"0.1.0","partitions":[0,5],"host":"h"}'
     )
+    # pid and instance came later: appended, so older readers see what they always saw.
+    newer = Beat("w-1", datetime(2025, 1, 1, tzinfo=UTC), 2, "0.1.0", (0, 5), "h", 7, "ab12")
+    assert newer.encode() == beat[:-1] + b',"pid":7,"instance":"ab12"}'
 
 
 def test_an_undeclared_field_is_a_writer_bug() -> None:
@@ -128,6 +131,10 @@ def written_records() -> list[tuple[record_specs.RecordSpec, bytes]]:
         ),
         (record_specs.DEAD_LETTER, letter()),
         (record_specs.HEARTBEAT, Beat("w", datetime.now(UTC), 0, "v", (), "h").encode()),
+        (
+            record_specs.HEARTBEAT,
+            Beat("w", datetime.now(UTC), 0, "v", (), "h", 4242, "9f2c51d07a3e4b18").encode(),
+        ),
     ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -139,7 +140,12 @@ class FakeProducer:
 async def test_heartbeat_beats_at_once_then_every_interval_and_ends_with_a_tombstone() -> None:
     producer = FakeProducer()
     hb = Heartbeat(
-        SETTINGS, producer.send, in_flight=lambda: 3, partitions=lambda: [5, 1, 5], host="node-a"
+        SETTINGS,
+        producer.send,
+        in_flight=lambda: 3,
+        partitions=lambda: [5, 1, 5],
+        host="node-a",
+        instance="i-1",
     )
     hb.start()
     await async_wait_until(_at_least(producer, 3), timeout=5, what="three beats")
@@ -156,7 +162,10 @@ async def test_heartbeat_beats_at_once_then_every_interval_and_ends_with_a_tombs
         "version": SETTINGS.version,
         "partitions": [1, 5],
         "host": "node-a",
+        "pid": os.getpid(),
+        "instance": "i-1",
     }
+    assert {json.loads(b["value"])["instance"] for b in beats} == {"i-1"}
     assert dict(beats[0]["headers"])["schema"] == b"worker.heartbeat/1"
     assert last["value"] is None and last["key"] == b"w-1"
     count = len(producer.sent)
@@ -178,8 +187,11 @@ async def test_a_failed_beat_never_raises() -> None:
 
 
 def test_beat_round_trip_and_refusals() -> None:
-    beat = Beat("w-1", T0, 2, "1.2.3", (0, 3), "h")
+    beat = Beat("w-1", T0, 2, "1.2.3", (0, 3), "h", pid=42, instance="abc")
     assert decode_beat(b"w-1", beat.encode()) == beat
+    older = Beat("w-1", T0, 2, "1.2.3", (0, 3), "h")  # before pid and instance existed
+    assert b"pid" not in older.encode() and decode_beat(b"w-1", older.encode()) == older
+    assert (beat.who, older.who) == ("h/42", "h")
     assert decode_beat(b"w-1", None) is None
     for key, value in [
         (b"other", beat.encode()),
@@ -217,6 +229,7 @@ def test_table_status_alive_stale_and_tombstones() -> None:
         "expected": 2,
         "alive": 2,
         "stale": 0,
+        "conflicts": [],
         "workers": None,
     }
     assert report["workers"][0] == {
@@ -226,7 +239,10 @@ def test_table_status_alive_stale_and_tombstones() -> None:
         "version": "v1",
         "partitions": [0, 1],
         "host": "h",
+        "pid": None,
+        "instance": "",
         "stale": False,
+        "conflict": False,
     }
     assert table.report(expected=3, now=T0)["status"] == "degraded"  # fewer than expected
     later = T0 + timedelta(seconds=12)
