@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from koda import stackenv
 from koda.errors import ServiceError
 from koda.localstack import kafka, kafka_cluster, postgres, procs
 
 log = logging.getLogger(__name__)
 
-ENV_FILE = "services.env"
+ENV_FILE = stackenv.ENV_FILE
 
 
 @dataclass(frozen=True)
