@@ -95,6 +95,7 @@ def _apply_catalogue(info: stack.StackInfo) -> None:
 
     env = dict(os.environ)
     env.update(line.split("=", 1) for line in stack.env_lines(info))  # type: ignore[misc]
+    env.setdefault("APP_ENV", "dev")  # the local stack, like `koda dev`; an explicit one wins
     if info.brokers == 3:
         env.setdefault("KODA_REPLICATION_FACTOR", "3")
         env.setdefault("KODA_MIN_INSYNC_REPLICAS", "2")

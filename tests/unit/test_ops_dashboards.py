@@ -85,3 +85,13 @@ def test_every_alert_rule_uses_a_declared_metric() -> None:
 @pytest.mark.parametrize("name", sorted(PENDING))
 def test_pending_metrics_are_really_not_declared_yet(name: str) -> None:
     assert name not in exposed_names(), f"{name} exists now: remove it from PENDING"
+
+
+def test_the_compose_prometheus_loads_the_alert_rules() -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    mounts = compose["services"]["prometheus"]["volumes"]
+    assert config["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    assert "./prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
+    jobs = {job["job_name"] for job in config["scrape_configs"]}
+    assert jobs == {"koda-gateway", "koda-worker"}  # as the local Prometheus names them
