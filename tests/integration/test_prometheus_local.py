@@ -1,10 +1,12 @@
-"""`koda services up --with-prometheus`'s Prometheus: the real binary on a scratch state
-dir scrapes koda's /metrics from the targets `koda dev` writes, loads the alert rules,
-and `koda services down` stops it."""
+"""`koda services up --with-prometheus` on a scratch state dir: the real Prometheus
+binary scrapes koda's /metrics from the target file `koda dev` writes, loads the alert
+rules, and `koda services down` stops it with the rest of the stack."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,7 @@ from prometheus_client import start_http_server
 from typer.testing import CliRunner
 
 from koda import metrics
-from koda.localstack import procs, prometheus
+from koda.localstack import procs, prometheus, stack
 from koda.localstack.cli import services_app
 from tests.support import wait_until
 
@@ -41,17 +43,28 @@ def metrics_endpoints() -> Iterator[tuple[int, int]]:
         thread.join()
 
 
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    """A scratch state dir directly under /tmp (PostgreSQL's user must enter it)."""
+    path = Path(tempfile.mkdtemp(prefix="koda-test-prometheus-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def test_prometheus_scrapes_the_dev_targets_and_loads_the_alerts(
-    tmp_path: Path, metrics_endpoints: tuple[int, int]
+    state_dir: Path, metrics_endpoints: tuple[int, int]
 ) -> None:
     gateway_port, worker_port = metrics_endpoints
     dead_worker = procs.free_port()
-    state_dir = tmp_path / "state"
+    runner = CliRunner()
     try:
-        base = prometheus.start(state_dir)
-        assert prometheus.start(state_dir) == base  # idempotent: the running one is reused
+        up = runner.invoke(services_app, ["up", "--with-prometheus", "--state-dir", str(state_dir)])
+        assert up.exit_code == 0, up.output
         status = prometheus.status(state_dir)
         assert status is not None and status["running"]
+        base = status["url"]
+        assert f"prometheus on {base}" in up.output
+        assert prometheus.start(state_dir) == base  # idempotent: the running one is reused
         prometheus.write_targets(
             state_dir,
             prometheus.DEV_TARGETS,
@@ -78,7 +91,8 @@ def test_prometheus_scrapes_the_dev_targets_and_loads_the_alerts(
         alerts = {rule["name"] for group in groups for rule in group["rules"]}
         assert {"KodaWorkerStale", "KodaConsumerLagGrowing", "KodaBudgetExhausted"} <= alerts
     finally:
-        result = CliRunner().invoke(services_app, ["down", "--state-dir", str(state_dir)])
-    assert result.exit_code == 0, result.output
+        down = runner.invoke(services_app, ["down", "--state-dir", str(state_dir)])
+    assert down.exit_code == 0, down.output
     assert prometheus.running_pid(state_dir) is None
     assert procs.port_is_free(int(base.rsplit(":", 1)[1]))
+    assert not stack.status(state_dir)["running"]
