@@ -5,6 +5,7 @@ installs (deploy/local/system-deps.sh): without it these tests fail, never skip.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -58,3 +59,19 @@ def test_promtool_catches_a_rule_that_does_not_parse(tmp_path: Path) -> None:
     broken.write_text("groups:\n  - name: x\n    rules:\n      - alert: X\n        expr: rate(\n")
     done = promtool("check", "rules", str(broken))
     assert done.returncode != 0
+
+
+def test_every_dashboard_query_is_valid_promql(tmp_path: Path) -> None:
+    """promtool parses each panel's query, written as a recording rule (Grafana's
+    ``$__rate_interval`` stands in as 5m)."""
+    dashboard = json.loads((RULES_DIR.parent / "grafana" / "koda.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    rules = [
+        {"record": f"dashboard:query_{i}", "expr": e.replace("$__rate_interval", "5m")}
+        for i, e in enumerate(exprs)
+    ]
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    done = promtool("check", "rules", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in done.stdout
