@@ -58,8 +58,13 @@ def test_prometheus_scrapes_the_dev_targets_and_loads_the_alerts(
     dead_worker = procs.free_port()
     runner = CliRunner()
     try:
-        up = runner.invoke(services_app, ["up", "--with-prometheus", "--state-dir", str(state_dir)])
+        up = runner.invoke(
+            services_app,
+            ["up", "--with-prometheus", "--state-dir", str(state_dir)],
+            env={"APP_ENV": None},  # the local stack is dev without being told
+        )
         assert up.exit_code == 0, up.output
+        assert "schema koda_dev migrated" in up.output
         status = prometheus.status(state_dir)
         assert status is not None and status["running"]
         base = status["url"]
