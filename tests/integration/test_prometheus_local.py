@@ -70,6 +70,8 @@ def test_prometheus_scrapes_the_dev_targets_and_loads_the_alerts(
         base = status["url"]
         assert f"prometheus on {base}" in up.output
         assert prometheus.start(state_dir) == base  # idempotent: the running one is reused
+        shown = runner.invoke(services_app, ["status", "--state-dir", str(state_dir)])
+        assert f"prometheus {base}  running pid=" in shown.output
         prometheus.write_targets(
             state_dir,
             prometheus.DEV_TARGETS,
