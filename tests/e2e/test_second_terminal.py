@@ -28,9 +28,9 @@ from koda.settings import Settings
 from schemas.records import DEAD_LETTER, RUN_REQUESTED, dead_letter_value, headers_for
 from topics.catalogue import RUNS, RUNS_DLQ
 
-# Far below librdkafka's 30 s metadata timeout, the failure this guards against; far
+# Well below librdkafka's 30 s metadata timeout, the failure this guards against; far
 # above the probe's 3 s deadline so a loaded machine does not fail it.
-FAST_FAILURE_S = 15.0
+FAST_FAILURE_S = 20.0
 
 
 def bare_env(**extra: str) -> dict[str, str]:
