@@ -86,15 +86,19 @@ class KafkaSecurity:
         return conf
 
 
-def _origins(env: Mapping[str, str], local: stackenv.StackEnv | None) -> dict[str, str]:
+def _origins(
+    env: Mapping[str, str], local: stackenv.StackEnv | None, *, searched: bool
+) -> dict[str, str]:
     origins: dict[str, str] = {}
     for key in stackenv.KEYS:
         if key in env:
             origins[key] = f"{key} in the environment"
         elif local is not None and key in local.values:
             origins[key] = str(local.path)
+        elif searched:
+            origins[key] = f"the default: no {key}, no .koda/{stackenv.ENV_FILE} found"
         else:
-            origins[key] = f"the default (no {key}, no .koda/{stackenv.ENV_FILE} found)"
+            origins[key] = f"the default: {key} is not set"
     return origins
 
 
@@ -108,10 +112,9 @@ def _with_local_stack(
     is what makes the command dev. A variable set in ``env`` always wins over the file.
     """
     app_env = env.get("APP_ENV") or None
-    local = None
-    if app_env in (None, AppEnv.DEV.value):
-        local = stackenv.find(env.get("KODA_STATE_DIR") or None, cwd)
-    origins = _origins(env, local)
+    searched = app_env in (None, AppEnv.DEV.value)
+    local = stackenv.find(env.get("KODA_STATE_DIR") or None, cwd) if searched else None
+    origins = _origins(env, local, searched=searched)
     if local is None:
         return env, origins
     merged = {**local.values, **env}
@@ -249,7 +252,7 @@ class Settings:
         if environ is None or cwd is not None:
             env, origins = _with_local_stack(env, Path.cwd() if cwd is None else cwd)
         else:
-            origins = _origins(env, None)
+            origins = _origins(env, None, searched=False)
         app_env = AppEnv.parse(env.get("APP_ENV"))
         prod = app_env is AppEnv.PROD
         security = KafkaSecurity(

@@ -48,7 +48,7 @@ def test_prod_never_reads_the_file(tmp_path: Path) -> None:
     settings = Settings.from_env(env, cwd=tmp_path)
     assert settings.app_env is AppEnv.PROD
     assert settings.kafka_bootstrap == DEFAULT_BOOTSTRAP
-    assert settings.origin("KODA_KAFKA_BOOTSTRAP").startswith("the default")
+    assert settings.origin("KODA_KAFKA_BOOTSTRAP") == "the default: KODA_KAFKA_BOOTSTRAP is not set"
 
 
 def test_without_a_file_app_env_is_still_required(tmp_path: Path) -> None:
@@ -91,3 +91,11 @@ def test_database_urls_give_their_tcp_address() -> None:
     assert database_address("postgresql://koda@127.0.0.1/koda") == ("127.0.0.1", 5432)
     assert database_address("postgresql:///koda?host=/run/postgresql") is None
     assert database_address("postgresql://h1:5432,h2:5432/koda") is None
+
+
+def test_a_default_address_says_nothing_was_found(tmp_path: Path) -> None:
+    settings = Settings.from_env({"APP_ENV": "dev"}, cwd=tmp_path)
+    assert settings.kafka_bootstrap == DEFAULT_BOOTSTRAP
+    assert settings.origin("KODA_DATABASE_URL") == (
+        "the default: no KODA_DATABASE_URL, no .koda/services.env found"
+    )
