@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# setuptools announces every editable install with an "Editable installation." notice
+# (a UserWarning, nothing to fix); filtered by its message so real warnings still show.
+PIP_QUIET := PYTHONWARNINGS="ignore:Editable installation"
 
 .PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay chaos
 
@@ -21,7 +24,7 @@ install: system-deps $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PIP_QUIET) $(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
 
 ## system-deps: PostgreSQL server binaries, Java and Chromium, via apt-get where missing
@@ -70,7 +73,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 bench-install: install $(BENCH_STAMP)
 
 $(BENCH_STAMP): pyproject.toml constraints.txt tests/bench/quix-requirements.txt
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,bench]'
+	$(PIP_QUIET) $(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,bench]'
 	@test -x $(QUIX_VENV)/bin/python || $(PY) -m venv $(QUIX_VENV)
 	$(QUIX_VENV)/bin/python -m pip install -q -r tests/bench/quix-requirements.txt
 	@touch $(BENCH_STAMP)

@@ -28,6 +28,7 @@ from gateway.intake import (
     read_body,
 )
 from gateway.models import ErrorBody, Health, RunAccepted, RunDetail, RunSubmission
+from gateway.workers import WorkerDirectory
 from koda import metrics
 from koda.errors import DatabaseError, KodaError
 
@@ -196,5 +197,10 @@ async def readyz(request: Request) -> Response:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def prometheus_metrics() -> Response:
+async def prometheus_metrics(request: Request) -> Response:
+    directory = getattr(request.app.state, "workers", None)
+    if isinstance(directory, WorkerDirectory):
+        # koda_workers{state} as of this scrape: a worker whose beats stopped turns
+        # stale here even while the gateway's tail of the workers topic is down.
+        directory.report()
     return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)

@@ -51,14 +51,26 @@ def friendly(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def load_settings() -> Settings:
-    return Settings.from_env()
+def load_settings(*, kafka: bool = False, database: bool = False) -> Settings:
+    """The settings; with ``kafka`` / ``database``, after checking that the broker /
+    database answers (one line naming the address and its origin when not)."""
+    from koda import reach
+
+    settings = Settings.from_env()
+    if kafka:
+        reach.require_kafka(settings)
+    if database:
+        reach.require_database(settings)
+    return settings
 
 
 def guarded_settings(confirm_prod: bool, what: str) -> Settings:
-    """The settings, after refusing ``koda <what>`` in prod without ``--confirm-prod``."""
+    """The Kafka settings, after refusing ``koda <what>`` in prod without ``--confirm-prod``."""
+    from koda import reach
+
     settings = load_settings()
     require_confirmation(settings, confirm_prod, what)
+    reach.require_kafka(settings)
     return settings
 
 
@@ -80,7 +92,7 @@ def topics_check() -> None:
     """Report drift between the broker and the catalogue; exit 1 on any."""
     from topics.admin import check_topics
 
-    drifts = check_topics(load_settings())
+    drifts = check_topics(load_settings(kafka=True))
     for d in drifts:
         typer.echo(f"drift: {d}")
     if drifts:
@@ -114,7 +126,7 @@ def dlq_list(
     from topics.dlq_view import list_line
 
     shown = 0
-    letters = read_letters(load_settings(), from_offset=from_offset)
+    letters = read_letters(load_settings(kafka=True), from_offset=from_offset)
     for at in letters:
         if reason and (at.letter is None or at.letter.reason not in reason):
             continue
@@ -133,7 +145,7 @@ def dlq_show(letter_id: str = typer.Argument(..., metavar="ID", help="PARTITION:
     from topics.dlq import LetterId, read_letters
     from topics.dlq_view import detail_lines
 
-    for at in read_letters(load_settings(), only=LetterId.parse(letter_id)):
+    for at in read_letters(load_settings(kafka=True), only=LetterId.parse(letter_id)):
         typer.echo("\n".join(detail_lines(at)))
 
 
@@ -252,7 +264,7 @@ def db_upgrade(revision: str = typer.Argument("head")) -> None:
     """Create the schema if missing and apply migrations up to REVISION."""
     from schemas.migrate import upgrade
 
-    settings = load_settings()
+    settings = load_settings(database=True)
     upgrade(settings, revision)
     typer.echo(f"database schema {settings.names.pg_schema()} at {revision}")
 
@@ -274,7 +286,7 @@ def chunks_compact(
     """Replace finished runs' chunk records with one <run_id>:final record each."""
     from processors.compactor import ChunkCompactor
 
-    compactor = ChunkCompactor(load_settings())
+    compactor = ChunkCompactor(load_settings(kafka=True, database=True))
     try:
         if every is not None:
             from koda.logs import configure_logging
@@ -296,7 +308,7 @@ def chunks_outputs() -> None:
 
     from topics.chunklog import read_chunk_log
 
-    for run in read_chunk_log(load_settings()).runs.values():
+    for run in read_chunk_log(load_settings(kafka=True)).runs.values():
         row = {"run_id": run.run_id, "end": run.end, "compacted": run.compacted}
         typer.echo(json.dumps({**row, "output": run.output}))
 

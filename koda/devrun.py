@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
-from koda.localstack import down, env_lines, up
+from koda.localstack import down, env_lines, prometheus, up
 from koda.settings import Settings
 
 CHILD_GRACE_S = 25.0
@@ -60,6 +60,13 @@ def run_dev(state_dir: Path, environ: Mapping[str, str], *, workers: int = 2) ->
             )
         )
     port = settings.gateway_port
+    # What a Prometheus of `koda services up --with-prometheus` scrapes (it may start later).
+    prometheus.write_targets(
+        state_dir,
+        prometheus.DEV_TARGETS,
+        [f"127.0.0.1:{port}"],
+        [f"127.0.0.1:{base_port + i}" for i in range(workers)],
+    )
     print("\n".join(env_lines(info)))
     print(f"koda dev: gateway on http://127.0.0.1:{port}, {workers} workers; Ctrl-C stops all")
     print(
@@ -99,6 +106,7 @@ def run_dev(state_dir: Path, environ: Mapping[str, str], *, workers: int = 2) ->
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+        prometheus.remove_targets(state_dir, prometheus.DEV_TARGETS)
         down(state_dir)
         print("koda dev: stopped")
     return status

@@ -1,7 +1,9 @@
 """The one frozen settings object, read from the environment in one place.
 
 Nothing else in koda reads ``os.environ``: entrypoints call :meth:`Settings.from_env`
-and pass the result down.
+and pass the result down. In dev, the addresses of a running local stack come from
+its ``.koda/services.env`` (found by :mod:`koda.stackenv`) unless the environment
+names them; every setting's origin is kept for error messages.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import secrets
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
-from koda import __version__
+from koda import __version__, stackenv
 from koda.errors import ConfigError
 from koda.naming import AppEnv, Names
 
@@ -122,6 +125,44 @@ class KafkaSecurity:
         return conf
 
 
+def _origins(
+    env: Mapping[str, str], local: stackenv.StackEnv | None, *, searched: bool
+) -> dict[str, str]:
+    origins: dict[str, str] = {}
+    for key in stackenv.KEYS:
+        if key in env:
+            origins[key] = f"{key} in the environment"
+        elif local is not None and key in local.values:
+            origins[key] = str(local.path)
+        elif searched:
+            origins[key] = f"the default: no {key}, no .koda/{stackenv.ENV_FILE} found"
+        else:
+            origins[key] = f"the default: {key} is not set"
+    return origins
+
+
+def _with_local_stack(
+    env: Mapping[str, str], cwd: Path
+) -> tuple[Mapping[str, str], dict[str, str]]:
+    """``env`` with a local stack's addresses filled in, and where each address came from.
+
+    Only for dev: with ``APP_ENV`` set to anything but ``dev`` the file is never read,
+    so prod is never guessed. With ``APP_ENV`` unset, finding a stack's services.env
+    is what makes the command dev. A variable set in ``env`` always wins over the file.
+    """
+    app_env = env.get("APP_ENV") or None
+    searched = app_env in (None, AppEnv.DEV.value)
+    local = stackenv.find(env.get("KODA_STATE_DIR") or None, cwd) if searched else None
+    origins = _origins(env, local, searched=searched)
+    if local is None:
+        return env, origins
+    merged = {**local.values, **env}
+    if app_env is None:
+        merged["APP_ENV"] = AppEnv.DEV.value
+        origins["APP_ENV"] = str(local.path)
+    return merged, origins
+
+
 _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _HANDLERS = ("demo", "openai")
 
@@ -189,6 +230,8 @@ class Settings:
     admin_token: str | None = field(default=None, repr=False)
     loop_stall_s: float = 10.0
     lag_interval_s: float = 10.0
+    # where KODA_KAFKA_BOOTSTRAP, KODA_DATABASE_URL (and a defaulted APP_ENV) came from
+    origins: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.partitions & (self.partitions - 1):
@@ -257,14 +300,29 @@ class Settings:
     def names(self) -> Names:
         return Names(self.app_env, self.namespace)
 
+    def origin(self, key: str) -> str:
+        """Where setting ``key`` (an environment variable's name) came from, for messages."""
+        return self.origins.get(key, "the settings")
+
     def with_(self, **changes: Any) -> Settings:
         """A copy with ``changes`` applied (validated again)."""
         return replace(self, **changes)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
-        """Read every setting from ``environ`` (default ``os.environ``)."""
-        env = os.environ if environ is None else environ
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, cwd: Path | None = None
+    ) -> Settings:
+        """Read every setting from ``environ`` (default ``os.environ``).
+
+        Reading the process environment, or given ``cwd``, also looks for a local
+        stack's services.env from the working directory up (see
+        :func:`_with_local_stack`); an explicit ``environ`` alone is taken as it is.
+        """
+        env: Mapping[str, str] = os.environ if environ is None else environ
+        if environ is None or cwd is not None:
+            env, origins = _with_local_stack(env, Path.cwd() if cwd is None else cwd)
+        else:
+            origins = _origins(env, None, searched=False)
         app_env = AppEnv.parse(env.get("APP_ENV"))
         prod = app_env is AppEnv.PROD
         security = KafkaSecurity(
@@ -340,4 +398,5 @@ class Settings:
             admin_token=env.get("KODA_ADMIN_TOKEN") or None,
             loop_stall_s=_float(env, "KODA_LOOP_STALL", 10.0, lo=0.1, hi=600),
             lag_interval_s=_float(env, "KODA_LAG_INTERVAL", 10.0, lo=0.1, hi=3600),
+            origins=origins,
         )

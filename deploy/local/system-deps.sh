@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the system programs koda's local stack needs, only where missing:
 # PostgreSQL server binaries (initdb, pg_ctl, postgres), a Java 17+ runtime and, for the
-# browser test, Chromium; kcat for the bad-input tests.
+# browser test, Chromium; kcat for the bad-input tests; Prometheus (and its promtool) for
+# the alert-rule tests and `koda services up --with-prometheus`.
 set -euo pipefail
 
 need=()
@@ -18,6 +19,10 @@ fi
 # The bad-input tests write records from an outside client: Debian's kcat.
 if ! command -v kcat >/dev/null; then
   need+=(kcat)
+fi
+# promtool checks and unit-tests deploy/prometheus/alerts.yml; Debian ships it with Prometheus.
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  need+=(prometheus)
 fi
 if ! command -v mvn >/dev/null; then
   echo "note: maven not found; Kafka jars will be fetched from Maven Central with checksums" >&2

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from koda.errors import KodaError
-from koda.localstack import kafka_cluster, stack
+from koda.localstack import kafka_cluster, prometheus, stack
 
 services_app = typer.Typer(
     help="Start, stop and inspect the local Kafka and PostgreSQL.",
@@ -58,6 +58,13 @@ def up(
         ),
     ] = None,
     state_dir: StateDir = DEFAULT_STATE_DIR,
+    with_prometheus: Annotated[
+        bool,
+        typer.Option(
+            "--with-prometheus",
+            help="Also run Prometheus, scraping `make dev` and loading the alert rules.",
+        ),
+    ] = False,
 ) -> None:
     """Start Kafka and PostgreSQL (reusing running ones) and write <state-dir>/services.env."""
     with _exit_on_error():
@@ -66,9 +73,16 @@ def up(
             brokers = cluster.brokers if cluster is not None else 1
         info = stack.up(state_dir, brokers=brokers)
         _apply_catalogue(info)
+        prometheus_url = prometheus.start(state_dir) if with_prometheus else None
     for line in stack.env_lines(info):
         typer.echo(line)
     typer.echo(f"wrote {state_dir / stack.ENV_FILE}", err=True)
+    if prometheus_url is not None:
+        typer.echo(
+            f"prometheus on {prometheus_url} (targets: {prometheus_url}/targets, "
+            f"alerts: {prometheus_url}/alerts); it scrapes what `make dev` runs",
+            err=True,
+        )
 
 
 def _apply_catalogue(info: stack.StackInfo) -> None:
@@ -81,6 +95,7 @@ def _apply_catalogue(info: stack.StackInfo) -> None:
 
     env = dict(os.environ)
     env.update(line.split("=", 1) for line in stack.env_lines(info))  # type: ignore[misc]
+    env.setdefault("APP_ENV", "dev")  # the local stack, like `koda dev`; an explicit one wins
     if info.brokers == 3:
         env.setdefault("KODA_REPLICATION_FACTOR", "3")
         env.setdefault("KODA_MIN_INSYNC_REPLICAS", "2")
@@ -94,7 +109,7 @@ def _apply_catalogue(info: stack.StackInfo) -> None:
 
 @services_app.command()
 def down(state_dir: StateDir = DEFAULT_STATE_DIR) -> None:
-    """Stop every local service of the state dir (data is kept)."""
+    """Stop every local service of the state dir, Prometheus too (data is kept)."""
     with _exit_on_error():
         stack.down(state_dir)
 
@@ -131,6 +146,9 @@ def _status_lines(report: dict[str, Any]) -> list[str]:
             )
     pg = report["postgres"]
     lines.append("postgres   not set up" if pg is None else f"postgres   {pg['url']}  {state(pg)}")
+    prom = report.get("prometheus")
+    if prom is not None:
+        lines.append(f"prometheus {prom['url']}  {state(prom)}")
     return lines
 
 

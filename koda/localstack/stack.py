@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from koda import stackenv
 from koda.errors import ServiceError
-from koda.localstack import kafka, kafka_cluster, postgres, procs
+from koda.localstack import kafka, kafka_cluster, postgres, procs, prometheus
 
 log = logging.getLogger(__name__)
 
-ENV_FILE = "services.env"
+ENV_FILE = stackenv.ENV_FILE
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ def up(state_dir: Path, *, brokers: int = 1) -> StackInfo:
 
 
 def down(state_dir: Path) -> None:
-    """Stop every Kafka node and PostgreSQL of ``state_dir`` and remove their pid files.
+    """Stop every Kafka node, PostgreSQL and (if started) Prometheus of ``state_dir``
+    and remove their pid files.
 
     Each process gets SIGTERM (Postgres: ``pg_ctl stop -m fast``) and 30 s to exit before
     SIGKILL. Data is kept. Removes ``services.env``.
@@ -86,6 +88,7 @@ def down(state_dir: Path) -> None:
     if not state_dir.is_dir():
         return
     with _locked(state_dir):
+        prometheus.stop(state_dir)
         kafka.stop_cluster(state_dir)
         postgres.stop(state_dir)
         (state_dir / ENV_FILE).unlink(missing_ok=True)
@@ -139,6 +142,7 @@ def status(state_dir: Path) -> dict[str, Any]:
             "pid": pid,
             "running": pid is not None and procs.port_accepts(port),
         }
+    report["prometheus"] = prometheus.status(state_dir)  # optional: not part of "running"
     kafka_ok = report["kafka"] is not None and all(n["running"] for n in report["kafka"]["nodes"])
     pg_ok = report["postgres"] is not None and report["postgres"]["running"]
     report["running"] = bool(kafka_ok and pg_ok)

@@ -17,6 +17,7 @@ from gateway.ratelimit import TokenBuckets
 from gateway.store import RunStore
 from gateway.sweeper import Sweeper
 from gateway.workers import WorkerDirectory
+from koda import metrics
 from koda.db import async_engine
 from koda.naming import AppEnv
 from koda.settings import Settings
@@ -135,3 +136,14 @@ async def test_openapi_documents_the_admin_and_health_routes() -> None:
     async with client_for(BASE) as client:
         paths = (await client.get("/openapi.json")).json()["paths"]
     assert {"/admin/workers", "/livez", "/readyz"} <= set(paths)
+
+
+async def test_metrics_count_alive_and_stale_workers_at_scrape_time() -> None:
+    metrics.WORKERS.labels(state="alive").set(-1)  # whatever the tail set last
+    metrics.WORKERS.labels(state="stale").set(-1)
+    async with client_for(BASE) as client:
+        r = await client.get("/metrics")
+    assert r.status_code == 200
+    assert 'koda_workers{state="alive"} 1.0' in r.text
+    assert 'koda_workers{state="stale"} 1.0' in r.text
+    assert "koda_workers_expected 2.0" in r.text

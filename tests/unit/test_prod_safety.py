@@ -78,6 +78,7 @@ def test_destructive_commands_refuse_in_prod_without_the_flag(argv: list[str]) -
 def test_with_the_flag_prod_goes_on_to_the_broker(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
     monkeypatch.setattr("topics.admin.delete_topics", lambda s: calls.append(s) or ["x"])
+    monkeypatch.setattr("koda.reach.require_kafka", lambda s: None)  # no broker here
     result = runner.invoke(cli.app, ["topics", "delete", "--confirm-prod"], env=PROD_ENV)
     assert result.exit_code == 0, result.output
     assert calls and calls[0].app_env is AppEnv.PROD
@@ -86,6 +87,7 @@ def test_with_the_flag_prod_goes_on_to_the_broker(monkeypatch: pytest.MonkeyPatc
 def test_dev_asks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
     monkeypatch.setattr("topics.admin.delete_topics", lambda s: calls.append(s) or [])
+    monkeypatch.setattr("koda.reach.require_kafka", lambda s: None)  # no broker here
     result = runner.invoke(
         cli.app, ["topics", "delete"], env={"APP_ENV": "dev", **UNREACHABLE}, input=""
     )
