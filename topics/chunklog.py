@@ -15,6 +15,12 @@ events after the last ``reset``. That is right at every stage of the broker's lo
 cleaning: before cleaning a reader meets chunks, then the final record, then
 tombstones; after it, the final record alone. Used by a gateway or a warehouse that
 starts from nothing; :func:`read_chunk_log` reads the topic up to its current end.
+
+A run has ended on the topic only when the topic holds its terminal event *and* every
+event before it (seqs 0..terminal, contiguous): a worker that died between its
+Postgres commit and its produce can leave a hole that its successor, or the
+compactor's completeness pass, fills later, possibly after the terminal event. Until
+then :attr:`RunLog.end` is None and :attr:`RunLog.missing` names the holes.
 """
 
 from __future__ import annotations
@@ -50,12 +56,36 @@ class RunLog:
         return visible_output((e.seq, e.kind, e.content) for e in self.events.values())
 
     @property
+    def last_seq(self) -> int | None:
+        """The seq of the run's terminal event, if the topic holds it (or its final)."""
+        if self.final is not None:
+            return self.final.last_seq
+        ends = [seq for seq, e in self.events.items() if e.kind in _TERMINAL]
+        return max(ends) if ends else None
+
+    @property
+    def missing(self) -> list[int]:
+        """Seqs below the terminal event that the topic does not hold (empty if none)."""
+        last = self.last_seq
+        if self.final is not None or last is None:
+            return []
+        return [seq for seq in range(last) if seq not in self.events]
+
+    @property
     def end(self) -> str | None:
-        """The terminal kind (done, error, cancelled), or None if the run has not ended."""
+        """The terminal kind (done, error, cancelled) once the topic holds all of the run:
+        None while it has not ended, or while events before the terminal one are missing."""
         if self.final is not None:
             return self.final.end
-        ends = [e for e in self.events.values() if e.kind in _TERMINAL]
-        return max(ends, key=lambda e: e.seq).kind if ends else None
+        last = self.last_seq
+        if last is None or self.missing:
+            return None
+        return self.events[last].kind
+
+    @property
+    def complete(self) -> bool:
+        """The topic holds the whole run: its terminal event and every event before it."""
+        return self.end is not None
 
     @property
     def compacted(self) -> bool:
