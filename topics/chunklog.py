@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from koda.errors import RecordError, TopicError
 from koda.kafka import consumer_config
@@ -146,13 +146,13 @@ def read_chunk_log(settings: Settings, *, timeout_s: float = 60.0) -> ChunkLog:
         md = consumer.list_topics(topic, timeout=10).topics.get(topic)
         if md is None or md.error is not None:
             raise TopicError(f"topic {topic} is not available; run `koda topics apply`")
+        deadline = time.monotonic() + timeout_s
         ends: dict[int, int] = {}
         for p in md.partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            low, high = _watermarks(consumer, TopicPartition(topic, p), deadline)
             if high > low:
                 ends[p] = high
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
-        deadline = time.monotonic() + timeout_s
         while ends:
             if time.monotonic() > deadline:
                 raise TopicError(f"reading {topic} timed out after {timeout_s:.0f}s")
@@ -178,3 +178,20 @@ def read_chunk_log(settings: Settings, *, timeout_s: float = 60.0) -> ChunkLog:
     finally:
         consumer.close()
     return log
+
+
+def _watermarks(consumer: Consumer, tp: TopicPartition, deadline: float) -> tuple[int, int]:
+    """A partition's low and high watermarks, asked again while its leader is not known
+    yet (a topic just created, a broker just restarted) until ``deadline``."""
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            return int(low), int(high)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            retriable = isinstance(error, KafkaError) and (
+                error.retriable() or error.code() == KafkaError.NOT_LEADER_FOR_PARTITION
+            )
+            if not retriable or time.monotonic() > deadline:
+                raise TopicError(f"reading {tp.topic}[{tp.partition}] failed: {exc}") from exc
+            time.sleep(0.2)  # a leader election takes a moment; ask again
