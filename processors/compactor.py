@@ -17,8 +17,8 @@ produces the same keys again, which the compacted topic collapses: idempotent. T
 broker's log cleaner later drops the superseded chunks, and the tombstones after the
 topic's ``delete.retention.ms``. SSE keeps serving compacted runs from Postgres.
 
-Before compacting, every pass runs the **completeness pass** (:meth:`ChunkCompactor.
-repair_once`, also ``koda chunks repair``): runs terminal for longer than
+Each round of ``--every`` first runs the **completeness pass** (:meth:`ChunkCompactor.
+repair_once`, alone: ``koda chunks repair``): runs terminal for longer than
 ``KODA_REPAIR_AFTER`` (30 s) whose ``runs.published_seq`` is still null, i.e. no one
 has seen all their messages acknowledged on the topic (a worker died between a commit
 and its produce and no worker met the run again; see processors/republish.py). Their

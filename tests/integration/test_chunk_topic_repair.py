@@ -10,10 +10,11 @@ SIGKILL at the exact point between a Postgres commit and the produce that follow
   shows it before any compaction, and `koda chunks verify` goes from 1 to 0;
 * after a *streaming* batch's commit: the successor resumes the run and produces the
   earlier output again before its own, so on the topic every chunk precedes ``done``;
-* a gap made on purpose (a run whose worker died and that no worker meets again):
+* a gap made on purpose (runs whose worker died and that no worker meets again):
   `koda chunks verify` names the missing seqs and exits 1; `koda chunks repair` (the
   compactor's completeness pass) leaves runs inside ``KODA_REPAIR_AFTER`` alone and
-  fills the others, after which verify exits 0.
+  fills the others, after which verify exits 0; the scheduled compactor job does the
+  same in each of its rounds.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from sqlalchemy import text
 from koda.kafka import producer_config
 from koda.lifecycle.chunks import chunk_key, visible_output
 from koda.settings import Settings
+from processors.compactor import ChunkCompactor
 from processors.handlers.demo import demo_tokens
 from schemas.records import RUN_CHUNK, chunk_value, headers_for
 from tests.support import wait_until
@@ -269,3 +272,32 @@ def left_behind(
             )
     assert producer.flush(30) == 0
     return run_id
+
+
+def test_the_scheduled_compactor_fills_gaps_in_each_round(env: Settings) -> None:
+    """`koda chunks compact --every S` is the job operators schedule: each of its rounds
+    runs the completeness pass before compacting, so the delay is bounded by
+    KODA_REPAIR_AFTER plus S."""
+    sub = Submitter(env)
+    producer = Producer(producer_config(env, "test"))
+    stop = threading.Event()
+    compactor = ChunkCompactor(env.with_(repair_after_s=0))
+    loop = threading.Thread(
+        target=compactor.run_forever, args=(1.0,), kwargs={"should_stop": stop.is_set}
+    )
+    try:
+        run_id = left_behind(sub, producer, "left for the job", finished_s_ago=0, hole=(0, 4))
+        loop.start()
+        wait_until(
+            lambda: (run := read_chunk_log(env).runs.get(run_id)) is not None and run.complete,
+            timeout=30,
+            what="the job to fill the gap",
+        )
+        marks = sub.query("SELECT published_seq, compacted_at FROM runs WHERE id = :r", r=run_id)
+        assert [tuple(m) for m in marks] == [(10, None)]  # filled, not compacted (24 h)
+    finally:
+        stop.set()
+        loop.join(30)
+        compactor.close()
+        producer.flush(10)
+        sub.close()
