@@ -81,12 +81,13 @@ _MESSAGES = text(
 _MARK = text("UPDATE runs SET compacted_at = now() WHERE id = ANY(:ids)")
 _UNPUBLISHED = text(
     """
-    SELECT id, user_id, partition FROM runs
+    SELECT id, user_id, partition, finished_at FROM runs
      WHERE published_seq IS NULL AND compacted_at IS NULL AND finished_at IS NOT NULL
        AND status = ANY(:terminal)
        AND finished_at <= now() - make_interval(secs => :older_than)
-       AND (CAST(:after AS text) IS NULL OR id > :after)
-     ORDER BY id
+       AND (CAST(:after_at AS timestamptz) IS NULL
+            OR (finished_at >= :after_at AND (finished_at, id) > (:after_at, :after_id)))
+     ORDER BY finished_at, id
      LIMIT :batch
     """
 )
@@ -160,7 +161,9 @@ class ChunkCompactor:
         (default ``KODA_REPAIR_AFTER``) that are not known to be whole on the topic."""
         older = self.settings.repair_after_s if older_than_s is None else older_than_s
         runs_done = chunks = 0
-        after: str | None = None
+        # Keyset pagination along the partial index: each batch starts where the last one
+        # ended, so a backlog (the first passes after the upgrade) costs one index range.
+        after: tuple[Any, str] | None = None
         while True:
             with self.engine.connect() as conn:
                 runs = conn.execute(
@@ -168,7 +171,8 @@ class ChunkCompactor:
                     {
                         "terminal": _TERMINAL_STATUSES,
                         "older_than": older,
-                        "after": after,
+                        "after_at": None if after is None else after[0],
+                        "after_id": None if after is None else after[1],
                         "batch": batch,
                     },
                 ).all()
@@ -188,7 +192,7 @@ class ChunkCompactor:
                 log.info("event=chunks_republished runs=%d chunks=%d", len(ids), produced)
             runs_done += len(ids)
             chunks += produced
-            after = ids[-1]
+            after = (runs[-1].finished_at, runs[-1].id)
             if len(runs) < batch:
                 break
         return RepairReport(runs_done, chunks)

@@ -129,7 +129,13 @@ def scan_ms(settings: Settings, repeat: int = 20) -> list[float]:
             with engine.connect() as conn:
                 conn.execute(
                     _UNPUBLISHED,
-                    {"terminal": _TERMINAL_STATUSES, "older_than": 0, "after": None, "batch": 200},
+                    {
+                        "terminal": _TERMINAL_STATUSES,
+                        "older_than": 0,
+                        "after_at": None,
+                        "after_id": None,
+                        "batch": 200,
+                    },
                 ).all()
             out.append((time.perf_counter() - t0) * 1000)
     finally:
