@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # (a UserWarning, nothing to fix); filtered by its message so real warnings still show.
 PIP_QUIET := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay chaos
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay bench-chunk-repair chaos
 
 ## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers; Ctrl-C stops all
 dev: install
@@ -91,3 +91,8 @@ bench-memory: install
 ## topic (200,000 chunk records; records/s median [min-max] of 3, and the ratio)
 bench-replay: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.replay $(BENCH_ARGS)
+
+## bench-chunk-repair: the completeness pass's scan against reading the whole chunk topic,
+## the pass filling gapped runs, and what the workers' published marks add to a group commit
+bench-chunk-repair: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.chunk_repair $(BENCH_ARGS)

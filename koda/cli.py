@@ -300,6 +300,59 @@ def chunks_compact(
     typer.echo(f"compacted {report.runs} runs ({report.tombstones} tombstones)")
 
 
+@chunks_app.command("repair")
+@friendly
+def chunks_repair(
+    older_than: float | None = typer.Option(
+        None,
+        "--older-than",
+        min=0,
+        help="Seconds since the run finished (default KODA_REPAIR_AFTER, 30 s).",
+    ),
+) -> None:
+    """Produce again, from Postgres, the chunks of finished runs not known to be on the topic."""
+    from processors.compactor import ChunkCompactor
+
+    compactor = ChunkCompactor(load_settings())
+    try:
+        report = compactor.repair_once(older_than)
+    finally:
+        compactor.close()
+    typer.echo(f"completed {report.runs} runs ({report.chunks} chunk records produced)")
+
+
+@chunks_app.command("verify")
+@friendly
+def chunks_verify(
+    since: str = typer.Option(
+        "-24h",
+        "--since",
+        help="Runs finished since: ISO 8601, unix seconds or an age like -2h [default: -24h].",
+    ),
+) -> None:
+    """Compare the chunk topic with Postgres for finished runs; exit 1 on any gap."""
+    from datetime import UTC, datetime
+
+    from processors.chunkverify import verify_chunks
+    from topics.replay.errors import BadTimestampError
+    from topics.replay.positions import TIMESTAMP_FORMATS, parse_timestamp
+
+    try:
+        start = datetime.fromtimestamp(parse_timestamp(since) / 1000, UTC)
+    except BadTimestampError:
+        raise KodaError(f"--since {since!r} is not a time: use {TIMESTAMP_FORMATS}") from None
+    report = verify_chunks(load_settings(), start)
+    for gap in report.gaps:
+        typer.echo(gap.describe())
+    summary = (
+        f"{report.runs} runs finished since {start.isoformat()}, {report.chunks} chunks:"
+        f" {len(report.gaps)} runs with gaps, {report.chunks_missing} chunks missing on the topic"
+    )
+    typer.echo(summary)
+    if report.gaps:
+        raise typer.Exit(1)
+
+
 @chunks_app.command("outputs")
 @friendly
 def chunks_outputs() -> None:
@@ -310,7 +363,7 @@ def chunks_outputs() -> None:
 
     for run in read_chunk_log(load_settings(kafka=True)).runs.values():
         row = {"run_id": run.run_id, "end": run.end, "compacted": run.compacted}
-        typer.echo(json.dumps({**row, "output": run.output}))
+        typer.echo(json.dumps({**row, "missing": run.missing, "output": run.output}))
 
 
 def require_confirmation(settings: Settings, confirmed: bool, what: str) -> None:

@@ -25,6 +25,7 @@ never from user ids, run ids or free text.
                   koda_sse_backfills_total{reason}, koda_sse_queued_bytes,
                   koda_live_feed_records_total, koda_live_feed_errors_total,
                   koda_workers{state}, koda_workers_expected
+    chunk topic   koda_chunk_runs_compacted_total, koda_chunks_republished_total{by}
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ __all__ = [
     "LIVE_FEED_ERRORS",
     "LIVE_FEED_RECORDS",
     "CHUNK_RUNS_COMPACTED",
+    "CHUNKS_REPUBLISHED",
     "SWEEPER_REPUBLISHED",
     "TIME_TO_FIRST_CHUNK_SECONDS",
     "WORKERS",
@@ -292,6 +294,16 @@ WORKERS_EXPECTED = Gauge(
 CHUNK_RUNS_COMPACTED = Counter(
     "koda_chunk_runs_compacted_total",
     "Terminal runs whose per-chunk records were replaced by one final record.",
+    registry=REGISTRY,
+)
+
+
+CHUNKS_REPUBLISHED = Counter(
+    "koda_chunks_republished_total",
+    "Chunk records produced again from Postgres because the topic was not known to hold "
+    "them (by: resume = a successor resuming a run, skip = a worker meeting a terminal "
+    "run again, pass = the compactor's completeness pass).",
+    ["by"],
     registry=REGISTRY,
 )
 

@@ -165,6 +165,9 @@ def _with_local_stack(
 
 _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _HANDLERS = ("demo", "openai")
+# Fault points a test can switch on with KODA_TEST_FAULT (see processors/faults.py);
+# prod refuses every one of them.
+TEST_FAULTS = ("kill-after-chunks-commit", "kill-after-finish-commit")
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,10 @@ class Settings:
     lag_interval_s: float = 10.0
     # where KODA_KAFKA_BOOTSTRAP, KODA_DATABASE_URL (and a defaulted APP_ENV) came from
     origins: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # compaction's completeness pass: finished runs not known to be whole on the topic
+    repair_after_s: float = 30.0
+    # a fault point only tests switch on (one of TEST_FAULTS), None in normal operation
+    test_fault: str | None = None
 
     def __post_init__(self) -> None:
         if self.partitions & (self.partitions - 1):
@@ -254,7 +261,16 @@ class Settings:
             )
         if self.handler not in _HANDLERS:
             raise ConfigError(f"KODA_HANDLER={self.handler!r}: use one of {', '.join(_HANDLERS)}")
+        if self.test_fault is not None and self.test_fault not in TEST_FAULTS:
+            raise ConfigError(
+                f"KODA_TEST_FAULT={self.test_fault!r}: use one of {', '.join(TEST_FAULTS)}"
+            )
         if self.app_env is AppEnv.PROD:
+            if self.test_fault is not None:
+                raise ConfigError(
+                    f"KODA_TEST_FAULT={self.test_fault} is refused in prod: it kills the "
+                    "worker on purpose; unset it"
+                )
             if self.handler == "demo":
                 raise ConfigError(
                     "KODA_HANDLER=demo is refused in prod: configure a real handler "
@@ -399,4 +415,6 @@ class Settings:
             loop_stall_s=_float(env, "KODA_LOOP_STALL", 10.0, lo=0.1, hi=600),
             lag_interval_s=_float(env, "KODA_LAG_INTERVAL", 10.0, lo=0.1, hi=3600),
             origins=origins,
+            repair_after_s=_float(env, "KODA_REPAIR_AFTER", 30.0, lo=0, hi=7 * 86400),
+            test_fault=env.get("KODA_TEST_FAULT") or None,
         )

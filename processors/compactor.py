@@ -17,6 +17,15 @@ produces the same keys again, which the compacted topic collapses: idempotent. T
 broker's log cleaner later drops the superseded chunks, and the tombstones after the
 topic's ``delete.retention.ms``. SSE keeps serving compacted runs from Postgres.
 
+Each round of ``--every`` first runs the **completeness pass** (:meth:`ChunkCompactor.
+repair_once`, alone: ``koda chunks repair``): runs terminal for longer than
+``KODA_REPAIR_AFTER`` (30 s) whose ``runs.published_seq`` is still null, i.e. no one
+has seen all their messages acknowledged on the topic (a worker died between a commit
+and its produce and no worker met the run again; see processors/republish.py). Their
+messages are produced again from Postgres, and once all are delivered
+``published_seq`` is set. No row lock is held while producing, so a worker's own mark
+never waits for the pass; two passes at once only produce the same records twice.
+
     KodaError
     └── CompactionError   the broker did not acknowledge the records of a batch
 """
@@ -25,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +45,9 @@ from koda.db import sync_engine
 from koda.errors import KodaError
 from koda.kafka import producer_config
 from koda.lifecycle.chunks import ChunkKind, chunk_key, final_key, visible_output
-from koda.metrics import CHUNK_RUNS_COMPACTED
+from koda.metrics import CHUNK_RUNS_COMPACTED, CHUNKS_REPUBLISHED
 from koda.settings import Settings
-from schemas.records import RUN_CHUNK, RUN_FINAL, FinalRecord, headers_for
+from schemas.records import RUN_CHUNK, RUN_FINAL, FinalRecord, chunk_value, headers_for
 from topics.catalogue import RUN_CHUNKS, partition_for_key
 
 log = logging.getLogger(__name__)
@@ -70,10 +79,37 @@ _MESSAGES = text(
     """
 )
 _MARK = text("UPDATE runs SET compacted_at = now() WHERE id = ANY(:ids)")
+_UNPUBLISHED = text(
+    """
+    SELECT id, user_id, partition, finished_at FROM runs
+     WHERE published_seq IS NULL AND compacted_at IS NULL AND finished_at IS NOT NULL
+       AND status = ANY(:terminal)
+       AND finished_at <= now() - make_interval(secs => :older_than)
+       AND (CAST(:after_at AS timestamptz) IS NULL
+            OR (finished_at >= :after_at AND (finished_at, id) > (:after_at, :after_id)))
+     ORDER BY finished_at, id
+     LIMIT :batch
+    """
+)
+_PUBLISHED = text(
+    """
+    UPDATE runs r SET published_seq = q.seq
+      FROM unnest(CAST(:ids AS text[]), CAST(:seqs AS int[])) AS q(run_id, seq)
+     WHERE r.id = q.run_id AND r.published_seq IS NULL
+    """
+)
 
 
 class CompactionError(KodaError):
     """The broker did not acknowledge a batch's records; nothing was marked compacted."""
+
+
+@dataclass(frozen=True)
+class RepairReport:
+    """What a completeness pass did: runs it completed and chunk records it produced."""
+
+    runs: int
+    chunks: int
 
 
 @dataclass(frozen=True)
@@ -120,6 +156,67 @@ class ChunkCompactor:
             if report.runs < batch:
                 return total
 
+    def repair_once(self, older_than_s: float | None = None, batch: int = 200) -> RepairReport:
+        """Produce again the messages of runs terminal for over ``older_than_s`` seconds
+        (default ``KODA_REPAIR_AFTER``) that are not known to be whole on the topic."""
+        older = self.settings.repair_after_s if older_than_s is None else older_than_s
+        runs_done = chunks = 0
+        # Keyset pagination along the partial index: each batch starts where the last one
+        # ended, so a backlog (the first passes after the upgrade) costs one index range.
+        after: tuple[Any, str] | None = None
+        while True:
+            with self.engine.connect() as conn:
+                runs = conn.execute(
+                    _UNPUBLISHED,
+                    {
+                        "terminal": _TERMINAL_STATUSES,
+                        "older_than": older,
+                        "after_at": None if after is None else after[0],
+                        "after_id": None if after is None else after[1],
+                        "batch": batch,
+                    },
+                ).all()
+                if not runs:
+                    break
+                ids = [r.id for r in runs]
+                by_run: dict[str, list[Any]] = {run_id: [] for run_id in ids}
+                for m in conn.execute(_MESSAGES, {"ids": ids}):
+                    by_run[m.run_id].append(m)
+            self._republish(runs, by_run)
+            seqs = [by_run[i][-1].seq if by_run[i] else -1 for i in ids]
+            with self.engine.begin() as conn:
+                conn.execute(_PUBLISHED, {"ids": ids, "seqs": seqs})
+            produced = sum(len(by_run[i]) for i in ids)
+            if produced:
+                CHUNKS_REPUBLISHED.labels(by="pass").inc(produced)
+                log.info("event=chunks_republished runs=%d chunks=%d", len(ids), produced)
+            runs_done += len(ids)
+            chunks += produced
+            after = (runs[-1].finished_at, runs[-1].id)
+            if len(runs) < batch:
+                break
+        return RepairReport(runs_done, chunks)
+
+    def _republish(self, runs: Sequence[Any], by_run: dict[str, list[Any]]) -> None:
+        """Produce ``runs``' messages again and wait for every delivery."""
+        failures: list[str] = []
+
+        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                failures.append(err.str())
+
+        for run in runs:
+            partition = run.partition
+            if partition is None:
+                partition = partition_for_key(run.user_id.encode(), self.settings.partitions)
+            for m in by_run[run.id]:
+                value = chunk_value(run.id, m.seq, m.kind, m.content, m.attempt)
+                self._produce(chunk_key(run.id, m.seq), value, partition, RUN_CHUNK, on_delivery)
+        remaining = self.producer.flush(DELIVERY_TIMEOUT_S)
+        if remaining or failures:
+            detail = failures[0] if failures else f"{remaining} records undelivered"
+            raise CompactionError(f"republishing {len(runs)} runs' chunks failed: {detail}")
+
     def run_forever(
         self,
         every_s: float,
@@ -129,6 +226,7 @@ class ChunkCompactor:
         """Compact every ``every_s`` seconds until ``should_stop()``; errors are logged."""
         while not should_stop():
             try:
+                self.repair_once()
                 report = self.compact_once(older_than_s)
                 log.info(
                     "event=compaction_pass runs=%d tombstones=%d", report.runs, report.tombstones

@@ -6,10 +6,13 @@ time, 200 streaming runs ask for 10,000 transactions a second, far more than a w
 and its database can commit, and latency grows without bound; short runs pay two
 transactions and their round trips each. The writer instead takes every claim, chunk
 batch and finish that is waiting, writes them all in one transaction
-(``RunStore.write_group``: at most seven statements however many runs), and hands
+(``RunStore.write_group``: at most eight statements however many runs), and hands
 each run its own result. While one group
 commits the next one gathers, so an idle worker adds no delay and a busy one commits
 fewer, larger groups.
+
+The same groups carry the marks that a terminal run's messages are all on the chunk
+topic (``runs.published_seq``, :meth:`GroupWriter.published`); nothing waits for them.
 
 Failure modes and what happens:
 
@@ -30,6 +33,7 @@ import logging
 from dataclasses import dataclass, field
 
 from koda.metrics import GROUP_COMMIT_RUNS
+from processors import faults
 from processors.store import (
     ChunkWrite,
     Claim,
@@ -38,6 +42,7 @@ from processors.store import (
     FinishWrite,
     GroupResult,
     GroupWrite,
+    PublishedWrite,
     RunStore,
 )
 
@@ -58,9 +63,12 @@ class _Waiting:
 class GroupWriter:
     """Writes runs' claims, chunk batches and finishes to Postgres in shared transactions."""
 
-    def __init__(self, store: RunStore, max_rows: int = MAX_GROUP_ROWS) -> None:
+    def __init__(
+        self, store: RunStore, max_rows: int = MAX_GROUP_ROWS, *, fault: str | None = None
+    ) -> None:
         self.store = store
         self.max_rows = max_rows
+        self.fault = fault  # KODA_TEST_FAULT: tests only (processors/faults.py)
         self.groups = 0  # group transactions tried (tests read it)
         self._queue: list[_Waiting] = []
         self._wake = asyncio.Event()
@@ -87,12 +95,23 @@ class GroupWriter:
             return result
         raise TypeError(f"a finish came back as {type(result).__name__}")
 
-    async def _submit(self, write: GroupWrite) -> GroupResult:
+    def published(self, run_id: str, seq: int) -> None:
+        """Record, in a coming group, that the terminal run's messages 0..``seq`` are all on
+        the chunk topic. Nothing waits for it: a mark lost with the process only means
+        that run's messages are produced once more later (see processors/republish.py)."""
+        waiting = self._enqueue(PublishedWrite(run_id, seq))
+        waiting.done.add_done_callback(_consume)
+
+    def _enqueue(self, write: GroupWrite) -> _Waiting:
         waiting = _Waiting(write)
         self._queue.append(waiting)
         self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="koda-group-writer")
+        return waiting
+
+    async def _submit(self, write: GroupWrite) -> GroupResult:
+        waiting = self._enqueue(write)
         try:
             return await asyncio.shield(waiting.done)
         except asyncio.CancelledError:
@@ -158,6 +177,7 @@ class GroupWriter:
             for waiting in group:
                 await self._alone(waiting)
             return
+        faults.after_commit(self.fault, [w.write for w in group])
         for waiting, result in zip(group, results, strict=True):
             if not waiting.done.done():
                 waiting.done.set_result(result)
@@ -166,7 +186,10 @@ class GroupWriter:
         w = waiting.write
         result: GroupResult
         try:
-            if isinstance(w, ClaimWrite):
+            if isinstance(w, PublishedWrite):
+                await self.store.mark_published([w])
+                result = None
+            elif isinstance(w, ClaimWrite):
                 result = await self.store.claim(w.run_id, w.fence, w.worker_id)
             elif isinstance(w, FinishWrite):
                 result = await self.store.finish(

@@ -33,6 +33,7 @@ from koda.metrics import (
 from koda.settings import Settings
 from processors.emitter import Emitter
 from processors.groupcommit import GroupWriter
+from processors.republish import ChunkRepair
 from processors.store import ChunkWrite, ClaimWrite, Fence, FinishWrite, RunStore
 from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, headers_for
 
@@ -100,12 +101,9 @@ class ChunkBatcher:
             raise FencedOut(f"run {self.run_id}: chunk write fenced out")
         if first:
             self.streaming = True
-        self.futures += await self.emitter.chunks(self.fence.partition, _only(batch, inserted))
-
-
-def _only(chunks: list[Chunk], seqs: list[int]) -> list[Chunk]:
-    keep = set(seqs)
-    return [c for c in chunks if c.seq in keep]
+        # The whole batch, also seqs that were in Postgres already: only this owner writes
+        # them, so they are this batch (its group committed, then the answer was lost).
+        self.futures += await self.emitter.chunks(self.fence.partition, batch)
 
 
 class RunExecutor:
@@ -118,7 +116,8 @@ class RunExecutor:
         self.store = store
         self.emitter = emitter
         self.handler = handler
-        self.writer = GroupWriter(store)
+        self.writer = GroupWriter(store, fault=settings.test_fault)
+        self.repair = ChunkRepair(store, emitter, self.writer)
         self.policy = RetryPolicy(settings.max_attempts, settings.retry_base_s)
         self.worker_id = settings.worker_id
 
@@ -140,6 +139,7 @@ class RunExecutor:
             return
         if run.status.terminal:
             log.info("skip terminal run_id=%s status=%s %s", run.id, run.status.value, _kv(ctx_log))
+            await self.repair.terminal(run, fence.partition)
             return
         for pred in await self.store.pending_predecessors(run) if run.older_pending else []:
             log.info("predecessor first run_id=%s before=%s", pred.id, run.id)
@@ -164,6 +164,9 @@ class RunExecutor:
         cancel: CancelToken,
     ) -> None:
         started = time.monotonic()
+        # Every attempt's deliveries are awaited before the ack, retries' included.
+        futures: list[asyncio.Future[Any]] = []
+        resumed = False
         while True:
             claim = await self.writer.claim(ClaimWrite(fence, run_id, self.worker_id))
             if claim is None:
@@ -174,7 +177,9 @@ class RunExecutor:
             attempt = claim.attempt
             if attempt == 1 and claim.queue_age_s is not None:
                 QUEUE_AGE_SECONDS.observe(max(0.0, claim.queue_age_s))
-            futures: list[asyncio.Future[Any]] = []
+            if not resumed:  # earlier output may be in Postgres only (its writer died)
+                futures += await self.repair.resumed(run_id, fence.partition, claim.next_seq)
+                resumed = True
             futures.append(
                 await self.emitter.event(
                     fence.partition,
@@ -254,7 +259,7 @@ class RunExecutor:
             )
             if finished is None:
                 raise FencedOut(f"run {run_id}: finish fenced out")
-            futures += await self.emitter.chunks(fence.partition, _only(final, finished.inserted))
+            futures += await self.emitter.chunks(fence.partition, final)
             futures.append(
                 await self.emitter.event(
                     fence.partition, run_id, "transition", to="done", attempt=attempt
@@ -274,6 +279,7 @@ class RunExecutor:
                     )
                 )
             await asyncio.gather(*futures)
+            self.repair.published(run_id, final[-1].seq)
             RUNS.labels(outcome="done").inc()
             RUN_DURATION_SECONDS.labels(outcome="done").observe(time.monotonic() - started)
             log.info("run done run_id=%s attempt=%d", run_id, attempt)
@@ -342,13 +348,14 @@ class RunExecutor:
         )
         if finished is None:
             raise FencedOut(f"run {final[0].run_id}: fail fenced out")
-        futures = await self.emitter.chunks(fence.partition, _only(final, finished.inserted))
+        futures = await self.emitter.chunks(fence.partition, final)
         futures.append(
             await self.emitter.event(
                 fence.partition, final[0].run_id, "transition", to="failed", attempt=attempts
             )
         )
         await asyncio.gather(*futures, *batcher.futures)
+        self.repair.published(final[0].run_id, final[-1].seq)
         RUNS.labels(outcome="failed").inc()
         log.warning("run failed run_id=%s attempts=%d", final[0].run_id, attempts)
 

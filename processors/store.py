@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from koda.lifecycle.chunks import Chunk
+from koda.lifecycle.chunks import Chunk, ChunkKind
 from koda.lifecycle.handler import Usage
 from koda.lifecycle.states import ACTIVE, RunStatus, sources_of
 
@@ -44,6 +44,8 @@ class RunRow:
     fence: int
     # Whether the user has an older run still pending (see pending_predecessors).
     older_pending: bool = True
+    # The terminal seq once every message is known to be on the chunk topic, else None.
+    published_seq: int | None = None
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,34 @@ class ClaimWrite:
     chunks: Sequence[Chunk] = ()  # a claim writes none; the group writer sizes by this
 
 
-GroupWrite = ClaimWrite | ChunkWrite | FinishWrite
+@dataclass(frozen=True)
+class PublishedWrite:
+    """Every message of the terminal run ``run_id``, 0..``seq``, is acknowledged on the
+    chunk topic. Not fenced: it states a fact about the topic, true whoever produced them."""
+
+    run_id: str
+    seq: int
+    chunks: Sequence[Chunk] = ()  # writes none; the group writer sizes by this
+
+
+GroupWrite = ClaimWrite | ChunkWrite | FinishWrite | PublishedWrite
 GroupResult = Claim | list[int] | Finished | None
+
+# SKIP LOCKED: a row the compactor holds (it locks runs while compacting them) is left
+# unmarked rather than holding up the whole group; the completeness pass marks it later.
+_MARK_PUBLISHED = text(
+    """
+    WITH free AS (
+        SELECT id FROM runs
+         WHERE id = ANY(:ids) AND finished_at IS NOT NULL AND published_seq IS NULL
+         ORDER BY id
+           FOR UPDATE SKIP LOCKED
+    )
+    UPDATE runs r SET published_seq = q.seq
+      FROM unnest(CAST(:ids AS text[]), CAST(:seqs AS int[])) AS q(run_id, seq), free
+     WHERE r.id = q.run_id AND r.id = free.id
+    """
+)
 
 
 def _all_moved(moved: int, expected: int, to: RunStatus) -> None:
@@ -171,7 +199,8 @@ class RunStore:
                     # it here saves every run a second query and connection checkout.
                     text(
                         "SELECT r.id, r.user_id, r.session_id, r.status, r.input, r.attempt,"
-                        " r.fence, EXISTS (SELECT 1 FROM runs p WHERE p.user_id = r.user_id"
+                        " r.fence, r.published_seq,"
+                        " EXISTS (SELECT 1 FROM runs p WHERE p.user_id = r.user_id"
                         " AND p.status = 'pending' AND (p.created_at, p.id) < (r.created_at, r.id)"
                         ") AS older_pending FROM runs r WHERE r.id = :id"
                     ),
@@ -189,6 +218,7 @@ class RunStore:
             row.attempt,
             row.fence,
             bool(row.older_pending),
+            row.published_seq,
         )
 
     async def pending_predecessors(self, run: RunRow, limit: int = 50) -> list[RunRow]:
@@ -311,11 +341,12 @@ class RunStore:
     async def write_group(self, writes: Sequence[GroupWrite]) -> list[GroupResult]:
         """Several runs' claims, chunk batches and finishes in one transaction.
 
-        At most seven statements however many runs: the claims and their next seqs,
-        the ownership check, the chunks, the usage rows, the first-output and the
-        terminal transitions. Per write, the same rule and result as :meth:`claim` (a
-        :class:`Claim`), :meth:`write_chunks` (the seqs inserted) or :meth:`finish` (a
-        :class:`Finished`), or None when that run could not be claimed or is fenced out:
+        At most eight statements however many runs: the published marks (unfenced, see
+        :class:`PublishedWrite`), the claims and their next seqs, the ownership check, the
+        chunks, the usage rows, the first-output and the terminal transitions. Per write,
+        the same rule and result as :meth:`claim` (a :class:`Claim`), :meth:`write_chunks`
+        (the seqs inserted) or :meth:`finish` (a :class:`Finished`), None for a mark, or
+        None when that run could not be claimed or is fenced out:
         its part is not written, the others are. Ownership rows are locked ``FOR SHARE``
         in (partition, run) order, the order in which an epoch bump takes them, so a
         group and a bump cannot deadlock. Raises :class:`koda.errors.TransitionRejected`
@@ -323,8 +354,11 @@ class RunStore:
         only that run fails. A group must not name a run twice.
         """
         claims = [w for w in writes if isinstance(w, ClaimWrite)]
-        parts = [w for w in writes if not isinstance(w, ClaimWrite)]
+        marks = [w for w in writes if isinstance(w, PublishedWrite)]
+        parts = [w for w in writes if isinstance(w, ChunkWrite | FinishWrite)]
         async with self.engine.begin() as conn:
+            if marks:
+                await _mark_published(conn, marks)
             claimed = await _claim_group(conn, claims) if claims else {}
             mine = await _owned_group(conn, parts) if parts else []
             inserted: dict[str, list[int]] = {w.run_id: [] for w in mine}
@@ -399,7 +433,7 @@ class RunStore:
         for w in writes:
             if isinstance(w, ClaimWrite):
                 out.append(claimed.get(w.run_id))
-            elif w.run_id not in inserted:
+            elif isinstance(w, PublishedWrite) or w.run_id not in inserted:
                 out.append(None)
             elif isinstance(w, FinishWrite):
                 out.append(Finished(sorted(inserted[w.run_id]), costs.get(w.run_id, {})))
@@ -504,6 +538,25 @@ class RunStore:
 
             raise TransitionRejected(f"run {run_id}: transition to {to.value} matched no row")
 
+    async def mark_published(self, marks: Sequence[PublishedWrite]) -> None:
+        """Record that these terminal runs' messages are all on the chunk topic."""
+        async with self.engine.begin() as conn:
+            await _mark_published(conn, marks)
+
+    async def messages(self, run_id: str, below: int | None = None) -> list[Chunk]:
+        """The run's messages in seq order (only those with seq < ``below`` if given)."""
+        async with self.reader.connect() as conn:
+            rows = await conn.execute(
+                text(
+                    "SELECT seq, kind, content, attempt FROM messages WHERE run_id = :id"
+                    " AND (CAST(:below AS int) IS NULL OR seq < :below) ORDER BY seq"
+                ),
+                {"id": run_id, "below": below},
+            )
+            return [
+                Chunk(run_id, int(r.seq), ChunkKind(r.kind), r.content, r.attempt) for r in rows
+            ]
+
     async def fail_unclaimed(self, run_id: str, error: str) -> bool:
         """``pending|running|streaming → failed`` for a run that could not even be claimed."""
         async with self.engine.begin() as conn:
@@ -545,6 +598,13 @@ _INSERT_CHUNK_GROUP = text(
     RETURNING run_id, seq
     """
 )
+
+
+async def _mark_published(conn: AsyncConnection, marks: Sequence[PublishedWrite]) -> None:
+    ordered = sorted(marks, key=lambda w: w.run_id)  # one lock order for every writer
+    await conn.execute(
+        _MARK_PUBLISHED, {"ids": [w.run_id for w in ordered], "seqs": [w.seq for w in ordered]}
+    )
 
 
 async def _claim_group(conn: AsyncConnection, claims: Sequence[ClaimWrite]) -> dict[str, Claim]:

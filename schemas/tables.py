@@ -65,6 +65,8 @@ runs = Table(
     Column("error", Text, nullable=True),
     # Set once the run's chunk-topic records were replaced by one final record (0002).
     Column("compacted_at", DateTime(timezone=True), nullable=True),
+    # The terminal seq, once every message 0..it is acknowledged on the chunk topic (0006).
+    Column("published_seq", Integer, nullable=True),
     UniqueConstraint("idempotency_key", name="uq_runs_idempotency_key"),
     CheckConstraint(f"status IN ({STATUS_VALUES})", name="ck_runs_status"),
     Index("ix_runs_user_id_created_at", "user_id", "created_at"),
@@ -78,6 +80,13 @@ runs = Table(
         "ix_runs_uncompacted_finished_at",
         "finished_at",
         postgresql_where=text("compacted_at IS NULL AND finished_at IS NOT NULL"),
+    ),
+    Index(
+        "ix_runs_unpublished_finished_at",
+        "finished_at",
+        postgresql_where=text(
+            "published_seq IS NULL AND compacted_at IS NULL AND finished_at IS NOT NULL"
+        ),
     ),
 )
 

@@ -15,6 +15,12 @@ events after the last ``reset``. That is right at every stage of the broker's lo
 cleaning: before cleaning a reader meets chunks, then the final record, then
 tombstones; after it, the final record alone. Used by a gateway or a warehouse that
 starts from nothing; :func:`read_chunk_log` reads the topic up to its current end.
+
+A run has ended on the topic only when the topic holds its terminal event *and* every
+event before it (seqs 0..terminal, contiguous): a worker that died between its
+Postgres commit and its produce can leave a hole that its successor, or the
+compactor's completeness pass, fills later, possibly after the terminal event. Until
+then :attr:`RunLog.end` is None and :attr:`RunLog.missing` names the holes.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from koda.errors import RecordError, TopicError
 from koda.kafka import consumer_config
@@ -50,12 +56,36 @@ class RunLog:
         return visible_output((e.seq, e.kind, e.content) for e in self.events.values())
 
     @property
+    def last_seq(self) -> int | None:
+        """The seq of the run's terminal event, if the topic holds it (or its final)."""
+        if self.final is not None:
+            return self.final.last_seq
+        ends = [seq for seq, e in self.events.items() if e.kind in _TERMINAL]
+        return max(ends) if ends else None
+
+    @property
+    def missing(self) -> list[int]:
+        """Seqs below the terminal event that the topic does not hold (empty if none)."""
+        last = self.last_seq
+        if self.final is not None or last is None:
+            return []
+        return [seq for seq in range(last) if seq not in self.events]
+
+    @property
     def end(self) -> str | None:
-        """The terminal kind (done, error, cancelled), or None if the run has not ended."""
+        """The terminal kind (done, error, cancelled) once the topic holds all of the run:
+        None while it has not ended, or while events before the terminal one are missing."""
         if self.final is not None:
             return self.final.end
-        ends = [e for e in self.events.values() if e.kind in _TERMINAL]
-        return max(ends, key=lambda e: e.seq).kind if ends else None
+        last = self.last_seq
+        if last is None or self.missing:
+            return None
+        return self.events[last].kind
+
+    @property
+    def complete(self) -> bool:
+        """The topic holds the whole run: its terminal event and every event before it."""
+        return self.end is not None
 
     @property
     def compacted(self) -> bool:
@@ -116,13 +146,13 @@ def read_chunk_log(settings: Settings, *, timeout_s: float = 60.0) -> ChunkLog:
         md = consumer.list_topics(topic, timeout=10).topics.get(topic)
         if md is None or md.error is not None:
             raise TopicError(f"topic {topic} is not available; run `koda topics apply`")
+        deadline = time.monotonic() + timeout_s
         ends: dict[int, int] = {}
         for p in md.partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            low, high = _watermarks(consumer, TopicPartition(topic, p), deadline)
             if high > low:
                 ends[p] = high
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
-        deadline = time.monotonic() + timeout_s
         while ends:
             if time.monotonic() > deadline:
                 raise TopicError(f"reading {topic} timed out after {timeout_s:.0f}s")
@@ -148,3 +178,20 @@ def read_chunk_log(settings: Settings, *, timeout_s: float = 60.0) -> ChunkLog:
     finally:
         consumer.close()
     return log
+
+
+def _watermarks(consumer: Consumer, tp: TopicPartition, deadline: float) -> tuple[int, int]:
+    """A partition's low and high watermarks, asked again while its leader is not known
+    yet (a topic just created, a broker just restarted) until ``deadline``."""
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            return int(low), int(high)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            retriable = isinstance(error, KafkaError) and (
+                error.retriable() or error.code() == KafkaError.NOT_LEADER_FOR_PARTITION
+            )
+            if not retriable or time.monotonic() > deadline:
+                raise TopicError(f"reading {tp.topic}[{tp.partition}] failed: {exc}") from exc
+            time.sleep(0.2)  # a leader election takes a moment; ask again

@@ -11,6 +11,12 @@ Definitions used by the checks:
   the chunk topic equals the Postgres row of its ``<run_id>:<seq>`` key (a record that
   is not in Postgres, or differs, is a write that escaped the fence); the same record
   produced twice is an at-least-once re-send and is counted, not failed.
+* **The topic holds every chunk Postgres holds**: after the repair delay (the harness
+  runs the compactor's completeness pass once every run has ended, as the scheduled
+  compactor would), every message of every run is on the chunk topic under its
+  ``<run_id>:<seq>`` key. A message still absent is a violation. How many the workers
+  had left for the pass is counted, not failed: a worker's mark that died with it makes
+  the pass produce that run again, which is the pass's job.
 * **A run's span** is ``[S, F]``: ``S = runs.started_at``, written by the *first*
   successful claim and kept by later ones (a run cut off at a handoff and resumed
   keeps the first claim's ``S``), and ``F = runs.finished_at``, the terminal write.
@@ -79,6 +85,8 @@ class Findings:
     duplicate_chunks_viewers: int = 0
     chunk_resends_topic: int = 0
     chunks_missing_on_topic: int = 0
+    chunks_left_for_pass: int = 0
+    runs_completed_by_pass: int = 0
     order_violations: int = 0
     viewers: int = 0
     viewer_mismatches: int = 0
@@ -352,12 +360,18 @@ def _check_topic(
         ):
             f.violate(f"chunk record {key} differs from its Postgres row")
     f.chunk_resends_topic = sum(n - 1 for n in seen.values() if n > 1)
-    f.chunks_missing_on_topic = sum(
-        1
+    absent = [
+        f"{run_id}:{m.seq:010d}"
         for run_id in planned
         for m in messages.get(run_id, [])
         if f"{run_id}:{m.seq:010d}" not in seen
-    )
+    ]
+    f.chunks_missing_on_topic = len(absent)
+    if absent:
+        f.violate(
+            f"{len(absent)} chunks in Postgres are not on the topic after the completeness "
+            f"pass: {', '.join(absent[:10])}"
+        )
 
 
 def _check_viewers(f: Findings, viewers: list[Viewer], messages: dict[str, list[Any]]) -> None:

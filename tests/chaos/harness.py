@@ -11,7 +11,8 @@ broker; (three brokers) kill -9 one and bring it back later; restart PostgreSQL
 (alternately a fast stop and a crash); kill -9 the gateway and start it again.
 Poison records are written straight to the runs topic along the way.
 
-Afterwards it checks, from Postgres, the topics and the viewers, what
+Once every run has ended it runs the compactor's completeness pass (what the scheduled
+`koda chunks compact` does each round), then checks, from Postgres, the topics and the viewers, what
 ``tests/chaos/checks.py`` defines (its docstring states each definition, including what
 "per-user order without overlap" means with retries and resumed runs), prints a table,
 and exits 1 on any violation.
@@ -28,6 +29,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from random import Random
 
@@ -36,6 +38,8 @@ import httpx
 from koda.localstack import down, up
 from koda.naming import AppEnv
 from koda.settings import Settings
+from processors.chunkverify import verify_chunks
+from processors.compactor import ChunkCompactor
 from schemas.migrate import upgrade
 from tests.chaos import faults as fk
 from tests.chaos.checks import (
@@ -131,6 +135,10 @@ class Report:
                 f"{f.duplicate_chunks_db} / {f.duplicate_chunks_viewers}",
             ),
             ("  chunk topic re-sends (same record twice)", str(f.chunk_resends_topic)),
+            (
+                "  chunks missing on the topic before the pass / runs it completed",
+                f"{f.chunks_left_for_pass} / {f.runs_completed_by_pass}",
+            ),
             ("  chunks in Postgres, not on the topic", str(f.chunks_missing_on_topic)),
             ("order violations", str(f.order_violations)),
             (
@@ -376,12 +384,31 @@ class Chaos:
             self.pool.check_exits()
             await asyncio.sleep(1.0)
 
+    def _complete_topic(self, findings: Findings) -> None:
+        """The repair delay: what workers left for the pass, then the pass itself."""
+        left = verify_chunks(self.settings, datetime.fromtimestamp(0, UTC), timeout_s=300)
+        compactor = ChunkCompactor(self.settings)
+        try:
+            repaired = compactor.repair_once(older_than_s=0)
+        finally:
+            compactor.close()
+        findings.chunks_left_for_pass = left.chunks_missing
+        findings.runs_completed_by_pass = repaired.runs
+        self.log(
+            f"  completeness pass: {left.chunks_missing} chunks were missing on the topic; "
+            f"{repaired.runs} runs completed, {repaired.chunks} chunk records produced"
+        )
+
     def _verify(self) -> Report:
         behind = wait_all_committed(self.settings, self.monitor, timeout=60)
         self.auditor.audit()
+        pass_findings = Findings()
+        self._complete_topic(pass_findings)
         findings = check_all(
             self.settings, self.db, self.plan, self.viewers, self.poison, self.auditor
         )
+        findings.chunks_left_for_pass = pass_findings.chunks_left_for_pass
+        findings.runs_completed_by_pass = pass_findings.runs_completed_by_pass
         for fault in self.faults:
             if fault.kind in fk.SERVICE_KINDS and fault.back_at is not None:
                 fault.recover_s = self.monitor.recovery_after(fault.back_at)

@@ -13,19 +13,23 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda.db import async_engine
-from koda.lifecycle.chunks import Chunk, ChunkKind
+from koda.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
 from koda.lifecycle.handler import Usage
 from koda.lifecycle.ids import uuid7
 from koda.lifecycle.states import RunStatus
 from koda.settings import Settings
+from processors.emitter import Emitter
 from processors.groupcommit import GroupWriter
+from processors.runner import ChunkBatcher
 from processors.store import ChunkWrite, Claim, ClaimWrite, Fence, Finished, FinishWrite, RunStore
+from schemas.records import chunk_value
 from tests.support import async_wait_until
 
 TOPIC = "group-commit-runs"
@@ -350,3 +354,85 @@ async def test_closing_the_writer_fails_batches_still_waiting(db: Stack) -> None
 
 async def _now(value: bool) -> bool:
     return value
+
+
+async def published_seq(s: Stack, run_id: str) -> int | None:
+    async with s.engine.connect() as conn:
+        row = await conn.execute(
+            text("SELECT published_seq FROM runs WHERE id = :id"), {"id": run_id}
+        )
+        value = row.scalar_one()
+        return None if value is None else int(value)
+
+
+async def test_a_published_mark_rides_a_group_and_skips_a_row_the_compactor_holds(
+    db: Stack,
+) -> None:
+    """Marks wait for nothing, and a terminal run's row that the compactor holds (it
+    locks runs while compacting them, for as long as its deliveries take) must not hold
+    up the worker's whole group: that mark is skipped, the group commits at once."""
+    await db.store.bump_epochs(TOPIC, [0], "w1")
+    (held, hf), (free, ff), (streaming, sf) = [await claimed_run(db, 0) for _ in range(3)]
+    for run, fence in ((held, hf), (free, ff)):
+        done = [Chunk(run, 0, ChunkKind.DONE, "{}", 1)]
+        assert await db.store.finish(fence, run, RunStatus.DONE, done) is not None
+    writer = GroupWriter(db.store)
+    try:
+        async with db.engine.connect() as compactor:
+            await compactor.execute(
+                text("SELECT 1 FROM runs WHERE id = :id FOR UPDATE"), {"id": held}
+            )
+            writer.published(held, 0)
+            writer.published(free, 0)
+            writer.published(streaming, 5)  # not terminal: nothing to mark
+            written = await asyncio.wait_for(
+                writer.chunks(ChunkWrite(sf, streaming, batch(streaming, 0, 2), True)), 10
+            )
+            assert written == [0, 1]
+            await compactor.rollback()
+        assert await published_seq(db, free) == 0
+        assert await published_seq(db, held) is None  # the completeness pass marks it later
+        assert await published_seq(db, streaming) is None
+        writer.published(held, 0)
+
+        async def marked() -> bool:
+            return await published_seq(db, held) == 0
+
+        await async_wait_until(marked, what="the mark once the lock is gone")
+    finally:
+        await writer.close()
+
+
+async def test_a_batch_postgres_already_holds_is_still_produced_whole(
+    db: Stack, database: Settings
+) -> None:
+    """A group whose COMMIT went through but whose answer was lost (the connection died)
+    is written again part by part, where ON CONFLICT inserts nothing. Only the run's owner
+    writes those seqs, so they are this very batch: it must still reach the topic, or
+    Postgres holds chunks the topic never gets."""
+    await db.store.bump_epochs(TOPIC, [0], "w1")
+    run, fence = await claimed_run(db, 0)
+    committed = batch(run, 0, 3)
+    assert await db.store.write_chunks(fence, run, committed, first_output=True) == [0, 1, 2]
+    sent: list[bytes] = []
+
+    async def send(**record: Any) -> asyncio.Future[None]:
+        sent.append(record["value"])
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    writer = GroupWriter(db.store)
+    futures: list[asyncio.Future[Any]] = []
+    batcher = ChunkBatcher(
+        writer, Emitter(database, send), fence, run, 1, SeqCounter(0), futures, 32
+    )
+    batcher.streaming = True  # a later batch: the run is streaming already
+    try:
+        for c in committed:
+            batcher.add(c.kind, c.content)
+        await batcher.flush()
+    finally:
+        await writer.close()
+    assert sent == [chunk_value(run, c.seq, c.kind.value, c.content, 1) for c in committed]
+    assert len(futures) == 3

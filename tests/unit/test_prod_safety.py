@@ -46,6 +46,16 @@ def test_prod_refuses_the_demo_handler() -> None:
         Settings.from_env({"APP_ENV": "prod", "KODA_TOPIC_AUTOCREATE": "false"})  # the default
 
 
+def test_prod_refuses_a_test_fault_and_dev_refuses_an_unknown_one() -> None:
+    with pytest.raises(ConfigError, match="KODA_TEST_FAULT=kill-after-finish-commit is refused"):
+        Settings.from_env({**PROD_ENV, "KODA_TEST_FAULT": "kill-after-finish-commit"})
+    with pytest.raises(ConfigError, match="KODA_TEST_FAULT='kill-sometimes': use one of"):
+        Settings.from_env({"APP_ENV": "dev", "KODA_TEST_FAULT": "kill-sometimes"})
+    on = Settings.from_env({"APP_ENV": "dev", "KODA_TEST_FAULT": "kill-after-chunks-commit"})
+    assert on.test_fault == "kill-after-chunks-commit"
+    assert Settings.from_env({"APP_ENV": "dev"}).test_fault is None
+
+
 def test_prod_refuses_topic_autocreation_and_defaults_it_off() -> None:
     with pytest.raises(ConfigError, match="topic auto-creation is refused in prod"):
         Settings.from_env({**PROD_ENV, "KODA_TOPIC_AUTOCREATE": "true"})

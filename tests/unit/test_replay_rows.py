@@ -179,3 +179,20 @@ def test_the_merge_rules_do_not_depend_on_order() -> None:
     assert len(outcomes) == 1
     (only,) = outcomes
     assert dict(only)["status"] == "failed" and dict(only)["worker_id"] == "w2"
+
+
+def test_a_run_with_a_hole_below_its_terminal_event_has_not_ended_in_the_warehouse() -> None:
+    """A worker killed between its Postgres commit and its produce leaves a hole that is
+    filled later, maybe after the terminal event: until then the run must not look done."""
+    run = uuid7()
+    sink = DuckDBSink(Path(":memory:"), "duckdb://:memory:")
+    sink.open()
+    try:
+        sink.write(decode(chunk(0, run, 0, "chunk", "a "), chunk(1, run, 2, "done", "{}")))
+        (row,) = sink.conn.execute("SELECT output, end_kind, last_seq FROM outputs").fetchall()
+        assert row == ("a ", None, 2)
+        sink.write(decode(chunk(2, run, 1, "chunk", "b ")))  # the hole, filled late
+        (row,) = sink.conn.execute("SELECT output, end_kind, last_seq FROM outputs").fetchall()
+        assert row == ("a b ", "done", 2)
+    finally:
+        sink.close()

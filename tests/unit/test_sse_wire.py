@@ -171,3 +171,17 @@ def test_chunk_log_skips_foreign_records() -> None:
     fold.apply(b"nonsense", b"{}")
     fold.apply(chunk_key("r", 0).encode(), b"not json")
     assert fold.runs == {} and fold.skipped == 2
+
+
+def test_chunk_log_does_not_end_a_run_while_an_event_before_its_end_is_missing() -> None:
+    fold = ChunkLog()
+    for key, value in (
+        _chunk("run-h", 0, "chunk", "a "),
+        _chunk("run-h", 3, "done", "{}"),
+        _chunk("run-h", 2, "chunk", "c "),
+    ):
+        fold.apply(key, value)
+    run = fold.runs["run-h"]
+    assert (run.last_seq, run.missing, run.end, run.complete) == (3, [1], None, False)
+    fold.apply(*_chunk("run-h", 1, "chunk", "b "))  # produced again by the successor
+    assert (run.missing, run.end, run.complete, run.output) == ([], "done", True, "a b c ")

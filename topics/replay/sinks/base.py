@@ -94,10 +94,17 @@ class SqlSink(Sink):
 
 
 def output_row(run_id: str, day: Any, events: Iterable[tuple[int, str, str]]) -> tuple[Any, ...]:
-    """The outputs row of a run rebuilt from its chunks (``compacted`` false)."""
+    """The outputs row of a run rebuilt from its chunks (``compacted`` false).
+
+    ``end_kind`` stays null until the chunks hold the terminal event and every seq
+    before it: a run with a hole has not ended as far as the topic shows (the hole is
+    filled later, by the worker that next meets the run or the completeness pass).
+    """
     ordered = sorted(events)
     ends = [e for e in ordered if e[1] in _TERMINAL]
     end = ends[-1] if ends else None
+    if end is not None and [e[0] for e in ordered if e[0] <= end[0]] != list(range(end[0] + 1)):
+        end = None
     last_seq = ordered[-1][0] if ordered else None
     return (
         run_id,

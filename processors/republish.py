@@ -1,0 +1,84 @@
+"""Put back on the chunk topic what Postgres holds and the topic may not.
+
+A worker commits a chunk batch to Postgres and only then produces it to
+``<env>.koda.run-chunks``. A worker that dies in between (or whose delivery fails)
+leaves chunks in Postgres that never reach the topic. Its trigger record was not
+acked, so the partition's next owner meets the run again, in one of two states:
+
+* **still active** (the commit was a streaming batch): the successor claims it and
+  resumes. Before it writes anything of its own it produces every message the
+  earlier attempts left (seq below the claim's next seq), so on the topic every
+  chunk precedes the run's terminal event;
+* **terminal** (the commit was the finish: last chunks and the terminal transition
+  together): the successor would skip it. Unless ``runs.published_seq`` says the
+  run is whole on the topic, it first produces the run's messages and waits for
+  their delivery; only then is the record acked.
+
+Whoever has seen every message 0..terminal acknowledged writes ``published_seq``
+(through the group writer, waiting for nothing). The compactor's completeness pass
+(:mod:`processors.compactor`) catches what no worker meets again: runs finished
+``KODA_REPAIR_AFTER`` ago and still not known to be whole.
+
+The records are keyed ``<run_id>:<seq>`` with the same bytes as the first time, so
+producing one twice changes nothing for any reader (the compacted topic, the
+replay, the live feed) beyond a counted re-send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from koda.metrics import CHUNKS_REPUBLISHED
+from processors.emitter import Emitter
+from processors.groupcommit import GroupWriter
+from processors.store import RunRow, RunStore
+
+log = logging.getLogger("koda.worker")
+
+
+class ChunkRepair:
+    """The worker's half of keeping the chunk topic whole (see the module docstring)."""
+
+    def __init__(self, store: RunStore, emitter: Emitter, writer: GroupWriter) -> None:
+        self.store, self.emitter, self.writer = store, emitter, writer
+
+    async def terminal(self, run: RunRow, partition: int) -> None:
+        """A terminal run met again: make the topic hold all of it, unless known to."""
+        if run.published_seq is not None:
+            return
+        messages = await self.store.messages(run.id)
+        if messages:
+            futures = await self.emitter.chunks(partition, messages)
+            await asyncio.gather(*futures)
+            CHUNKS_REPUBLISHED.labels(by="skip").inc(len(messages))
+            log.info(
+                "republished run_id=%s messages=%d by=skip partition=%d",
+                run.id,
+                len(messages),
+                partition,
+            )
+        self.writer.published(run.id, messages[-1].seq if messages else -1)
+
+    async def resumed(self, run_id: str, partition: int, next_seq: int) -> list[Any]:
+        """A run resumed at ``next_seq``: produce the earlier attempts' messages again.
+
+        Returns their delivery futures; the run awaits them with its own before it acks.
+        """
+        if next_seq <= 0:
+            return []
+        messages = await self.store.messages(run_id, below=next_seq)
+        futures = await self.emitter.chunks(partition, messages)
+        CHUNKS_REPUBLISHED.labels(by="resume").inc(len(messages))
+        log.info(
+            "republished run_id=%s messages=%d by=resume partition=%d",
+            run_id,
+            len(messages),
+            partition,
+        )
+        return futures
+
+    def published(self, run_id: str, last_seq: int) -> None:
+        """Every message 0..``last_seq`` of the terminal run is acknowledged on the topic."""
+        self.writer.published(run_id, last_seq)
