@@ -1,0 +1,496 @@
+"""Steering runs in flight against real processes: cancel, interrupt-merge, history.
+
+One namespace, two gateway processes and two worker processes for the module (the
+tests that stop or kill a worker start a replacement). Runs are submitted through the
+gateways; Postgres is read directly to check what was written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from koda.lifecycle.control import merge_inputs
+from koda.settings import Settings
+from processors.handlers.demo import demo_tokens
+from schemas.migrate import upgrade
+from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.sse_client import bearer, follow_run
+from tests.support import wait_until
+from tests.workers import (
+    GatewayProcess,
+    Submitter,
+    WorkerProcess,
+    committed_offsets,
+    read_topic,
+)
+from topics.admin import apply_topics
+from topics.catalogue import RUN_EVENTS, RUNS
+
+MERGE_WINDOW_G2_S = 1.5  # the second gateway's KODA_MERGE_WINDOW_S
+
+
+@dataclass
+class Cluster:
+    settings: Settings
+    sub: Submitter
+    g1: GatewayProcess
+    g2: GatewayProcess
+    workers: dict[str, WorkerProcess] = field(default_factory=dict)
+    serial: int = 0
+
+    def start_worker(self, name: str) -> WorkerProcess:
+        w = WorkerProcess(self.settings, name).start()
+        self.workers[name] = w
+        return w
+
+    def owners(self) -> dict[int, str]:
+        rows = self.sub.query("SELECT partition, worker_id FROM partition_epochs")
+        return {r.partition: r.worker_id for r in rows}
+
+    def settled(self, names: set[str]) -> bool:
+        owners = self.owners()
+        return len(owners) == self.settings.partitions and set(owners.values()) == names
+
+    def user(self, prefix: str) -> str:
+        self.serial += 1
+        return f"{prefix}-{self.serial}-{time.monotonic_ns() % 10**6}"
+
+    def row(self, run_id: str) -> Any:
+        return self.sub.query(
+            "SELECT status, attempt, worker_id, cancel_reason, cancel_requested_at,"
+            " COALESCE(input_version, 0) AS input_version, input FROM runs WHERE id = :r",
+            r=run_id,
+        )[0]
+
+    def execute(self, sql: str, **params: Any) -> None:
+        with self.sub.engine.begin() as conn:
+            conn.execute(text(sql), params)
+
+    def kinds(self, run_id: str) -> list[str]:
+        return [m.kind for m in self.sub.messages(run_id)]
+
+
+@pytest.fixture(scope="module")
+def cluster(stack) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+    settings = make_settings(stack, handoff_ceiling_s=10.0)
+    apply_topics(settings)
+    upgrade(settings)
+    sub = Submitter(settings)
+    g1 = GatewayProcess(settings).start()
+    g2 = GatewayProcess(settings, {"KODA_MERGE_WINDOW_S": str(MERGE_WINDOW_G2_S)}).start()
+    c = Cluster(settings, sub, g1, g2)
+    try:
+        c.start_worker("w1")
+        c.start_worker("w2")
+        wait_until(lambda: c.settled({"w1", "w2"}), timeout=60, what="both workers assigned")
+        yield c
+    finally:
+        for w in c.workers.values():
+            w.kill()
+        g1.stop()
+        g2.stop()
+        sub.close()
+        delete_topics(settings)
+        drop_schema(settings)
+
+
+def demo(tokens: int, delay_ms: int, text: str = "hello") -> dict[str, Any]:
+    return {"text": text, "demo": {"tokens": tokens, "delay_ms": delay_ms}}
+
+
+def post_run(
+    gw: GatewayProcess, user: str, inp: dict[str, Any], session: str | None = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"input": inp}
+    if session is not None:
+        body["session_id"] = session
+    r = httpx.post(f"{gw.url}/v1/runs", json=body, headers=bearer(user), timeout=10)
+    assert r.status_code == 202, r.text
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+def cancel(gw: GatewayProcess, user: str, run_id: str, reason: str | None = None) -> httpx.Response:
+    body = None if reason is None else {"reason": reason}
+    return httpx.post(
+        f"{gw.url}/v1/runs/{run_id}/cancel", json=body, headers=bearer(user), timeout=10
+    )
+
+
+def status_is(c: Cluster, run_id: str, *statuses: str) -> bool:
+    return bool(c.row(run_id).status in statuses)
+
+
+def session_of(c: Cluster, run_id: str) -> str:
+    return str(c.sub.query("SELECT session_id FROM runs WHERE id = :r", r=run_id)[0].session_id)
+
+
+def one_terminal(c: Cluster, run_id: str) -> str:
+    """The run's one terminal event kind; fails on none or two, or a status mismatch."""
+    kinds = c.kinds(run_id)
+    ends = [k for k in kinds if k in ("done", "error", "cancelled")]
+    assert len(ends) == 1 and kinds[-1] == ends[0], kinds
+    status = c.row(run_id).status
+    assert {"done": "done", "error": "failed", "cancelled": "cancelled"}[ends[0]] == status
+    seqs = [m.seq for m in c.sub.messages(run_id)]
+    assert seqs == list(range(len(seqs))), seqs
+    return ends[0]
+
+
+def output_of(c: Cluster, run_id: str) -> str:
+    rows = c.sub.messages(run_id)
+    last_reset = max((r.seq for r in rows if r.kind == "reset"), default=-1)
+    return "".join(r.content for r in rows if r.kind == "chunk" and r.seq > last_reset)
+
+
+# --- cancel -------------------------------------------------------------------------
+
+
+def test_cancel_running_run_through_the_other_gateway(cluster: Cluster) -> None:
+    c = cluster
+    user = c.user("cancel")
+    run_id = post_run(c.g1, user, demo(400, 20))["run_id"]
+
+    async def watch() -> Any:
+        async with httpx.AsyncClient(base_url=c.g1.url, timeout=30) as client:
+            return await follow_run(client, run_id, headers=bearer(user))
+
+    loop = asyncio.new_event_loop()
+    viewer = loop.create_task(watch())
+    loop.run_until_complete(asyncio.sleep(0))
+    wait_until(lambda: "chunk" in c.kinds(run_id), timeout=30, what="output")
+    r = cancel(c.g2, user, run_id, "changed my mind")  # not the gateway that took the run
+    assert r.status_code == 202, r.text
+    assert r.json()["cancel_requested"] is True and r.json()["status"] in ("running", "streaming")
+    followed = loop.run_until_complete(asyncio.wait_for(viewer, 30))
+    loop.close()
+    last = followed.events[-1]
+    assert last.event == "cancelled"
+    assert json.loads(last.data)["content"] == json.dumps(
+        {"status": "cancelled", "reason": "changed my mind"}
+    )
+    assert one_terminal(c, run_id) == "cancelled"
+    row = c.row(run_id)
+    assert row.cancel_reason == "changed my mind" and row.attempt == 1
+    assert 0 < len(output_of(c, run_id)) < len("".join(demo_tokens(demo(400, 20))))
+    # The trigger's offset is committed: the run is over for the group too.
+    part = c.sub.query("SELECT partition FROM runs WHERE id = :r", r=run_id)[0].partition
+    group = c.settings.names.group(c.settings.worker_group)
+    topic = c.settings.names.topic(RUNS)
+    wait_until(
+        lambda: committed_offsets(c.settings, group, topic).get(part, -1) > 0,
+        timeout=20,
+        what="offset committed",
+    )
+    # A second cancel changes nothing and says so.
+    again = cancel(c.g1, user, run_id, "again")
+    assert again.status_code == 200 and again.json()["status"] == "cancelled"
+    assert again.json()["cancel_reason"] == "changed my mind"
+    assert c.kinds(run_id).count("cancelled") == 1
+
+
+def test_cancel_of_another_users_run_is_an_unknown_run(cluster: Cluster) -> None:
+    c = cluster
+    owner, other = c.user("owner"), c.user("other")
+    run_id = post_run(c.g1, owner, demo(100, 20))["run_id"]
+    theirs = cancel(c.g1, other, run_id)
+    unknown = cancel(c.g1, other, "0190a000-0000-7000-8000-000000000000")
+    assert theirs.status_code == unknown.status_code == 404
+    assert theirs.json() == unknown.json()
+    wait_until(lambda: status_is(c, run_id, "done"), timeout=30, what="run done")
+    assert c.row(run_id).cancel_requested_at is None
+    done = cancel(c.g1, owner, run_id)
+    assert done.status_code == 200 and done.json()["status"] == "done"
+    assert done.json()["cancel_requested"] is False
+    assert one_terminal(c, run_id) == "done"
+
+
+def test_cancel_pending_run_is_immediate_and_its_trigger_skipped(cluster: Cluster) -> None:
+    c = cluster
+    user = c.user("pending")
+    first = post_run(c.g1, user, demo(300, 20))["run_id"]
+    wait_until(lambda: status_is(c, first, "running", "streaming"), timeout=30, what="first runs")
+    queued = post_run(c.g1, user, demo(5, 1, "second"))["run_id"]  # behind first
+    assert c.row(queued).status == "pending"
+    r = cancel(c.g1, user, queued, "not needed")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    assert c.kinds(queued) == ["cancelled"]
+
+    # The viewer of the cancelled run gets its end at once.
+    async def watch() -> Any:
+        async with httpx.AsyncClient(base_url=c.g2.url, timeout=10) as client:
+            return await follow_run(client, queued, headers=bearer(user))
+
+    followed = asyncio.run(watch())
+    assert [e.event for e in followed.events] == ["cancelled"]
+    assert cancel(c.g1, user, first).status_code == 202
+    wait_until(lambda: status_is(c, first, "cancelled"), timeout=30, what="first cancelled")
+    # The worker reads the queued run's trigger after the first ends and skips it.
+    wait_until(lambda: f"skip terminal run_id={queued}" in _logs(c), timeout=30, what="skip")
+    row = c.row(queued)
+    assert row.status == "cancelled" and row.attempt == 0 and c.kinds(queued) == ["cancelled"]
+
+
+def _logs(c: Cluster) -> str:
+    return "".join(w.log() for w in c.workers.values())
+
+
+def test_a_cancel_whose_signal_is_lost_still_wins(cluster: Cluster) -> None:
+    """The request lands in Postgres but no control record is produced: the worker's
+    next chunk write sees it and ends the run cancelled."""
+    c = cluster
+    user = c.user("lost")
+    run_id = post_run(c.g1, user, demo(400, 20))["run_id"]
+    wait_until(lambda: "chunk" in c.kinds(run_id), timeout=30, what="output")
+    c.execute(
+        "UPDATE runs SET cancel_requested_at = now(), cancel_reason = 'db only' WHERE id = :r",
+        r=run_id,
+    )
+    wait_until(lambda: status_is(c, run_id, "cancelled"), timeout=10, what="cancelled")
+    assert one_terminal(c, run_id) == "cancelled"
+    assert c.row(run_id).attempt == 1
+
+
+@pytest.mark.parametrize("delay_ms", [0, 40, 80, 120, 160])
+def test_a_cancel_racing_the_finish_ends_in_one_terminal_state(
+    cluster: Cluster, delay_ms: int
+) -> None:
+    c = cluster
+    user = c.user("race")
+    run_id = post_run(c.g1, user, demo(6, 15))["run_id"]
+    wait_until(lambda: c.row(run_id).status != "pending", timeout=30, interval=0.005)
+    time.sleep(delay_ms / 1000)  # the race's timing is the parameter, not a wait
+    r = cancel(c.g2, user, run_id, "race")
+    assert r.status_code in (200, 202), r.text
+    wait_until(lambda: status_is(c, run_id, "done", "cancelled"), timeout=30, what="terminal")
+    end = one_terminal(c, run_id)
+    if end == "done":
+        assert output_of(c, run_id) == "".join(demo_tokens(demo(6, 15)))
+        assert r.status_code == 200 and r.json()["status"] == "done" or r.status_code == 202
+    else:
+        assert c.row(run_id).cancel_reason == "race"
+
+
+# --- cancel when the signal cannot reach the executing worker -----------------------
+
+
+def running_on(c: Cluster, user: str, inp: dict[str, Any]) -> tuple[str, WorkerProcess]:
+    """Submit a run and return it once it streams, with the worker executing it."""
+    for name in ("w1", "w2"):
+        w = c.workers.get(name)
+        if w is None or not w.alive():
+            c.workers[name] = c.start_worker(name)
+    wait_until(lambda: c.settled({"w1", "w2"}), timeout=60, what="both workers assigned")
+    run_id = post_run(c.g1, user, inp)["run_id"]
+    wait_until(lambda: "chunk" in c.kinds(run_id), timeout=30, what="output")
+    return run_id, c.workers[c.row(run_id).worker_id]
+
+
+def never_rerun(c: Cluster, run_id: str) -> None:
+    """The successor claimed the run and ended it cancelled without running it again."""
+    rows = c.sub.messages(run_id)
+    later = [m for m in rows if m.attempt > 1]
+    assert [m.kind for m in later] == ["cancelled"], [(m.attempt, m.kind) for m in rows]
+
+
+def test_cancel_during_a_sigterm_drain(cluster: Cluster) -> None:
+    c = cluster
+    user = c.user("drain")
+    run_id, worker = running_on(c, user, demo(300, 20))  # ~6 s; the drain waits up to 10 s
+    worker.signal(signal.SIGTERM)
+    assert cancel(c.g2, user, run_id, "drain").status_code == 202
+    wait_until(lambda: status_is(c, run_id, "cancelled"), timeout=15, what="cancelled")
+    assert worker.proc is not None and worker.proc.wait(30) == 0
+    assert one_terminal(c, run_id) == "cancelled"
+    assert c.row(run_id).attempt == 1  # ended by the draining worker itself
+    assert len(output_of(c, run_id)) < len("".join(demo_tokens(demo(300, 20))))
+
+
+def test_cancel_while_the_executing_worker_is_frozen_and_its_partition_moves(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+    user = c.user("frozen")
+    run_id, worker = running_on(c, user, demo(1000, 20))
+    worker.signal(signal.SIGSTOP)  # misses the signal; the group evicts it
+    try:
+        assert cancel(c.g1, user, run_id, "frozen").status_code == 202
+        wait_until(lambda: status_is(c, run_id, "cancelled"), timeout=40, what="cancelled")
+    finally:
+        worker.signal(signal.SIGCONT)
+    assert c.row(run_id).worker_id != worker.worker_id
+    never_rerun(c, run_id)
+    assert one_terminal(c, run_id) == "cancelled"
+    # Woken up, the old owner writes nothing more (its epoch is stale).
+    before = len(c.sub.messages(run_id))
+    wait_until(lambda: "partition lost" in worker.log() or not worker.alive(), timeout=30)
+    assert len(c.sub.messages(run_id)) == before
+
+
+def test_cancel_right_after_the_executing_worker_is_killed(cluster: Cluster) -> None:
+    c = cluster
+    user = c.user("killed")
+    run_id, worker = running_on(c, user, demo(1000, 20))
+    worker.kill()
+    assert cancel(c.g2, user, run_id, "killed").status_code == 202
+    wait_until(lambda: status_is(c, run_id, "cancelled"), timeout=40, what="cancelled")
+    never_rerun(c, run_id)
+    assert one_terminal(c, run_id) == "cancelled"
+    assert c.row(run_id).cancel_reason == "killed"
+
+
+def test_a_cancel_seen_only_by_the_finish_ends_the_run_cancelled(cluster: Cluster) -> None:
+    """One chunk after a long pause: the only write after the (signal-less) request is
+    the finish, which refuses ``done`` and ends the run ``cancelled``."""
+    c = cluster
+    user = c.user("finish")
+    run_id = post_run(c.g1, user, demo(1, 1500))["run_id"]
+    wait_until(lambda: status_is(c, run_id, "running"), timeout=30, interval=0.02)
+    c.execute(
+        "UPDATE runs SET cancel_requested_at = now(), cancel_reason = 'db' WHERE id = :r",
+        r=run_id,
+    )
+    wait_until(lambda: status_is(c, run_id, "done", "cancelled"), timeout=30, what="terminal")
+    assert one_terminal(c, run_id) == "cancelled"
+    assert c.kinds(run_id) == ["chunk", "cancelled"]
+
+
+# --- interrupt-merge ------------------------------------------------------------------
+
+
+def test_merge_inside_the_window_reruns_on_both_messages(cluster: Cluster) -> None:
+    c = cluster
+    user = c.user("merge")
+    first_input = demo(150, 20, "first question")
+    accepted = post_run(c.g1, user, first_input)
+    run_id = accepted["run_id"]
+    session = session_of(c, run_id)
+
+    async def watch() -> Any:
+        async with httpx.AsyncClient(base_url=c.g1.url, timeout=30) as client:
+            return await follow_run(client, run_id, headers=bearer(user))
+
+    loop = asyncio.new_event_loop()
+    viewer = loop.create_task(watch())
+    loop.run_until_complete(asyncio.sleep(0))
+    wait_until(lambda: "chunk" in c.kinds(run_id), timeout=30, what="output")
+    second = {"text": "and in French"}
+    merged = post_run(c.g1, user, second, session=session)
+    assert merged["run_id"] == run_id and merged["merged"] is True
+    assert merged["status"] in ("running", "streaming")
+    followed = loop.run_until_complete(asyncio.wait_for(viewer, 60))
+    loop.close()
+    kinds = [e.event for e in followed.events]
+    assert "reset" in kinds and kinds[-1] == "done", kinds
+    seqs = [e.seq for e in followed.events]
+    assert seqs == list(range(len(seqs)))  # contiguous across the rerun
+    answer = "".join(demo_tokens(merge_inputs(first_input, second)))
+    after_reset = kinds.index("reset")
+    seen = "".join(
+        json.loads(e.data)["content"] for e in followed.events[after_reset:] if e.event == "chunk"
+    )
+    assert seen == answer == output_of(c, run_id)
+    row = c.row(run_id)
+    assert row.input_version == 1 and row.input["text"] == "first question\n\nand in French"
+    assert one_terminal(c, run_id) == "done"
+    metrics = httpx.get(f"{c.g1.url}/metrics", timeout=5).text
+    assert any(
+        line.startswith("koda_runs_merged_total ") and float(line.split()[1]) >= 1
+        for line in metrics.splitlines()
+    )
+    # The rerun is in the run's transitions, for the warehouse.
+    events = [
+        json.loads(m.value())
+        for m in read_topic(c.settings, c.settings.names.topic(RUN_EVENTS))
+        if m.key() == run_id.encode()
+    ]
+    assert any(e.get("reason") == "merged" and e["to"] == "running" for e in events), events
+
+
+def test_two_merges_in_a_row_make_one_answer(cluster: Cluster) -> None:
+    c = cluster
+    user = c.user("twice")
+    first = demo(200, 20, "a")
+    run_id = post_run(c.g1, user, first)["run_id"]
+    session = session_of(c, run_id)
+    wait_until(lambda: "chunk" in c.kinds(run_id), timeout=30, what="output")
+    b, d = {"text": "b"}, {"text": "d"}
+    assert post_run(c.g1, user, b, session=session)["run_id"] == run_id
+    assert post_run(c.g2, user, d, session=session)["run_id"] == run_id
+    wait_until(lambda: status_is(c, run_id, "done"), timeout=60, what="done")
+    assert c.row(run_id).input_version == 2
+    assert output_of(c, run_id) == "".join(demo_tokens(merge_inputs(merge_inputs(first, b), d)))
+    assert one_terminal(c, run_id) == "done"
+    assert len(c.sub.query("SELECT 1 FROM runs WHERE session_id = :s", s=session)) == 1
+
+
+def test_a_merge_whose_signal_is_lost_still_reruns(cluster: Cluster) -> None:
+    """The input changes in Postgres with no control record, while the handler pauses
+    before its only chunk: the finish refuses the stale answer and the run goes again."""
+    c = cluster
+    user = c.user("lostmerge")
+    first = demo(1, 1500, "x")
+    run_id = post_run(c.g1, user, first)["run_id"]
+    wait_until(lambda: status_is(c, run_id, "running"), timeout=30, interval=0.02)
+    fresh = {**first, "text": "x then y", "demo": {"tokens": 3, "delay_ms": 5}}
+    c.execute(
+        "UPDATE runs SET input = CAST(:i AS jsonb), input_version = 1 WHERE id = :r",
+        i=json.dumps(fresh),
+        r=run_id,
+    )
+    wait_until(lambda: status_is(c, run_id, "done"), timeout=30, what="done")
+    assert output_of(c, run_id) == "".join(demo_tokens(fresh))
+    assert one_terminal(c, run_id) == "done"
+
+
+def test_merge_outside_the_window_is_a_new_run(cluster: Cluster) -> None:
+    c = cluster
+    user = c.user("late")
+    run_id = post_run(c.g2, user, demo(300, 20))["run_id"]
+    session = session_of(c, run_id)
+    wait_until(lambda: "chunk" in c.kinds(run_id), timeout=30, what="output")
+    wait_until(
+        lambda: (
+            c.sub.query(
+                "SELECT created_at < now() - make_interval(secs => :w) AS old FROM runs"
+                " WHERE id = :r",
+                w=MERGE_WINDOW_G2_S,
+                r=run_id,
+            )[0].old
+        ),
+        timeout=10,
+        what="run older than the window",
+    )
+    late = post_run(c.g2, user, {"text": "late"}, session=session)
+    assert late["run_id"] != run_id and late["merged"] is False
+    assert c.row(run_id).input_version == 0
+    assert cancel(c.g2, user, run_id).status_code == 202
+    wait_until(lambda: status_is(c, late["run_id"], "done"), timeout=30, what="late run done")
+
+
+def test_merge_into_a_pending_or_finished_run_is_a_new_run(cluster: Cluster) -> None:
+    c = cluster
+    user = c.user("nomerge")
+    blocker = post_run(c.g1, user, demo(300, 20))["run_id"]
+    wait_until(lambda: "chunk" in c.kinds(blocker), timeout=30, what="blocker runs")
+    queued = post_run(c.g1, user, demo(3, 1, "queued"))["run_id"]  # a session of its own
+    assert c.row(queued).status == "pending"
+    into_pending = post_run(c.g1, user, {"text": "more"}, session=session_of(c, queued))
+    assert into_pending["run_id"] != queued and into_pending["merged"] is False
+    assert c.row(queued).input_version == 0
+    assert cancel(c.g1, user, blocker).status_code == 202
+    wait_until(lambda: status_is(c, into_pending["run_id"], "done"), timeout=30, what="done")
+    assert c.row(queued).status == "done"
+    into_done = post_run(c.g1, user, {"text": "after"}, session=session_of(c, queued))
+    assert into_done["run_id"] != queued and into_done["merged"] is False
+    assert output_of(c, queued) == "".join(demo_tokens(demo(3, 1, "queued")))
