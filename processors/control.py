@@ -166,8 +166,9 @@ class ControlListener:
             consumer = self._consumer()
             try:
                 await consumer.start()
-                parts = await self._partitions(consumer)
-                tps = [TopicPartition(self.topic, p) for p in parts]
+                # The catalogue gives run-control the runs topic's partition count
+                # (`koda topics check` verifies it); no metadata round trip needed.
+                tps = [TopicPartition(self.topic, p) for p in range(self.settings.partitions)]
                 consumer.assign(tps)
                 await consumer.seek_to_end(*tps)
                 for tp in tps:  # resolve the end now: records from here on are acted on
@@ -184,15 +185,6 @@ class ControlListener:
             finally:
                 with contextlib.suppress(Exception):
                     await consumer.stop()
-
-    async def _partitions(self, consumer: AIOKafkaConsumer) -> list[int]:
-        for _ in range(30):
-            parts = consumer.partitions_for_topic(self.topic)
-            if parts:
-                return sorted(parts)
-            await consumer.topics()  # refreshes the metadata
-            await asyncio.sleep(0.2)
-        raise RuntimeError(f"topic {self.topic} has no partitions")
 
     def _handle(self, msg: Any) -> None:
         record = decode_control(msg.value)

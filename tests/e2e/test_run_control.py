@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import text
 
 from koda.lifecycle.control import merge_inputs
@@ -82,13 +84,13 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(stack) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
-    settings = make_settings(stack, handoff_ceiling_s=10.0)
-    apply_topics(settings)
-    upgrade(settings)
-    sub = Submitter(settings)
-    g1 = GatewayProcess(settings).start()
-    g2 = GatewayProcess(settings, {"KODA_MERGE_WINDOW_S": str(MERGE_WINDOW_G2_S)}).start()
-    c = Cluster(settings, sub, g1, g2)
+    cfg = make_settings(stack, handoff_ceiling_s=10.0)
+    apply_topics(cfg)
+    upgrade(cfg)
+    sub = Submitter(cfg)
+    g1 = GatewayProcess(cfg).start()
+    g2 = GatewayProcess(cfg, {"KODA_MERGE_WINDOW_S": str(MERGE_WINDOW_G2_S)}).start()
+    c = Cluster(cfg, sub, g1, g2)
     try:
         c.start_worker("w1")
         c.start_worker("w2")
@@ -100,8 +102,8 @@ def cluster(stack) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
         g1.stop()
         g2.stop()
         sub.close()
-        delete_topics(settings)
-        drop_schema(settings)
+        delete_topics(cfg)
+        drop_schema(cfg)
 
 
 def demo(tokens: int, delay_ms: int, text: str = "hello") -> dict[str, Any]:
@@ -174,6 +176,8 @@ def test_cancel_running_run_through_the_other_gateway(cluster: Cluster) -> None:
     assert r.json()["cancel_requested"] is True and r.json()["status"] in ("running", "streaming")
     followed = loop.run_until_complete(asyncio.wait_for(viewer, 30))
     loop.close()
+    # The worker acted on the control record (not only on what its writes found).
+    assert f"run-control cancel run_id={run_id}" in _logs(c)
     last = followed.events[-1]
     assert last.event == "cancelled"
     assert json.loads(last.data)["content"] == json.dumps(
@@ -390,6 +394,7 @@ def test_merge_inside_the_window_reruns_on_both_messages(cluster: Cluster) -> No
     assert merged["status"] in ("running", "streaming")
     followed = loop.run_until_complete(asyncio.wait_for(viewer, 60))
     loop.close()
+    assert f"run-control merge run_id={run_id}" in _logs(c)
     kinds = [e.event for e in followed.events]
     assert "reset" in kinds and kinds[-1] == "done", kinds
     seqs = [e.seq for e in followed.events]
@@ -494,3 +499,33 @@ def test_merge_into_a_pending_or_finished_run_is_a_new_run(cluster: Cluster) -> 
     into_done = post_run(c.g1, user, {"text": "after"}, session=session_of(c, queued))
     assert into_done["run_id"] != queued and into_done["merged"] is False
     assert output_of(c, queued) == "".join(demo_tokens(demo(3, 1, "queued")))
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(delay_ms=st.integers(min_value=0, max_value=250))
+def test_a_merge_racing_the_finish_is_merged_and_rerun_or_a_new_run(
+    cluster: Cluster, delay_ms: int
+) -> None:
+    c = cluster
+    user = c.user("mrace")
+    first = demo(5, 15, "race")
+    run_id = post_run(c.g1, user, first)["run_id"]
+    session = session_of(c, run_id)
+    wait_until(lambda: c.row(run_id).status != "pending", timeout=30, interval=0.005)
+    time.sleep(delay_ms / 1000)  # the race's timing is the drawn value, not a wait
+    second = {"text": "race two", "demo": {"tokens": 4, "delay_ms": 5}}
+    answer = post_run(c.g1, user, second, session=session)
+    ids = sorted({run_id, answer["run_id"]})
+    wait_until(lambda: c.sub.all_terminal(ids), timeout=30, what="both messages answered")
+    assert one_terminal(c, run_id) == "done"
+    if answer["merged"]:
+        assert answer["run_id"] == run_id
+        assert c.row(run_id).input_version == 1
+        assert output_of(c, run_id) == "".join(demo_tokens(merge_inputs(first, second)))
+        assert len(c.sub.query("SELECT 1 FROM runs WHERE session_id = :s", s=session)) == 1
+    else:
+        new = answer["run_id"]
+        assert new != run_id and c.row(run_id).input_version == 0
+        assert output_of(c, run_id) == "".join(demo_tokens(first))
+        assert one_terminal(c, new) == "done"
+        assert output_of(c, new) == "".join(demo_tokens(second))
