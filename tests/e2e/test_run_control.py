@@ -529,3 +529,100 @@ def test_a_merge_racing_the_finish_is_merged_and_rerun_or_a_new_run(
         assert output_of(c, run_id) == "".join(demo_tokens(first))
         assert one_terminal(c, new) == "done"
         assert output_of(c, new) == "".join(demo_tokens(second))
+
+
+# --- history --------------------------------------------------------------------------
+
+
+def get(gw: GatewayProcess, user: str, path: str, **params: str) -> httpx.Response:
+    return httpx.get(f"{gw.url}{path}", params=params, headers=bearer(user), timeout=10)
+
+
+def test_a_sessions_runs_newest_first_in_pages_owner_only(cluster: Cluster) -> None:
+    c = cluster
+    user, other = c.user("hist"), c.user("nosy")
+    first = post_run(c.g1, user, demo(1, 1, "one"))["run_id"]
+    session = session_of(c, first)
+    ids = [first]
+    for text_ in ("two", "three"):
+        wait_until(lambda: status_is(c, ids[-1], "done"), timeout=30, what="previous done")
+        nxt = post_run(c.g1, user, demo(1, 1, text_), session=session)
+        assert nxt["merged"] is False
+        ids.append(nxt["run_id"])
+    wait_until(lambda: status_is(c, ids[-1], "done"), timeout=30, what="last done")
+    elsewhere = post_run(c.g1, user, demo(1, 1, "elsewhere"))["run_id"]
+
+    page = get(c.g1, user, f"/v1/sessions/{session}/runs", limit="2")
+    assert page.status_code == 200, page.text
+    assert [r["run_id"] for r in page.json()["runs"]] == ids[::-1][:2]
+    assert page.json()["next_before"] == ids[1]
+    rest = get(c.g2, user, f"/v1/sessions/{session}/runs", limit="2", before=ids[1]).json()
+    assert [r["run_id"] for r in rest["runs"]] == [ids[0]] and rest["next_before"] is None
+    assert rest["runs"][0]["status"] == "done" and rest["runs"][0]["merged_messages"] == 0
+
+    mine = get(c.g1, user, "/v1/runs").json()["runs"]
+    assert [r["run_id"] for r in mine] == [elsewhere, *ids[::-1]]
+    done = get(c.g1, user, "/v1/runs", status="done", session_id=session).json()["runs"]
+    assert [r["run_id"] for r in done] == ids[::-1]
+    assert get(c.g1, user, "/v1/runs", status="cancelled").json()["runs"] == []
+
+    # Owner-only: another user's session is unknown, and their listing is their own.
+    theirs = get(c.g1, other, f"/v1/sessions/{session}/runs")
+    unknown = get(c.g1, other, "/v1/sessions/no-such-session/runs")
+    assert theirs.status_code == unknown.status_code == 404 and theirs.json() == unknown.json()
+    assert get(c.g1, other, "/v1/runs", session_id=session).json()["runs"] == []
+    assert get(c.g1, other, "/v1/runs", before=ids[0]).status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("params", "field_"),
+    [
+        ({"limit": "0"}, "limit"),
+        ({"limit": "101"}, "limit"),
+        ({"limit": "ten"}, "limit"),
+        ({"before": "not-a-run"}, "before"),
+        ({"status": "finished"}, "status"),
+        ({"session_id": "bad session"}, "session_id"),
+    ],
+)
+def test_bad_history_parameters_are_refused_naming_the_field(
+    cluster: Cluster, params: dict[str, str], field_: str
+) -> None:
+    r = get(cluster.g1, "someone", "/v1/runs", **params)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["field"] == field_
+
+
+def test_bad_cancel_bodies_are_refused_and_change_nothing(cluster: Cluster) -> None:
+    c = cluster
+    user = c.user("badcancel")
+    run_id = post_run(c.g1, user, demo(1, 1))["run_id"]
+    url = f"{c.g1.url}/v1/runs/{run_id}/cancel"
+    hdrs = {**bearer(user), "Content-Type": "application/json"}
+    cases = [
+        (b"{", 400, "body"),
+        (b'{"reason": 5}', 422, "reason"),
+        (b'{"why": "x"}', 422, "why"),
+        (json.dumps({"reason": "x" * 501}).encode(), 422, "reason"),
+    ]
+    for body, status, field_ in cases:
+        r = httpx.post(url, content=body, headers=hdrs, timeout=10)
+        assert (r.status_code, r.json()["error"]["field"]) == (status, field_), r.text
+    assert httpx.post(url, timeout=10).status_code == 401
+    wait_until(lambda: status_is(c, run_id, "done"), timeout=30, what="done")
+    assert c.row(run_id).cancel_requested_at is None
+
+
+def test_openapi_documents_run_control(cluster: Cluster) -> None:
+    spec = httpx.get(f"{cluster.g1.url}/openapi.json", timeout=10).json()
+    paths = spec["paths"]
+    cancel_op = paths["/v1/runs/{run_id}/cancel"]["post"]
+    assert {"200", "202", "400", "401", "404", "422", "503"} <= set(cancel_op["responses"])
+    assert "reason" in json.dumps(cancel_op["requestBody"])
+    listing = paths["/v1/runs"]["get"]
+    assert {p["name"] for p in listing["parameters"]} >= {"status", "session_id", "limit", "before"}
+    assert {"200", "400", "401"} <= set(listing["responses"])
+    session_op = paths["/v1/sessions/{session_id}/runs"]["get"]
+    assert {"200", "400", "404"} <= set(session_op["responses"])
+    accepted = spec["components"]["schemas"]["RunAccepted"]["properties"]["merged"]
+    assert "KODA_MERGE_WINDOW_S" in accepted["description"]
