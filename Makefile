@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay chaos
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay bench-control chaos
 
 ## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers; Ctrl-C stops all
 dev: install
@@ -88,3 +88,9 @@ bench-memory: install
 ## topic (200,000 chunk records; records/s median [min-max] of 3, and the ratio)
 bench-replay: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.replay $(BENCH_ARGS)
+
+## bench-control: cancel and merge latency with 200 runs streaming on 2 workers
+## (POST -> handler stopped, -> `cancelled` at a viewer, -> `reset` at a viewer;
+## p50/p99, median [min-max] of 3; not part of make test)
+bench-control: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.control $(BENCH_ARGS)

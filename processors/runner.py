@@ -414,6 +414,7 @@ class RunExecutor:
         pump = asyncio.create_task(_pump(self.handler.stream(ctx), queue))
 
         def stop() -> None:
+            log.info("attempt stopped run_id=%s by=%s", ctx.run_id, ctx.cancel.reason)
             pump.cancel()
             with contextlib.suppress(asyncio.QueueFull):  # full: the loop is not waiting
                 queue.put_nowait(_STOP)
