@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -329,15 +331,23 @@ def test_cancel_while_the_executing_worker_is_frozen_and_its_partition_moves(
     worker.signal(signal.SIGSTOP)  # misses the signal; the group evicts it
     try:
         assert cancel(c.g1, user, run_id, "frozen").status_code == 202
-        wait_until(lambda: status_is(c, run_id, "cancelled"), timeout=40, what="cancelled")
+        wait_until(lambda: status_is(c, run_id, "cancelled"), timeout=60, what="cancelled")
     finally:
+        seen = len(worker.log())
         worker.signal(signal.SIGCONT)
     assert c.row(run_id).worker_id != worker.worker_id
     never_rerun(c, run_id)
     assert one_terminal(c, run_id) == "cancelled"
-    # Woken up, the old owner writes nothing more (its epoch is stale).
+    # Woken up, the old owner writes nothing more: its epoch is stale (partition lost),
+    # or its connection was ended while it was frozen and the retried record finds the
+    # run terminal, or its partitions were revoked first.
     before = len(c.sub.messages(run_id))
-    wait_until(lambda: "partition lost" in worker.log() or not worker.alive(), timeout=30)
+    markers = ("partition lost", f"skip terminal run_id={run_id}", "revoked partitions")
+    wait_until(
+        lambda: any(m in worker.log()[seen:] for m in markers) or not worker.alive(),
+        timeout=60,
+        what="the woken worker to notice",
+    )
     assert len(c.sub.messages(run_id)) == before
 
 
@@ -626,3 +636,31 @@ def test_openapi_documents_run_control(cluster: Cluster) -> None:
     assert {"200", "400", "404"} <= set(session_op["responses"])
     accepted = spec["components"]["schemas"]["RunAccepted"]["properties"]["merged"]
     assert "KODA_MERGE_WINDOW_S" in accepted["description"]
+
+
+def test_koda_runs_cancel_cancels_through_the_gateway(cluster: Cluster) -> None:
+    c = cluster
+    user = c.user("cli")
+    run_id = post_run(c.g1, user, demo(400, 20))["run_id"]
+    wait_until(lambda: "chunk" in c.kinds(run_id), timeout=30, what="output")
+    cmd = [sys.executable, "-m", "koda", "runs", "cancel", run_id, "--user", user]
+    out = subprocess.run(  # noqa: S603
+        [*cmd, "--reason", "from the shell", "--gateway", c.g2.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["cancel_requested"] is True
+    wait_until(lambda: status_is(c, run_id, "cancelled"), timeout=30, what="cancelled")
+    assert c.row(run_id).cancel_reason == "from the shell"
+    other = subprocess.run(  # noqa: S603
+        [sys.executable, "-m", "koda", "runs", "cancel", run_id, "--user", "intruder"]
+        + ["--gateway", c.g2.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert other.returncode == 2 and "404 not_found (run_id)" in other.stderr
