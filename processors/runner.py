@@ -439,6 +439,8 @@ class RunExecutor:
                         deadline = None
                         continue
                 if item is _END or item is _STOP or control.stopping:
+                    if control.stopping:
+                        usage += _usage_queued(queue)
                     break
                 if isinstance(item, BaseException):
                     if isinstance(item, HandlerError):
@@ -517,6 +519,17 @@ async def _pump(source: AsyncIterator[str | Usage], queue: asyncio.Queue[Any]) -
         await queue.put(exc)
         return
     await queue.put(_END)
+
+
+def _usage_queued(queue: asyncio.Queue[Any]) -> list[Usage]:
+    """The usage records a stopped handler had already queued: those calls were made,
+    so they are billed, while the chunks queued with them are not shown."""
+    out = []
+    while not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, Usage):
+            out.append(item)
+    return out
 
 
 def _kv(fields: dict[str, Any]) -> str:

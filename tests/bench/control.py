@@ -89,8 +89,8 @@ async def one_round(
     cancel_sent: dict[str, float] = {}
     merge_sent: dict[str, float] = {}
     async with aiohttp.ClientSession(base_url=url, connector=conn, timeout=timeout) as session:
-        runs: list[tuple[str, str, str]] = []  # run_id, user, session
-        for i, user in enumerate(users):
+
+        async def submit(i: int, user: str) -> tuple[str, str, str]:
             body = {"input": demo_input(i, args.chunks, args.spacing_chunk_ms)}
             async with session.post(
                 "/v1/runs", json=body, headers={"Authorization": f"Bearer dev:{user}"}
@@ -98,7 +98,9 @@ async def one_round(
                 got = await r.json()
                 if r.status != 202:
                     raise AssertionError(f"POST -> {r.status}: {got}")
-            runs.append((got["run_id"], user, ""))
+            return got["run_id"], user, ""
+
+        runs = list(await asyncio.gather(*(submit(i, u) for i, u in enumerate(users))))
         viewers = {rid: Viewer(asyncio.Event()) for rid, _, _ in runs}
         tasks = [
             asyncio.create_task(watch(session, rid, user, viewers[rid])) for rid, user, _ in runs
@@ -187,8 +189,15 @@ def run_control(stack: StackInfo, args: argparse.Namespace) -> Table:
             stack, partitions=PARTITIONS, chunk_batch_ms=20, max_inflight=args.max_inflight
         ) as settings:
             loader = Loader(settings)
+            # The window only decides whether a message merges; the set-up of 200
+            # streaming runs can outlast the default 30 s on a loaded machine.
             gw = GatewayProcess(
-                settings, {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000"}
+                settings,
+                {
+                    "KODA_RATE_PER_S": "1000000",
+                    "KODA_RATE_BURST": "1000000",
+                    "KODA_MERGE_WINDOW_S": "600",
+                },
             )
             workers = [WorkerProcess(settings, f"w{i}") for i in range(args.workers)]
             try:
@@ -257,7 +266,8 @@ def run_control(stack: StackInfo, args: argparse.Namespace) -> Table:
         + ", ".join(str(int(r["missing"])) for r in rounds)
     )
     table.notes.append(
-        f"KODA_CHUNK_BATCH_MS=20, KODA_MAX_INFLIGHT={args.max_inflight} per worker, "
+        f"KODA_CHUNK_BATCH_MS=20, KODA_MERGE_WINDOW_S=600, "
+        f"KODA_MAX_INFLIGHT={args.max_inflight} per worker, "
         f"{args.chunks} chunks every {args.spacing_chunk_ms} ms per run"
     )
     return table

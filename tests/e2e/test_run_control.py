@@ -205,6 +205,23 @@ def test_cancel_running_run_through_the_other_gateway(cluster: Cluster) -> None:
     assert c.kinds(run_id).count("cancelled") == 1
 
 
+def test_a_cancelled_run_records_the_usage_it_incurred(cluster: Cluster) -> None:
+    c = cluster
+    user = c.user("usage")
+    inp = {"text": "calls", "demo": {"tokens": 400, "delay_ms": 20, "usage_each": True}}
+    run_id = post_run(c.g1, user, inp)["run_id"]
+    wait_until(lambda: c.kinds(run_id).count("chunk") >= 5, timeout=30, what="output")
+    assert cancel(c.g1, user, run_id).status_code == 202
+    wait_until(lambda: status_is(c, run_id, "cancelled"), timeout=30, what="cancelled")
+    calls = c.sub.query(
+        "SELECT call_index, cost_usd FROM usage WHERE run_id = :r ORDER BY call_index", r=run_id
+    )
+    shown = c.kinds(run_id).count("chunk")
+    # Every call made before the stop is billed, never one that was not made.
+    assert shown <= len(calls) < 400
+    assert [u.call_index for u in calls] == list(range(len(calls)))
+
+
 def test_cancel_of_another_users_run_is_an_unknown_run(cluster: Cluster) -> None:
     c = cluster
     owner, other = c.user("owner"), c.user("other")
