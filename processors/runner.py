@@ -197,6 +197,8 @@ class RunExecutor:
         control: RunControl,
     ) -> None:
         started = time.monotonic()
+        # The calls of attempts a merge stopped: made, so billed with the run's ending.
+        billed: list[Usage] = []
         while True:
             claim = await self.writer.claim(ClaimWrite(fence, run_id, self.worker_id))
             if claim is None:
@@ -291,10 +293,12 @@ class RunExecutor:
                     # Output already written stays; the next attempt starts with `reset`.
                     await asyncio.sleep(self.policy.backoff_s(failures))
                     continue
+            usage = [*billed, *usage]
             if control.cancel_requested:
                 await self._cancel(batcher, fence, attempt, control.cancel_reason, usage)
                 return
             if control.stopping:
+                billed = usage
                 await self._merged_stop(batcher, run_id, attempt)
                 continue
             batcher.add(ChunkKind.DONE, json.dumps({"status": "done"}))
@@ -324,6 +328,7 @@ class RunExecutor:
                     await self._cancel(batcher, fence, attempt, finished.cancel_reason, usage)
                     return
                 control.merged(finished.input_version)
+                billed = usage
                 await self._merged_stop(batcher, run_id, attempt)
                 continue
             futures += await self.emitter.chunks(fence.partition, _only(final, finished.inserted))

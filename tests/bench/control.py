@@ -20,7 +20,7 @@ import argparse
 import asyncio
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import aiohttp
@@ -42,6 +42,7 @@ from tests.workers import GatewayProcess, WorkerProcess
 PARTITIONS = 256
 TERMINAL = {b"done", b"error", b"cancelled"}
 _EVENT = re.compile(rb"event: ?(\w+)")
+_STAMP = re.compile(rb'"content":"(\d+\.\d+) ')
 _STOPPED = re.compile(r"ts=(\S+ \S+) .*attempt stopped run_id=(\S+) by=(\w+)")
 
 
@@ -51,6 +52,8 @@ class Viewer:
     reset_at: float | None = None
     cancelled_at: float | None = None
     ended: bool = False
+    # (receipt time, handler yield -> receipt) of every stamped chunk
+    lags: list[tuple[float, float]] = field(default_factory=list)
 
 
 async def watch(session: aiohttp.ClientSession, run_id: str, user: str, v: Viewer) -> None:
@@ -71,6 +74,9 @@ async def watch(session: aiohttp.ClientSession, run_id: str, user: str, v: Viewe
                 kind = m.group(1)
                 if kind == b"chunk":
                     v.first_chunk.set()
+                    stamp = _STAMP.search(frame)
+                    if stamp is not None:
+                        v.lags.append((now, now - float(stamp.group(1))))
                 elif kind == b"reset" and v.reset_at is None:
                     v.reset_at = now
                 elif kind in TERMINAL:
@@ -82,7 +88,7 @@ async def watch(session: aiohttp.ClientSession, run_id: str, user: str, v: Viewe
 
 async def one_round(
     url: str, users: list[str], args: argparse.Namespace
-) -> tuple[dict[str, float], dict[str, float], dict[str, float], int]:
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], int, list[float]]:
     """Returns POST sent times of cancels and merges, viewer times, and unfinished count."""
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=900)
@@ -91,7 +97,7 @@ async def one_round(
     async with aiohttp.ClientSession(base_url=url, connector=conn, timeout=timeout) as session:
 
         async def submit(i: int, user: str) -> tuple[str, str, str]:
-            body = {"input": demo_input(i, args.chunks, args.spacing_chunk_ms)}
+            body = {"input": demo_input(i, args.chunks, args.spacing_chunk_ms, stamp=True)}
             async with session.post(
                 "/v1/runs", json=body, headers={"Authorization": f"Bearer dev:{user}"}
             ) as r:
@@ -137,6 +143,7 @@ async def one_round(
                 if r.status != 202 or not got.get("merged"):
                     raise AssertionError(f"merge -> {r.status}: {got}")
 
+        window_start = time.time()
         ops = []
         pairs = list(zip(to_cancel, to_merge, strict=False))
         for (crid, cuser, _), (mrid, muser, _) in pairs:
@@ -154,6 +161,7 @@ async def one_round(
         deadline = time.monotonic() + 60
         while not seen() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        window_end = time.time()
         # End every run (not measured) so the round finishes quickly.
         cancelled = {rid for rid, _, _ in to_cancel}
         await asyncio.gather(*(cancel(rid, user) for rid, user, _ in runs if rid not in cancelled))
@@ -169,7 +177,9 @@ async def one_round(
         if viewers[rid].reset_at is not None
     }
     missing = len(to_cancel) - len(to_viewer) + len(to_merge) - len(to_reset)
-    return cancel_sent, to_viewer, to_reset, missing
+    # How far behind the output pipeline was while the requests were measured.
+    lags = [lag for v in viewers.values() for at, lag in v.lags if window_start <= at <= window_end]
+    return cancel_sent, to_viewer, to_reset, missing, lags
 
 
 def stop_times(logs: str) -> dict[str, float]:
@@ -211,7 +221,9 @@ def run_control(stack: StackInfo, args: argparse.Namespace) -> Table:
                 loader.wait_terminal(warm.run_ids, 180, "warm-up")
                 users = users_on_distinct_partitions(PARTITIONS, args.runs, f"ctl{rep}")
                 t = time.monotonic()
-                sent, to_viewer, to_reset, missing = asyncio.run(one_round(gw.url, users, args))
+                sent, to_viewer, to_reset, missing, lags = asyncio.run(
+                    one_round(gw.url, users, args)
+                )
                 stopped = stop_times("".join(w.log() for w in workers))
                 to_stop = [stopped[r] - sent[r] for r in to_viewer if r in stopped]
                 viewer = list(to_viewer.values())
@@ -223,6 +235,8 @@ def run_control(stack: StackInfo, args: argparse.Namespace) -> Table:
                     "view99": percentile(viewer, 0.99) * 1000,
                     "reset50": percentile(reset, 0.5) * 1000,
                     "reset99": percentile(reset, 0.99) * 1000,
+                    "lag50": percentile(lags, 0.5) * 1000,
+                    "lag99": percentile(lags, 0.99) * 1000,
                     "missing": missing,
                     "samples": len(viewer) + len(reset),
                     "wall": time.monotonic() - t,
@@ -232,7 +246,8 @@ def run_control(stack: StackInfo, args: argparse.Namespace) -> Table:
                     f"  control rep {rep + 1}/{args.repeat}: cancel->stop p50 "
                     f"{r['stop50']:.0f} p99 {r['stop99']:.0f} ms, cancel->viewer p50 "
                     f"{r['view50']:.0f} p99 {r['view99']:.0f} ms, merge->reset p50 "
-                    f"{r['reset50']:.0f} p99 {r['reset99']:.0f} ms, "
+                    f"{r['reset50']:.0f} p99 {r['reset99']:.0f} ms, chunk lag meanwhile p50 "
+                    f"{r['lag50']:.0f} p99 {r['lag99']:.0f} ms, "
                     f"{int(r['samples'])} samples, {missing} never seen, {r['wall']:.1f} s",
                     flush=True,
                 )
@@ -261,6 +276,7 @@ def run_control(stack: StackInfo, args: argparse.Namespace) -> Table:
     row("cancel: POST -> handler stopped (worker log)", "stop", None)
     row("cancel: POST -> `cancelled` event at the viewer", "view", 250)
     row("merge: POST -> `reset` event at the viewer", "reset", 500)
+    row("meanwhile, any chunk: handler yield -> viewer (pipeline lag)", "lag", None)
     table.notes.append(
         "requests never seen by their viewer, per repetition: "
         + ", ".join(str(int(r["missing"])) for r in rounds)

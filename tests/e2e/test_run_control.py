@@ -466,6 +466,23 @@ def test_two_merges_in_a_row_make_one_answer(cluster: Cluster) -> None:
     assert len(c.sub.query("SELECT 1 FROM runs WHERE session_id = :s", s=session)) == 1
 
 
+def test_a_merged_run_bills_the_calls_of_both_passes(cluster: Cluster) -> None:
+    c = cluster
+    user = c.user("mbill")
+    first = {"text": "bill", "demo": {"tokens": 60, "delay_ms": 20, "usage_each": True}}
+    run_id = post_run(c.g1, user, first)["run_id"]
+    wait_until(lambda: c.kinds(run_id).count("chunk") >= 3, timeout=30, what="output")
+    assert post_run(c.g1, user, {"text": "more"}, session=session_of(c, run_id))["merged"]
+    wait_until(lambda: status_is(c, run_id, "done"), timeout=60, what="done")
+    calls = [
+        u.call_index
+        for u in c.sub.query("SELECT call_index FROM usage WHERE run_id = :r", r=run_id)
+    ]
+    rows = c.sub.messages(run_id)
+    before_reset = [m for m in rows if m.kind == "chunk" and m.attempt == 1]
+    assert len(calls) >= 60 + len(before_reset) and sorted(calls) == list(range(len(calls)))
+
+
 def test_a_merge_whose_signal_is_lost_still_reruns(cluster: Cluster) -> None:
     """The input changes in Postgres with no control record, while the handler pauses
     before its only chunk: the finish refuses the stale answer and the run goes again."""
