@@ -258,6 +258,10 @@ class RunExecutor:
                 return
             if claim.had_output:
                 batcher.add(ChunkKind.RESET, json.dumps({"attempt": attempt}))
+                if rerun:
+                    # Viewers drop the answer to the old input now, not with the
+                    # rerun's first chunk batch (a model's first token can take seconds).
+                    await batcher.flush()
             log.info(
                 "run start run_id=%s user_id=%s attempt=%d partition=%d offset=%d",
                 run_id,
