@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # (a UserWarning, nothing to fix); filtered by its message so real warnings still show.
 PIP_QUIET := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay bench-chunk-repair chaos
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay bench-chunk-repair bench-control chaos
 
 ## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers; Ctrl-C stops all
 dev: install
@@ -96,3 +96,9 @@ bench-replay: install
 ## the pass filling gapped runs, and what the workers' published marks add to a group commit
 bench-chunk-repair: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.chunk_repair $(BENCH_ARGS)
+
+## bench-control: cancel and merge latency with 200 runs streaming on 2 workers
+## (POST -> handler stopped, -> `cancelled` at a viewer, -> `reset` at a viewer;
+## p50/p99, median [min-max] of 3; not part of make test)
+bench-control: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.control $(BENCH_ARGS)

@@ -12,15 +12,18 @@ import asyncio
 import contextlib
 import logging
 
+from gateway.control_store import ControlStore
 from gateway.errors import PublishError
 from gateway.intake import RunRequest
 from gateway.publisher import RunPublisher
 from gateway.store import AdmittedRun, NewRun, RunStore
 from koda import metrics
 from koda.errors import DatabaseError
+from koda.lifecycle.control import MERGE, ControlRecord
 from koda.lifecycle.ids import derived_idempotency_key, scoped_idempotency_key, uuid7
+from koda.naming import Names
 from schemas.records import RunRequested
-from topics.catalogue import partition_for_key
+from topics.catalogue import RUN_CONTROL, partition_for_key
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,13 @@ class Admissions:
         *,
         partitions: int,
         publish_wait_s: float = PUBLISH_WAIT_S,
+        control: ControlStore | None = None,
+        merge_window_s: float = 30.0,
+        names: Names | None = None,
     ) -> None:
+        self.control = control
+        self.merge_window_s = merge_window_s
+        self.control_topic = None if names is None else names.topic(RUN_CONTROL)
         self.store = store
         self.publisher = publisher
         self.partitions = partitions
@@ -106,13 +115,46 @@ class Admissions:
 
         Raises NotFound when the session belongs to another user, DatabaseError
         when Postgres fails. Nothing is written in either case.
+
+        Into a session whose latest run is running or streaming and younger than
+        ``merge_window_s``, the message is merged into that run instead (the answer
+        names that run, ``merged``); the worker executing it is signalled to start
+        over on the merged input.
         """
+        key = idempotency_key_for(user_id, request, client_key)
+        if request.session_id is not None and self.control is not None:
+            merged = await self.control.merge(
+                user_id, request.session_id, key, request.input, self.merge_window_s
+            )
+            if merged is not None:
+                if not merged.replayed:
+                    metrics.RUNS_MERGED.inc()
+                    log.info(
+                        "event=run_merged run_id=%s user_id=%s input_version=%d",
+                        merged.run_id,
+                        user_id,
+                        merged.input_version,
+                    )
+                    await self.signal(
+                        ControlRecord(
+                            merged.run_id, user_id, MERGE, input_version=merged.input_version
+                        )
+                    )
+                return AdmittedRun(
+                    run_id=merged.run_id,
+                    user_id=user_id,
+                    session_id=merged.session_id,
+                    status=merged.status,
+                    created_at=merged.created_at,
+                    created=not merged.replayed,
+                    merged=True,
+                )
         new = NewRun(
             run_id=uuid7(),
             user_id=user_id,
             session_id=request.session_id or uuid7(),
             create_session=request.session_id is None,
-            idempotency_key=idempotency_key_for(user_id, request, client_key),
+            idempotency_key=key,
             input=request.input,
             metadata=request.metadata,
             partition=partition_for_key(user_id.encode(), self.partitions),
@@ -137,6 +179,29 @@ class Admissions:
         )
         await self._publish(run)
         return run
+
+    async def signal(self, record: ControlRecord) -> None:
+        """Produce a run-control record (key user_id) and wait up to ``publish_wait_s``.
+
+        Best effort: the request is durable in Postgres already, and the worker's
+        writes find it there when the record is late or lost.
+        """
+        if self.control_topic is None:
+            return
+        try:
+            await asyncio.wait_for(
+                self.publisher.send(
+                    self.control_topic, record.user_id.encode(), record.encode(), []
+                ),
+                self.publish_wait_s,
+            )
+        except (PublishError, TimeoutError) as exc:
+            log.warning(
+                "event=control_publish_failed run_id=%s action=%s error=%s",
+                record.run_id,
+                record.action,
+                exc,
+            )
 
     async def _publish(self, run: AdmittedRun) -> None:
         task = asyncio.create_task(self._deliver(run), name=f"publish-{run.run_id}")

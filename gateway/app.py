@@ -23,6 +23,8 @@ from gateway.admin import router as admin_router
 from gateway.admission import Admissions
 from gateway.auth import Authenticator
 from gateway.components import Components
+from gateway.control import router as control_router
+from gateway.control_store import ControlStore
 from gateway.errors import install_error_handlers
 from gateway.publisher import RunPublisher
 from gateway.ratelimit import TokenBuckets
@@ -81,7 +83,15 @@ def create_app(
             await feed.start()  # before serving: streams must not miss a record
             store = RunStore(db)
             await _probe(store, pub)
-            admissions = Admissions(store, pub, partitions=settings.partitions)
+            control = ControlStore(db)
+            admissions = Admissions(
+                store,
+                pub,
+                partitions=settings.partitions,
+                control=control,
+                merge_window_s=settings.merge_window_s,
+                names=settings.names,
+            )
             sweeper = Sweeper(
                 store, pub, after_s=settings.sweep_after_s, interval_s=settings.sweep_interval_s
             )
@@ -93,6 +103,7 @@ def create_app(
                 publisher=pub,
                 admissions=admissions,
                 sweeper=sweeper,
+                control=control,
             )
             directory.start()  # the heartbeat table; never a readiness dependency
             app.state.workers = directory
@@ -128,6 +139,7 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(control_router)
     app.include_router(sse_router)
     app.include_router(admin_router)
     app.add_middleware(RequestMetrics)

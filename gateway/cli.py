@@ -179,6 +179,26 @@ def show(
         typer.echo(json.dumps(_request(client, "GET", f"/v1/runs/{run_id}"), indent=2))
 
 
+@runs_app.command("cancel")
+def cancel(
+    run_id: str = typer.Argument(..., help="The run id."),
+    user: str = typer.Option(..., "--user", help="The run's owner (dev token dev:<user>)."),
+    reason: str | None = typer.Option(None, "--reason", help="Shown in the cancelled event."),
+    gateway: str = typer.Option(DEFAULT_GATEWAY, "--gateway", help="Gateway base URL."),
+) -> None:
+    """Cancel RUN_ID (idempotent); print the answer as JSON.
+
+    A pending run is cancelled at once; a running one is ended by its worker (follow
+    it with `koda runs follow`); a run that already ended is left as it is.
+    """
+    body = {} if reason is None else {"reason": reason}
+    with httpx.Client(
+        base_url=gateway, headers={"Authorization": f"Bearer dev:{user}"}, timeout=10.0
+    ) as client:
+        answer = _request(client, "POST", f"/v1/runs/{run_id}/cancel", json=body or None)
+    typer.echo(json.dumps(answer, indent=2))
+
+
 # --- koda runs follow ---------------------------------------------------------------
 
 FOLLOW_READ_TIMEOUT_S = 60.0  # several keep-alive intervals: a silent link is dead

@@ -8,6 +8,7 @@ from fastapi import Request
 
 from gateway.admission import Admissions
 from gateway.auth import Authenticator
+from gateway.control_store import ControlStore
 from gateway.publisher import RunPublisher
 from gateway.ratelimit import TokenBuckets
 from gateway.store import RunStore
@@ -24,6 +25,7 @@ class Components:
     publisher: RunPublisher
     admissions: Admissions
     sweeper: Sweeper
+    control: ControlStore
 
 
 def components_of(request: Request) -> Components:

@@ -42,7 +42,12 @@ class RunAccepted(BaseModel):
     run_id: str
     status: str
     events_url: str
-    merged: bool = False
+    merged: bool = Field(
+        False,
+        description="True when the message was merged into the session's running run "
+        "(running or streaming, created less than KODA_MERGE_WINDOW_S ago, 30 s by "
+        "default): run_id names that run, which starts over on both messages.",
+    )
 
 
 class RunDetail(BaseModel):
@@ -77,3 +82,51 @@ class Health(BaseModel):
 
     status: str
     checks: dict[str, str] = Field(default_factory=dict)
+
+
+# --- run control (cancel, history) ----------------------------------------------------
+
+
+class CancelRequest(BaseModel):
+    """Optional body of ``POST /v1/runs/{run_id}/cancel``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str | None = Field(
+        None, max_length=500, description="Shown in the terminal `cancelled` event."
+    )
+
+
+class RunCancel(BaseModel):
+    """Answer of ``POST /v1/runs/{run_id}/cancel``.
+
+    ``200``: the run is terminal (it was pending and is now ``cancelled``, or it had
+    already ended: nothing changed). ``202``: the run is running; the cancel request is
+    durable and the worker ends it ``cancelled`` (watch ``events_url``).
+    """
+
+    run_id: str
+    status: str
+    cancel_requested: bool
+    cancel_reason: str | None
+    events_url: str
+
+
+class RunSummary(BaseModel):
+    """One run in a history listing."""
+
+    run_id: str
+    session_id: str
+    status: str
+    attempt: int
+    created_at: datetime
+    finished_at: datetime | None
+    cancel_reason: str | None
+    merged_messages: int = Field(description="Messages merged into this run.")
+
+
+class RunPage(BaseModel):
+    """A page of runs, newest first; pass ``next_before`` as ``before`` for the next."""
+
+    runs: list[RunSummary]
+    next_before: str | None

@@ -143,6 +143,61 @@ class RunPublisher:
             future.set_exception(PublishError(f"cannot enqueue run {record.run_id}: {exc}"))
         return future
 
+    def send(
+        self,
+        topic: str,
+        key: bytes,
+        value: bytes,
+        headers: list[tuple[str, str | bytes | None]],
+        partition: int | None = None,
+    ) -> asyncio.Future[Delivery]:
+        """Enqueue one record for another koda topic (run control, a gateway-written
+        chunk); the future resolves on the broker's ack or fails with PublishError."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Delivery] = loop.create_future()
+        producer = self._producer
+        if producer is None:
+            future.set_exception(PublishError("the producer is not started"))
+            return future
+
+        def on_delivery(err: KafkaError | None, msg: Message) -> None:
+            outcome: Delivery | PublishError
+            if err is not None:
+                outcome = PublishError(f"delivery to {topic} failed: {err.str()}")
+            else:
+                outcome = Delivery(msg.topic() or topic, msg.partition() or 0, msg.offset() or 0)
+            try:
+                loop.call_soon_threadsafe(_resolve, future, outcome)
+            except RuntimeError:
+                pass
+
+        try:
+            if partition is None:
+                producer.produce(
+                    topic, key=key, value=value, headers=headers, on_delivery=on_delivery
+                )
+            else:
+                producer.produce(
+                    topic,
+                    key=key,
+                    value=value,
+                    headers=headers,
+                    on_delivery=on_delivery,
+                    partition=partition,
+                )
+        except (BufferError, KafkaException) as exc:
+            future.set_exception(PublishError(f"cannot enqueue a record for {topic}: {exc}"))
+        return future
+
+
+def _resolve(future: asyncio.Future[Delivery], outcome: Delivery | PublishError) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, PublishError):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
 
 def _settle(
     future: asyncio.Future[Delivery], outcome: Delivery | PublishError, started: float

@@ -128,7 +128,10 @@ async def submit_run(request: Request) -> RunAccepted:
         )
         raise
     return RunAccepted(
-        run_id=run.run_id, status=run.status, events_url=_events_url(run.run_id), merged=False
+        run_id=run.run_id,
+        status=run.status,
+        events_url=_events_url(run.run_id),
+        merged=run.merged,
     )
 
 

@@ -53,6 +53,7 @@ class AdmittedRun:
     status: str
     created_at: datetime
     created: bool
+    merged: bool = False  # the request was merged into this (running) run
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ __all__ = [
     "REGISTRY",
     "RETRIES",
     "RUNS",
+    "RUNS_CANCEL_REQUESTS",
+    "RUNS_MERGED",
     "RUNS_IN_FLIGHT",
     "RUN_DURATION_SECONDS",
     "SSE_BACKFILLS",
@@ -187,6 +189,18 @@ HEARTBEATS = Counter(
 ADMISSIONS = Counter(
     "koda_admissions_total",
     "POST /v1/runs accepted, by outcome: created (new run) or replayed (same key).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+RUNS_MERGED = Counter(
+    "koda_runs_merged_total",
+    "POST /v1/runs merged into the session's running run instead of creating one.",
+    registry=REGISTRY,
+)
+RUNS_CANCEL_REQUESTS = Counter(
+    "koda_run_cancel_requests_total",
+    "POST /v1/runs/{id}/cancel by outcome: cancelled (was pending), requested (running; "
+    "the worker ends it), unchanged (already terminal or already requested).",
     ["outcome"],
     registry=REGISTRY,
 )

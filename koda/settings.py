@@ -196,6 +196,9 @@ class Settings:
     prod_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
     # server-sent events and the live feed (gateway)
     sse_keepalive_s: float = 15.0
+    # A second message into a session whose latest run is running or streaming and
+    # younger than this is merged into that run (README "Steering a run").
+    merge_window_s: float = 30.0
     sse_retry_ms: int = 2000
     sse_queue_bytes: int = 256 * 1024
     sse_write_timeout_s: float = 10.0
@@ -378,6 +381,7 @@ class Settings:
             publish_timeout_s=_float(env, "KODA_PUBLISH_TIMEOUT", 30.0, lo=1, hi=600),
             prod_tokens=tokens,
             sse_keepalive_s=_float(env, "KODA_SSE_KEEPALIVE", 15.0, lo=0.05, hi=3600),
+            merge_window_s=_float(env, "KODA_MERGE_WINDOW_S", 30.0, lo=0, hi=3600),
             sse_retry_ms=_int(env, "KODA_SSE_RETRY_MS", 2000, lo=0, hi=600_000),
             sse_queue_bytes=_int(env, "KODA_SSE_QUEUE_BYTES", 256 * 1024, lo=1024, hi=1 << 30),
             sse_write_timeout_s=_float(env, "KODA_SSE_WRITE_TIMEOUT", 10.0, lo=0.05, hi=3600),

@@ -33,6 +33,7 @@ from koda.lifecycle.handler import CancelToken, Handler
 from koda.metrics import HANDOFF_SECONDS, REBALANCES
 from koda.settings import Settings
 from processors.chains import ChainSet
+from processors.control import ControlListener
 from processors.cursor import PartitionCursors
 from processors.emitter import Emitter
 from processors.groupcommit import GroupWriter
@@ -199,6 +200,7 @@ class KodaApp(faust.App):
     ops: WorkerOps | None = None
     offsets: GroupOffsetReader | None = None
     group_writer: GroupWriter | None = None
+    control: ControlListener | None = None
 
     def _new_transport(self) -> Any:
         return KodaTransport(self.conf.broker_consumer, self)
@@ -208,6 +210,8 @@ class KodaApp(faust.App):
 
     async def on_started(self) -> None:
         await super().on_started()
+        if self.control is not None:
+            await self.control.start()
         if self.ops is not None:
             await self.ops.start()
 
@@ -223,6 +227,9 @@ class KodaApp(faust.App):
                 await self.offsets.aclose()
             if self.group_writer is not None:
                 await self.group_writer.close()
+            # Last: a cancel arriving while the drain waits for runs must still reach them.
+            if self.control is not None:
+                await self.control.stop()
 
 
 def faust_settings(settings: Settings, datadir: str) -> dict[str, Any]:
@@ -289,6 +296,7 @@ def build_worker(settings: Settings, datadir: str) -> tuple[faust.App, WorkerRun
     emitter = Emitter(settings, app.producer.send)
     executor = RunExecutor(settings, store, emitter, handler)
     app.group_writer = executor.writer
+    app.control = ControlListener(settings, executor.board)
     runs_topic = settings.names.topic(RUNS)
     rt = WorkerRuntime(settings, store, executor, handler, runs_topic, app=app)
     DrainingConsumer.runtime = rt

@@ -44,6 +44,7 @@ from processors.store import (
     GroupWrite,
     PublishedWrite,
     RunStore,
+    Superseded,
 )
 
 log = logging.getLogger("koda.worker")
@@ -88,10 +89,11 @@ class GroupWriter:
             return result
         raise TypeError(f"a chunk batch came back as {type(result).__name__}")
 
-    async def finish(self, write: FinishWrite) -> Finished | None:
-        """Write one run's finish; what was written, or None if fenced out."""
+    async def finish(self, write: FinishWrite) -> Finished | Superseded | None:
+        """Write one run's finish; what was written, None if fenced out, or why a cancel
+        request or a merge refused it."""
         result = await self._submit(write)
-        if result is None or isinstance(result, Finished):
+        if result is None or isinstance(result, Finished | Superseded):
             return result
         raise TypeError(f"a finish came back as {type(result).__name__}")
 
@@ -200,10 +202,15 @@ class GroupWriter:
                     w.usage,
                     w.error,
                     first_output=w.first_output,
+                    input_version=w.input_version,
                 )
             else:
                 result = await self.store.write_chunks(
-                    w.fence, w.run_id, w.chunks, first_output=w.first_output
+                    w.fence,
+                    w.run_id,
+                    w.chunks,
+                    first_output=w.first_output,
+                    input_version=w.input_version,
                 )
         except Exception as exc:  # noqa: BLE001 - the run's own error, handed to it
             if not waiting.done.done():

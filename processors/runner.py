@@ -10,6 +10,7 @@ leaves the record unacked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -31,10 +32,19 @@ from koda.metrics import (
     TIME_TO_FIRST_CHUNK_SECONDS,
 )
 from koda.settings import Settings
+from processors.control import ControlBoard, RunControl
 from processors.emitter import Emitter
 from processors.groupcommit import GroupWriter
 from processors.republish import ChunkRepair
-from processors.store import ChunkWrite, ClaimWrite, Fence, FinishWrite, RunStore
+from processors.store import (
+    ChunkWrite,
+    ClaimWrite,
+    Fence,
+    Finished,
+    FinishWrite,
+    RunStore,
+    Superseded,
+)
 from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, headers_for
 
 log = logging.getLogger("koda.worker")
@@ -61,6 +71,7 @@ class Record:
 
 
 _END = object()
+_STOP = object()  # a cancel or a merge stopped the attempt
 
 
 class ChunkBatcher:
@@ -76,11 +87,13 @@ class ChunkBatcher:
         seq: SeqCounter,
         futures: list[asyncio.Future[Any]],
         max_size: int,
+        input_version: int | None = None,
     ) -> None:
         self.writer, self.emitter, self.fence = writer, emitter, fence
         self.run_id, self.attempt, self.seq = run_id, attempt, seq
         self.futures = futures
         self.max_size = max_size
+        self.input_version = input_version
         self.pending: list[Chunk] = []
         self.streaming = False
 
@@ -96,7 +109,9 @@ class ChunkBatcher:
             return
         batch, self.pending = self.pending, []
         first = not self.streaming and any(c.kind is ChunkKind.CHUNK for c in batch)
-        inserted = await self.writer.chunks(ChunkWrite(self.fence, self.run_id, batch, first))
+        inserted = await self.writer.chunks(
+            ChunkWrite(self.fence, self.run_id, batch, first, self.input_version)
+        )
         if inserted is None:
             raise FencedOut(f"run {self.run_id}: chunk write fenced out")
         if first:
@@ -120,6 +135,8 @@ class RunExecutor:
         self.repair = ChunkRepair(store, emitter, self.writer)
         self.policy = RetryPolicy(settings.max_attempts, settings.retry_base_s)
         self.worker_id = settings.worker_id
+        self.board = ControlBoard()
+        store.observer = self.board.observe
 
     async def process(self, record: Record, fence: Fence, cancel: CancelToken) -> None:
         """Do the record's work; return when it may be acked."""
@@ -163,10 +180,28 @@ class RunExecutor:
         fence: Fence,
         cancel: CancelToken,
     ) -> None:
+        control = self.board.open(run_id)
+        try:
+            await self._attempts(record, run_id, user_id, inp, fence, cancel, control)
+        finally:
+            self.board.close(run_id)
+
+    async def _attempts(
+        self,
+        record: Record,
+        run_id: str,
+        user_id: str,
+        inp: dict[str, Any],
+        fence: Fence,
+        cancel: CancelToken,
+        control: RunControl,
+    ) -> None:
         started = time.monotonic()
         # Every attempt's deliveries are awaited before the ack, retries' included.
         futures: list[asyncio.Future[Any]] = []
         resumed = False
+        # The calls of attempts a merge stopped: made, so billed with the run's ending.
+        billed: list[Usage] = []
         while True:
             claim = await self.writer.claim(ClaimWrite(fence, run_id, self.worker_id))
             if claim is None:
@@ -175,21 +210,15 @@ class RunExecutor:
                     return  # someone finished it first; nothing to do
                 raise FencedOut(f"run {run_id}: claim fenced out")
             attempt = claim.attempt
+            rerun = control.attempt_version < claim.input_version
+            token = control.begin(claim.input_version)
+            if claim.input is not None:
+                inp = claim.input
             if attempt == 1 and claim.queue_age_s is not None:
                 QUEUE_AGE_SECONDS.observe(max(0.0, claim.queue_age_s))
             if not resumed:  # earlier output may be in Postgres only (its writer died)
                 futures += await self.repair.resumed(run_id, fence.partition, claim.next_seq)
                 resumed = True
-            futures.append(
-                await self.emitter.event(
-                    fence.partition,
-                    run_id,
-                    "transition",
-                    to="running",
-                    attempt=attempt,
-                    worker_id=self.worker_id,
-                )
-            )
             seq = SeqCounter(claim.next_seq)
             batcher = ChunkBatcher(
                 self.writer,
@@ -200,6 +229,22 @@ class RunExecutor:
                 seq,
                 futures,
                 self.settings.chunk_batch_size,
+                claim.input_version,
+            )
+            if claim.cancel_requested:
+                # The request is durable: whoever claims next ends the run, never reruns it.
+                await self._cancel(batcher, fence, attempt, claim.cancel_reason, [])
+                return
+            futures.append(
+                await self.emitter.event(
+                    fence.partition,
+                    run_id,
+                    "transition",
+                    to="running",
+                    attempt=attempt,
+                    worker_id=self.worker_id,
+                    **({"reason": "merged", "input_version": claim.input_version} if rerun else {}),
+                )
             )
             # The retry budget counts handler failures; resumptions after a handoff or a
             # dead worker are not the run's fault. Claims still have a (larger) bound, so a
@@ -218,6 +263,10 @@ class RunExecutor:
                 return
             if claim.had_output:
                 batcher.add(ChunkKind.RESET, json.dumps({"attempt": attempt}))
+                if rerun:
+                    # Viewers drop the answer to the old input now, not with the
+                    # rerun's first chunk batch (a model's first token can take seconds).
+                    await batcher.flush()
             log.info(
                 "run start run_id=%s user_id=%s attempt=%d partition=%d offset=%d",
                 run_id,
@@ -226,58 +275,78 @@ class RunExecutor:
                 record.partition,
                 record.offset,
             )
-            ctx = RunContext(run_id, user_id, inp, attempt, cancel)
+            ctx = RunContext(run_id, user_id, inp, attempt, token)
             try:
-                usage = await self._stream(ctx, batcher, started)
+                usage = await self._stream(ctx, batcher, started, control)
             except HandlerError as exc:
-                # Keep what this attempt already said, so seq stays contiguous.
-                await batcher.flush()
-                error = str(exc)
-                RETRIES.inc()
-                failures = await self.store.record_failure(fence, run_id)
-                if failures is None:
-                    raise FencedOut(f"run {run_id}: failure count fenced out") from exc
-                log.warning(
-                    "attempt failed run_id=%s attempt=%d failures=%d error=%s",
-                    run_id,
-                    attempt,
-                    failures,
-                    error[:200],
-                )
-                if self.policy.exhausted(failures):
-                    await self._give_up(record, batcher, fence, attempt, error)
-                    return
-                # Output already written stays; the next attempt starts with `reset`.
-                await asyncio.sleep(self.policy.backoff_s(failures))
+                if control.stopping:
+                    usage = []  # stopped on purpose; the handler's complaint is moot
+                else:
+                    # Keep what this attempt already said, so seq stays contiguous.
+                    await batcher.flush()
+                    error = str(exc)
+                    RETRIES.inc()
+                    failures = await self.store.record_failure(fence, run_id)
+                    if failures is None:
+                        raise FencedOut(f"run {run_id}: failure count fenced out") from exc
+                    log.warning(
+                        "attempt failed run_id=%s attempt=%d failures=%d error=%s",
+                        run_id,
+                        attempt,
+                        failures,
+                        error[:200],
+                    )
+                    if self.policy.exhausted(failures):
+                        await self._give_up(record, batcher, fence, attempt, error)
+                        return
+                    # Output already written stays; the next attempt starts with `reset`.
+                    await asyncio.sleep(self.policy.backoff_s(failures))
+                    continue
+            usage = [*billed, *usage]
+            if control.cancel_requested:
+                await self._cancel(batcher, fence, attempt, control.cancel_reason, usage)
+                return
+            if control.stopping:
+                billed = usage
+                await self._merged_stop(batcher, run_id, attempt)
                 continue
             batcher.add(ChunkKind.DONE, json.dumps({"status": "done"}))
             final = batcher.pending
             batcher.pending = []
             first = not batcher.streaming and any(c.kind is ChunkKind.CHUNK for c in final)
             finished = await self.writer.finish(
-                FinishWrite(fence, run_id, RunStatus.DONE, final, usage, first_output=first)
+                FinishWrite(
+                    fence,
+                    run_id,
+                    RunStatus.DONE,
+                    final,
+                    usage,
+                    first_output=first,
+                    input_version=claim.input_version,
+                )
             )
             if finished is None:
                 raise FencedOut(f"run {run_id}: finish fenced out")
+            if isinstance(finished, Superseded):
+                # The row changed under this attempt and no signal said so: the finish
+                # refused to write. Give the done event's seq back and act on the row.
+                batcher.pending = final[:-1]
+                seq.give_back(final[-1].seq)
+                if finished.cancelled:
+                    control.cancel(finished.cancel_reason)
+                    await self._cancel(batcher, fence, attempt, finished.cancel_reason, usage)
+                    return
+                control.merged(finished.input_version)
+                billed = usage
+                await self._merged_stop(batcher, run_id, attempt)
+                continue
             futures += await self.emitter.chunks(fence.partition, final)
             futures.append(
                 await self.emitter.event(
                     fence.partition, run_id, "transition", to="done", attempt=attempt
                 )
             )
-            for i, u in enumerate(usage):
-                futures.append(
-                    await self.emitter.event(
-                        fence.partition,
-                        run_id,
-                        "usage",
-                        call_index=i,
-                        model=u.model,
-                        prompt_tokens=u.prompt_tokens,
-                        completion_tokens=u.completion_tokens,
-                        **_cost(finished.costs.get(i)),
-                    )
-                )
+            futures += await self._usage_events(fence, run_id, usage, finished)
             await asyncio.gather(*futures)
             self.repair.published(run_id, final[-1].seq)
             RUNS.labels(outcome="done").inc()
@@ -285,11 +354,88 @@ class RunExecutor:
             log.info("run done run_id=%s attempt=%d", run_id, attempt)
             return
 
-    async def _stream(self, ctx: RunContext, batcher: ChunkBatcher, started: float) -> list[Usage]:
-        """Pump the handler into the batcher; flush by size or after ``chunk_batch_ms``."""
+    async def _usage_events(
+        self, fence: Fence, run_id: str, usage: list[Usage], finished: Finished
+    ) -> list[asyncio.Future[Any]]:
+        futures = []
+        for i, u in enumerate(usage):
+            futures.append(
+                await self.emitter.event(
+                    fence.partition,
+                    run_id,
+                    "usage",
+                    call_index=i,
+                    model=u.model,
+                    prompt_tokens=u.prompt_tokens,
+                    completion_tokens=u.completion_tokens,
+                    **_cost(finished.costs.get(i)),
+                )
+            )
+        return futures
+
+    async def _merged_stop(self, batcher: ChunkBatcher, run_id: str, attempt: int) -> None:
+        """A merge stopped this attempt: keep what it said (seq stays contiguous); the
+        next claim reads the merged input and starts with ``reset``."""
+        await batcher.flush()
+        await asyncio.gather(*batcher.futures)
+        log.info("run merged run_id=%s attempt=%d: running again", run_id, attempt)
+
+    async def _cancel(
+        self,
+        batcher: ChunkBatcher,
+        fence: Fence,
+        attempt: int,
+        reason: str | None,
+        usage: list[Usage],
+    ) -> None:
+        """End the run ``cancelled``: partial output stays, usage so far is recorded,
+        a terminal ``cancelled`` event (with the reason) ends every viewer's stream."""
+        run_id = batcher.run_id
+        batcher.add(ChunkKind.CANCELLED, json.dumps({"status": "cancelled", "reason": reason}))
+        final = batcher.pending
+        batcher.pending = []
+        first = not batcher.streaming and any(c.kind is ChunkKind.CHUNK for c in final)
+        finished = await self.writer.finish(
+            FinishWrite(fence, run_id, RunStatus.CANCELLED, final, usage, first_output=first)
+        )
+        if not isinstance(finished, Finished):
+            raise FencedOut(f"run {run_id}: cancel fenced out")
+        futures = await self.emitter.chunks(fence.partition, final)
+        futures.append(
+            await self.emitter.event(
+                fence.partition,
+                run_id,
+                "transition",
+                to="cancelled",
+                attempt=attempt,
+                **({"reason": reason} if reason else {}),
+            )
+        )
+        futures += await self._usage_events(fence, run_id, usage, finished)
+        await asyncio.gather(*futures, *batcher.futures)
+        self.repair.published(run_id, final[-1].seq)
+        RUNS.labels(outcome="cancelled").inc()
+        log.info("run cancelled run_id=%s attempt=%d", run_id, attempt)
+
+    async def _stream(
+        self, ctx: RunContext, batcher: ChunkBatcher, started: float, control: RunControl
+    ) -> list[Usage]:
+        """Pump the handler into the batcher; flush by size or after ``chunk_batch_ms``.
+
+        A cancel or a merge (``control``) stops the attempt at once: the handler's task
+        is cancelled and what it said so far stays in the batcher.
+        """
         usage: list[Usage] = []
         queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=4 * batcher.max_size)
         pump = asyncio.create_task(_pump(self.handler.stream(ctx), queue))
+
+        def stop() -> None:
+            log.info("attempt stopped run_id=%s by=%s", ctx.run_id, ctx.cancel.reason)
+            pump.cancel()
+            with contextlib.suppress(asyncio.QueueFull):  # full: the loop is not waiting
+                queue.put_nowait(_STOP)
+
+        control.on_stop(stop)
         window = self.settings.chunk_batch_ms / 1000.0
         deadline: float | None = None
         first = True
@@ -308,7 +454,9 @@ class RunExecutor:
                         await batcher.flush()
                         deadline = None
                         continue
-                if item is _END:
+                if item is _END or item is _STOP or control.stopping:
+                    if control.stopping:
+                        usage += _usage_queued(queue)
                     break
                 if isinstance(item, BaseException):
                     if isinstance(item, HandlerError):
@@ -348,6 +496,11 @@ class RunExecutor:
         )
         if finished is None:
             raise FencedOut(f"run {final[0].run_id}: fail fenced out")
+        if isinstance(finished, Superseded):  # a cancel request wins over the failure
+            batcher.pending = final[:-1]
+            batcher.seq.give_back(final[-1].seq)
+            await self._cancel(batcher, fence, attempts, finished.cancel_reason, [])
+            return
         futures = await self.emitter.chunks(fence.partition, final)
         futures.append(
             await self.emitter.event(
@@ -383,6 +536,17 @@ async def _pump(source: AsyncIterator[str | Usage], queue: asyncio.Queue[Any]) -
         await queue.put(exc)
         return
     await queue.put(_END)
+
+
+def _usage_queued(queue: asyncio.Queue[Any]) -> list[Usage]:
+    """The usage records a stopped handler had already queued: those calls were made,
+    so they are billed, while the chunks queued with them are not shown."""
+    out = []
+    while not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, Usage):
+            out.append(item)
+    return out
 
 
 def _kv(fields: dict[str, Any]) -> str:

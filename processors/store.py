@@ -11,7 +11,7 @@ match zero rows. A frozen worker that wakes up cannot write.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -55,10 +55,18 @@ class Claim:
     had_output: bool
     queue_age_s: float | None = None  # created_at -> started_at (the first claim's)
     failures: int = 0  # handler failures of earlier attempts (not handoffs)
+    # The input as of this claim (merges change it) and its version; a durable
+    # cancel request (the run must end ``cancelled`` without running again).
+    input: dict[str, Any] | None = None
+    input_version: int = 0
+    cancel_requested: bool = False
+    cancel_reason: str | None = None
 
 
 _OWNED = """
-    SELECT 1 FROM runs r JOIN partition_epochs e
+    SELECT r.cancel_requested_at IS NOT NULL AS cancel_requested, r.cancel_reason,
+           COALESCE(r.input_version, 0) AS input_version
+      FROM runs r JOIN partition_epochs e
       ON e.topic = :topic AND e.partition = :partition AND e.epoch = :epoch
      WHERE r.id = :run_id AND r.fence = :epoch AND r.status = ANY(:active)
        FOR SHARE
@@ -83,6 +91,9 @@ class ChunkWrite:
     run_id: str
     chunks: Sequence[Chunk]
     first_output: bool
+    # The input version the attempt runs on: a write that finds another one (a merge)
+    # or a cancel request tells the store's observer, which stops the attempt.
+    input_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,9 @@ class FinishWrite:
     usage: Sequence[Usage] = ()
     error: str | None = None
     first_output: bool = False
+    # A ``done`` finish on this input version only: when a merge changed the version
+    # it is refused (Superseded), so a run never finishes on stale input.
+    input_version: int | None = None
 
     def __post_init__(self) -> None:
         if not self.status.terminal:
@@ -109,6 +123,52 @@ class Finished:
 
     inserted: list[int]
     costs: dict[int, Decimal] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Superseded:
+    """A finish refused because the run's row changed under the attempt: a cancel was
+    requested (``cancelled``), or a merge bumped the input version. Nothing was written."""
+
+    cancelled: bool
+    cancel_reason: str | None
+    input_version: int
+
+
+@dataclass(frozen=True)
+class RunSteer:
+    """What a fenced write saw of the run's row: a cancel request and the input version."""
+
+    cancel_requested: bool
+    cancel_reason: str | None
+    input_version: int
+
+    def supersedes(self, write: ChunkWrite | FinishWrite) -> Superseded | None:
+        """The refusal of ``write`` (a finish only), or None when it may be written."""
+        if not isinstance(write, FinishWrite):
+            return None
+        if self.cancel_requested and write.status is not RunStatus.CANCELLED:
+            return Superseded(True, self.cancel_reason, self.input_version)
+        if (
+            write.status is RunStatus.DONE
+            and write.input_version is not None
+            and write.input_version != self.input_version
+        ):
+            return Superseded(False, None, self.input_version)
+        return None
+
+    def changed_for(self, write: ChunkWrite | FinishWrite) -> bool:
+        """Whether the attempt behind ``write`` should stop (for the observer)."""
+        if self.cancel_requested:
+            return (
+                write.status is not RunStatus.CANCELLED if isinstance(write, FinishWrite) else True
+            )
+        return write.input_version is not None and write.input_version != self.input_version
+
+
+# Told about every fenced write that found a cancel request or a newer input version:
+# (run_id, steer). The worker's control board stops the attempt (a missed signal).
+SteerObserver = Callable[[str, RunSteer], None]
 
 
 @dataclass(frozen=True)
@@ -132,7 +192,7 @@ class PublishedWrite:
 
 
 GroupWrite = ClaimWrite | ChunkWrite | FinishWrite | PublishedWrite
-GroupResult = Claim | list[int] | Finished | None
+GroupResult = Claim | list[int] | Finished | Superseded | None
 
 # SKIP LOCKED: a row the compactor holds (it locks runs while compacting them) is left
 # unmarked rather than holding up the whole group; the completeness pass marks it later.
@@ -168,6 +228,11 @@ class RunStore:
         # Single-statement reads need no transaction: in autocommit they skip the
         # BEGIN and ROLLBACK round trips (two of a run's ~26 before this).
         self.reader = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.observer: SteerObserver | None = None
+
+    def _observe(self, write: ChunkWrite | FinishWrite, steer: RunSteer) -> None:
+        if self.observer is not None and steer.changed_for(write):
+            self.observer(write.run_id, steer)
 
     async def bump_epochs(
         self, topic: str, partitions: Sequence[int], worker_id: str
@@ -270,7 +335,10 @@ class RunStore:
                                         WHERE e.topic = :topic AND e.partition = :partition
                                           AND e.epoch = :epoch FOR SHARE)
                         RETURNING attempt, COALESCE(failures, 0) AS failures,
-                                  EXTRACT(EPOCH FROM started_at - created_at) AS queue_age_s
+                                  EXTRACT(EPOCH FROM started_at - created_at) AS queue_age_s,
+                                  input, COALESCE(input_version, 0) AS input_version,
+                                  cancel_requested_at IS NOT NULL AS cancel_requested,
+                                  cancel_reason
                         """
                     ),
                     {
@@ -297,6 +365,10 @@ class RunStore:
                 had_output=nxt[1] > 0,
                 queue_age_s=None if row.queue_age_s is None else float(row.queue_age_s),
                 failures=int(row.failures),
+                input=row.input,
+                input_version=int(row.input_version),
+                cancel_requested=bool(row.cancel_requested),
+                cancel_reason=row.cancel_reason,
             )
 
     async def record_failure(self, fence: Fence, run_id: str) -> int | None:
@@ -324,7 +396,13 @@ class RunStore:
             return None if row is None else int(row.failures)
 
     async def write_chunks(
-        self, fence: Fence, run_id: str, chunks: Sequence[Chunk], *, first_output: bool
+        self,
+        fence: Fence,
+        run_id: str,
+        chunks: Sequence[Chunk],
+        *,
+        first_output: bool,
+        input_version: int | None = None,
     ) -> list[int] | None:
         """Insert ``chunks`` (ON CONFLICT DO NOTHING) if still the owner.
 
@@ -332,8 +410,10 @@ class RunStore:
         ``first_output`` the run moves ``running → streaming`` in the same transaction.
         """
         async with self.engine.begin() as conn:
-            if not await self._owned(conn, fence, run_id):
+            steer = await self._owned(conn, fence, run_id)
+            if steer is None:
                 return None
+            self._observe(ChunkWrite(fence, run_id, chunks, first_output, input_version), steer)
             if first_output:
                 await self._transition(conn, fence, run_id, RunStatus.STREAMING)
             return await _insert_chunks(conn, run_id, chunks)
@@ -360,7 +440,16 @@ class RunStore:
             if marks:
                 await _mark_published(conn, marks)
             claimed = await _claim_group(conn, claims) if claims else {}
-            mine = await _owned_group(conn, parts) if parts else []
+            owned = await _owned_group(conn, parts) if parts else []
+            refused: dict[str, Superseded] = {}
+            mine: list[ChunkWrite | FinishWrite] = []
+            for part, steer in owned:
+                self._observe(part, steer)
+                no = steer.supersedes(part)
+                if no is None:
+                    mine.append(part)
+                else:
+                    refused[part.run_id] = no
             inserted: dict[str, list[int]] = {w.run_id: [] for w in mine}
             chunks = [c for w in mine for c in w.chunks]
             if chunks:
@@ -433,6 +522,8 @@ class RunStore:
         for w in writes:
             if isinstance(w, ClaimWrite):
                 out.append(claimed.get(w.run_id))
+            elif w.run_id in refused:
+                out.append(refused[w.run_id])
             elif isinstance(w, PublishedWrite) or w.run_id not in inserted:
                 out.append(None)
             elif isinstance(w, FinishWrite):
@@ -451,18 +542,28 @@ class RunStore:
         error: str | None = None,
         *,
         first_output: bool = False,
-    ) -> Finished | None:
+        input_version: int | None = None,
+    ) -> Finished | Superseded | None:
         """Write the trailing chunks, usage and the terminal transition atomically.
 
         With ``first_output`` (the run's first chunks are among ``final``) the same
         UPDATE sets ``first_chunk_at``: ``streaming`` would be visible to nobody
         inside this transaction. Returns the inserted seqs and the usage costs as
-        priced here (so the usage events carry them), or None when fenced out
-        (nothing written).
+        priced here (so the usage events carry them), None when fenced out, or
+        :class:`Superseded` when a cancel request or a merge refuses it (nothing
+        written either way). The ownership check locks the run's row ``FOR SHARE``: a
+        cancel or a merge committing meanwhile waits for this transaction, then finds
+        the run terminal; one committed before it is seen here.
         """
+        write = FinishWrite(fence, run_id, status, final, usage, error, first_output, input_version)
         async with self.engine.begin() as conn:
-            if not await self._owned(conn, fence, run_id):
+            steer = await self._owned(conn, fence, run_id)
+            if steer is None:
                 return None
+            self._observe(write, steer)
+            refused = steer.supersedes(write)
+            if refused is not None:
+                return refused
             inserted = await _insert_chunks(conn, run_id, final) if final else []
             costs: dict[int, Decimal] = {}
             for index, u in enumerate(usage):
@@ -497,9 +598,11 @@ class RunStore:
             )
             return Finished(inserted, costs)
 
-    async def _owned(self, conn: AsyncConnection, fence: Fence, run_id: str) -> bool:
+    async def _owned(self, conn: AsyncConnection, fence: Fence, run_id: str) -> RunSteer | None:
         row = (await conn.execute(text(_OWNED), _fence_params(fence, run_id))).first()
-        return row is not None
+        if row is None:
+            return None
+        return RunSteer(bool(row.cancel_requested), row.cancel_reason, int(row.input_version))
 
     async def _transition(
         self,
@@ -624,7 +727,9 @@ async def _claim_group(conn: AsyncConnection, claims: Sequence[ClaimWrite]) -> d
                             WHERE e.topic = q.topic AND e.partition = q.partition
                               AND e.epoch = q.epoch FOR SHARE)
             RETURNING r.id, r.attempt, COALESCE(r.failures, 0) AS failures,
-                      EXTRACT(EPOCH FROM r.started_at - r.created_at) AS queue_age_s
+                      EXTRACT(EPOCH FROM r.started_at - r.created_at) AS queue_age_s,
+                      r.input, COALESCE(r.input_version, 0) AS input_version,
+                      r.cancel_requested_at IS NOT NULL AS cancel_requested, r.cancel_reason
             """
         ),
         {
@@ -662,19 +767,25 @@ async def _claim_group(conn: AsyncConnection, claims: Sequence[ClaimWrite]) -> d
             had_output=chunks > 0,
             queue_age_s=None if row.queue_age_s is None else float(row.queue_age_s),
             failures=int(row.failures),
+            input=row.input,
+            input_version=int(row.input_version),
+            cancel_requested=bool(row.cancel_requested),
+            cancel_reason=row.cancel_reason,
         )
     return out
 
 
 async def _owned_group(
     conn: AsyncConnection, parts: Sequence[ChunkWrite | FinishWrite]
-) -> list[ChunkWrite | FinishWrite]:
+) -> list[tuple[ChunkWrite | FinishWrite, RunSteer]]:
     """The parts whose run ``parts``' fences still own, locked ``FOR SHARE`` in
-    (partition, run) order."""
+    (partition, run) order, each with what its run's row says of cancel and merge."""
     owned = await conn.execute(
         text(
             """
-            SELECT q.i FROM unnest(CAST(:topics AS text[]), CAST(:parts AS int[]),
+            SELECT q.i, r.cancel_requested_at IS NOT NULL AS cancel_requested,
+                   r.cancel_reason, COALESCE(r.input_version, 0) AS input_version
+              FROM unnest(CAST(:topics AS text[]), CAST(:parts AS int[]),
                                    CAST(:epochs AS bigint[]), CAST(:ids AS text[]))
                             WITH ORDINALITY AS q(topic, partition, epoch, run_id, i)
               JOIN partition_epochs e ON e.topic = q.topic
@@ -693,7 +804,10 @@ async def _owned_group(
             "active": [s.value for s in ACTIVE],
         },
     )
-    return [parts[int(i) - 1] for (i,) in owned]
+    return [
+        (parts[int(i) - 1], RunSteer(bool(cancel), reason, int(version)))
+        for i, cancel, reason, version in owned
+    ]
 
 
 async def _insert_usage_group(

@@ -24,6 +24,7 @@ class Transition:
     attempt: int
     worker_id: str | None
     at: datetime
+    reason: str | None = None  # "merged" on a rerun's running; the cancel reason
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def decode_run_event(value: bytes | None) -> Transition | UsageEvent:
         ) from None
     if obj["event"] == "transition":
         worker = obj.get("worker_id")
-        return Transition(obj["run_id"], obj["to"], obj["attempt"], worker, at)
+        return Transition(obj["run_id"], obj["to"], obj["attempt"], worker, at, obj.get("reason"))
     if obj["event"] == "usage":
         cost = obj.get("cost_usd")
         try:

@@ -121,7 +121,8 @@ RUN_EVENT = RecordSpec(
     variants=(
         Variant(
             "transition",
-            "The run moved to status `to` (running at each claim; done or failed at the end).",
+            "The run moved to status `to` (running at each claim; done, failed or cancelled at "
+            "the end).",
             (
                 Field(
                     "to",
@@ -135,6 +136,21 @@ RUN_EVENT = RecordSpec(
                     "string",
                     "The claiming worker; only on `running`.",
                     required=False,
+                ),
+                Field(
+                    "reason",
+                    "string",
+                    "Why: `merged` on a `running` that reruns the run on its merged input; "
+                    "the cancel request's reason on `cancelled`.",
+                    required=False,
+                ),
+                Field(
+                    "input_version",
+                    "integer",
+                    "The input version the rerun uses (how many messages were merged); only "
+                    "with reason `merged`.",
+                    required=False,
+                    minimum=0,
                 ),
             ),
         ),

@@ -67,6 +67,11 @@ runs = Table(
     Column("compacted_at", DateTime(timezone=True), nullable=True),
     # The terminal seq, once every message 0..it is acknowledged on the chunk topic (0006).
     Column("published_seq", Integer, nullable=True),
+    # Run control (0004): a durable cancel request, and the version merges bump
+    # (NULL reads as 0).
+    Column("cancel_requested_at", DateTime(timezone=True), nullable=True),
+    Column("cancel_reason", Text, nullable=True),
+    Column("input_version", Integer, nullable=True),
     UniqueConstraint("idempotency_key", name="uq_runs_idempotency_key"),
     CheckConstraint(f"status IN ({STATUS_VALUES})", name="ck_runs_status"),
     Index("ix_runs_user_id_created_at", "user_id", "created_at"),
@@ -88,6 +93,19 @@ runs = Table(
             "published_seq IS NULL AND compacted_at IS NULL AND finished_at IS NOT NULL"
         ),
     ),
+)
+
+# One row per message merged into a running run (0004), keyed like a run.
+run_merges = Table(
+    "run_merges",
+    metadata,
+    Column("idempotency_key", Text, primary_key=True),
+    Column("run_id", Text, ForeignKey("runs.id"), nullable=False),
+    Column("user_id", Text, nullable=False),
+    Column("input_version", Integer, nullable=False),
+    Column("input", JSONB, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ix_run_merges_run_id", "run_id"),
 )
 
 messages = Table(

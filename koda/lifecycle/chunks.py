@@ -84,6 +84,12 @@ class SeqCounter:
         self._next += 1
         return seq
 
+    def give_back(self, seq: int) -> None:
+        """Return the last seq taken (its event was never written)."""
+        if seq != self._next - 1:
+            raise ValueError(f"only the last seq taken ({self._next - 1}) can be given back")
+        self._next = seq
+
 
 def visible_output(events: Iterable[tuple[int, str, str]]) -> str:
     """The answer a run gave: its ``chunk`` contents after the last ``reset``, by seq.

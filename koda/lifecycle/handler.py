@@ -2,8 +2,9 @@
 
 A handler gets a :class:`RunContext` and yields ``str`` (a chunk of the answer) or
 :class:`Usage` (one model call's token counts). It must check
-``ctx.cancel.cancelled`` between steps and return early when set; the worker
-also cancels the task at the handoff ceiling.
+``ctx.cancel.cancelled`` between steps and return early when set (a user's cancel,
+or a merged message that makes the worker start over); the worker also cancels the
+task then, and at the handoff ceiling.
 """
 
 from __future__ import annotations

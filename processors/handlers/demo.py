@@ -7,6 +7,9 @@ Switches, read from ``input["demo"]`` (all optional):
     fail_attempts   attempts 1..N raise after emitting half their chunks (default 0)
     hang            never finish (until cancelled)
     token_bytes     approximate size of each chunk (default 6)
+    usage_each      one model call per chunk: a usage record (1 prompt token, 1
+                    completion token) after each chunk, as an agent making a call
+                    per step reports them (default false)
     stamp           prefix each chunk with the wall-clock time of its yield
                     (``<unix seconds> ``), for latency benchmarks (default false)
     outage_until    a downstream outage for drills: until this wall-clock time (unix
@@ -67,6 +70,7 @@ class DemoHandler:
         delay = float(opts.get("delay_ms", 20)) / 1000.0
         fail_attempts = int(opts.get("fail_attempts", 0))
         stamp = bool(opts.get("stamp", False))
+        usage_each = bool(opts.get("usage_each", False))
         fail_at = len(tokens) // 2 if ctx.attempt <= fail_attempts else None
         outage_until = float(opts.get("outage_until", 0))
         slow_outage = opts.get("outage") == "slow"
@@ -83,12 +87,15 @@ class DemoHandler:
             if delay:
                 await asyncio.sleep(delay)
             yield f"{time.time():.6f} {token}" if stamp else token
+            if usage_each:
+                yield Usage(MODEL, 1, 1)
         if fail_at is not None:
             raise HandlerError(f"demo failure on attempt {ctx.attempt} (fail_attempts)")
         if opts.get("hang"):
             await ctx.cancel.wait()
             return
-        yield Usage(MODEL, len(prompt_text(ctx.input).split()), len(tokens))
+        if not usage_each:
+            yield Usage(MODEL, len(prompt_text(ctx.input).split()), len(tokens))
 
     async def aclose(self) -> None:
         return None

@@ -237,7 +237,8 @@ async def test_claims_in_a_group_match_claims_alone(db: Stack) -> None:
     assert await stored(db, stale[0]) == ([], "pending")
     # The same claim alone gives the same answer as in the group.
     alone = await db.store.claim(fresh[0], f, "w2")
-    assert alone == Claim(2, 0, False, got[0].queue_age_s, 0)
+    assert alone == Claim(2, 0, False, got[0].queue_age_s, 0, input=got[0].input)
+    assert got[0].input == {} and got[0].input_version == 0 and not got[0].cancel_requested
 
 
 async def test_a_fenced_out_run_is_refused_and_the_rest_of_its_group_written(db: Stack) -> None:

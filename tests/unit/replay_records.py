@@ -77,9 +77,15 @@ def event(offset: int, run_id: str, at: str, **fields: Any) -> FakeMessage:
 
 
 def transition(
-    offset: int, run_id: str, to: str, attempt: int, at: str, worker: str | None = None
+    offset: int,
+    run_id: str,
+    to: str,
+    attempt: int,
+    at: str,
+    worker: str | None = None,
+    **fields: Any,
 ) -> FakeMessage:
-    extra = {"worker_id": worker} if worker else {}
+    extra = {"worker_id": worker, **fields} if worker else dict(fields)
     return event(offset, run_id, at, event="transition", to=to, attempt=attempt, **extra)
 
 

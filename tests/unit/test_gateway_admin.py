@@ -12,6 +12,7 @@ from gateway.admission import Admissions
 from gateway.app import create_app
 from gateway.auth import Authenticator
 from gateway.components import Components
+from gateway.control_store import ControlStore
 from gateway.publisher import RunPublisher
 from gateway.ratelimit import TokenBuckets
 from gateway.store import RunStore
@@ -48,6 +49,7 @@ async def client_for(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
         publisher=publisher,
         admissions=Admissions(store, publisher, partitions=settings.partitions),
         sweeper=Sweeper(store, publisher, after_s=30, interval_s=5),
+        control=ControlStore(engine),
     )
     directory = WorkerDirectory(settings)  # not started: filled by hand below
     now = datetime.now(UTC)

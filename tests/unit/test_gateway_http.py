@@ -15,6 +15,7 @@ from gateway.admission import Admissions
 from gateway.app import create_app
 from gateway.auth import Authenticator
 from gateway.components import Components
+from gateway.control_store import ControlStore
 from gateway.publisher import RunPublisher
 from gateway.ratelimit import TokenBuckets
 from gateway.store import RunStore
@@ -50,6 +51,7 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         publisher=publisher,
         admissions=Admissions(store, publisher, partitions=settings.partitions),
         sweeper=Sweeper(store, publisher, after_s=30, interval_s=5),
+        control=ControlStore(engine),
     )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:

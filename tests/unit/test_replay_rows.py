@@ -196,3 +196,14 @@ def test_a_run_with_a_hole_below_its_terminal_event_has_not_ended_in_the_warehou
         assert row == ("a b ", "done", 2)
     finally:
         sink.close()
+
+
+def test_a_merged_rerun_and_a_cancel_keep_their_reason() -> None:
+    run = uuid7()
+    batch = decode(
+        transition(1, run, "running", 1, AT, worker="w1"),
+        transition(2, run, "running", 2, AT, worker="w1", reason="merged", input_version=1),
+        transition(3, run, "cancelled", 2, AT, reason="changed my mind"),
+    )
+    reasons = [(r["status"], r["reason"]) for r in rows(batch, t.RUN_TRANSITIONS)]
+    assert reasons == [("running", None), ("running", "merged"), ("cancelled", "changed my mind")]

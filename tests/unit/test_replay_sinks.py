@@ -189,3 +189,22 @@ def test_two_writers_of_one_duckdb_file_get_a_clear_error(tmp_path: Path) -> Non
     first.close()
     assert done.returncode != 0
     assert "cannot open duckdb:///w.duckdb (is another replay writing it?)" in done.stderr
+
+
+def test_a_warehouse_of_an_older_release_gains_the_new_columns(tmp_path: Path) -> None:
+    path = tmp_path / "old.duckdb"
+    old = duckdb.connect(str(path))
+    old.execute(
+        "CREATE TABLE run_transitions (source_topic TEXT, source_partition INTEGER,"
+        " source_offset BIGINT, run_id TEXT, day DATE, status TEXT, attempt INTEGER,"
+        " worker_id TEXT, event_at TIMESTAMPTZ,"
+        " PRIMARY KEY (source_topic, source_partition, source_offset))"
+    )
+    old.close()
+    sink = DuckDBSink(path, "old.duckdb")
+    sink.open()
+    try:
+        cols = [r[0] for r in sink.conn.execute("DESCRIBE run_transitions").fetchall()]
+    finally:
+        sink.close()
+    assert "reason" in cols

@@ -157,7 +157,16 @@ class RecordDecoder:
         where = (msg.topic(), msg.partition(), offset)
         batch.add(
             t.RUN_TRANSITIONS,
-            (*where, event.run_id, day, event.to, event.attempt, event.worker_id, event.at),
+            (
+                *where,
+                event.run_id,
+                day,
+                event.to,
+                event.attempt,
+                event.worker_id,
+                event.at,
+                event.reason,
+            ),
         )
         terminal = event.to in _TERMINAL
         claim = event.to == RunStatus.RUNNING.value

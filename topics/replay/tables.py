@@ -149,6 +149,9 @@ RUN_TRANSITIONS = Table(
         Column("attempt", "int"),
         Column("worker_id", "text"),
         Column("event_at", "timestamp"),
+        # Why: "merged" on a rerun's running, the cancel reason on cancelled. Added
+        # after the first release: the sinks add it to existing tables.
+        Column("reason", "text"),
     ),
 )
 CHUNKS = Table(

@@ -1,0 +1,285 @@
+"""Run control routes: cancel a run, and list a user's or a session's runs.
+
+``POST /v1/runs/{run_id}/cancel`` is owner-only (another user's run answers the same
+404 as an unknown one) and idempotent: a terminal run answers 200 with its state and
+nothing changes. A pending run becomes ``cancelled`` here and now (its trigger is
+skipped by the worker that reads it); for a running one the request is made durable in
+Postgres first, then signalled on the run-control topic (202), and the worker ends the
+run ``cancelled``. History pages are newest first; ``before`` is the last run id of
+the previous page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Query, Request, Response, Security
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPBearer
+
+from gateway.components import Components, components_of
+from gateway.control_store import CANCELLED, REQUESTED, CancelOutcome
+from gateway.errors import BadRequest, InvalidField, NotFound, PublishError
+from gateway.intake import SESSION_ID, check_content_type, decode_json, read_body
+from gateway.models import CancelRequest, ErrorBody, RunCancel, RunPage, RunSummary
+from koda import metrics
+from koda.lifecycle.chunks import ChunkKind, chunk_key
+from koda.lifecycle.control import CANCEL, MAX_REASON_CHARS, ControlRecord
+from koda.lifecycle.states import RunStatus
+from schemas.records import RUN_CHUNK, chunk_value, headers_for
+from topics.catalogue import RUN_CHUNKS, partition_for_key
+
+log = logging.getLogger(__name__)
+
+MAX_RUN_ID_CHARS = 128
+DEFAULT_LIMIT = 20
+MAX_LIMIT = 100
+CANCEL_BODY_LIMIT = 4096
+
+router = APIRouter()
+_bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    described = {
+        400: "A bad query parameter or body (the field is named)",
+        401: "Missing or invalid bearer token",
+        404: "Unknown run or session (or another user's)",
+        415: "Body is not application/json",
+        422: "A field is missing or invalid",
+        503: "Postgres is unavailable; see Retry-After",
+    }
+    return {c: {"model": ErrorBody, "description": described[c]} for c in codes}
+
+
+def _user(request: Request, gw: Components) -> str:
+    user_id = gw.auth.authenticate(request.headers.get("authorization"))
+    request.state.user_id = user_id
+    return user_id
+
+
+def _not_found() -> NotFound:
+    return NotFound("run not found: check the run id and the token's user", field="run_id")
+
+
+async def _reason(request: Request) -> str | None:
+    """The optional ``{"reason": ...}`` body; an empty body is no reason."""
+    body = await read_body(
+        request.headers.get("content-length"), request.stream(), CANCEL_BODY_LIMIT
+    )
+    if not body.strip():
+        return None
+    check_content_type(request.headers.get("content-type"))
+    obj = decode_json(body)
+    if not isinstance(obj, dict):
+        raise InvalidField("the body must be a JSON object", field="body")
+    for name in obj:
+        if name != "reason":
+            raise InvalidField(
+                f"unknown field {name[:64]!r}: the only field is reason", field=name[:64]
+            )
+    reason = obj.get("reason")
+    if reason is None:
+        return None
+    if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS or "\x00" in reason:
+        raise InvalidField(
+            f"reason must be a string of at most {MAX_REASON_CHARS} characters", field="reason"
+        )
+    return reason
+
+
+@router.post(
+    "/v1/runs/{run_id}/cancel",
+    response_model=RunCancel,
+    responses={
+        202: {"model": RunCancel, "description": "Running: the worker ends it cancelled"},
+        **_errors(400, 401, 404, 415, 422, 503),
+    },
+    dependencies=[Security(_bearer)],
+    openapi_extra={
+        "requestBody": {
+            "required": False,
+            "content": {"application/json": {"schema": CancelRequest.model_json_schema()}},
+        }
+    },
+    summary="Cancel a run (idempotent)",
+)
+async def cancel_run(run_id: str, request: Request) -> Response:
+    gw = components_of(request)
+    user_id = _user(request, gw)
+    reason = await _reason(request)
+    if len(run_id) > MAX_RUN_ID_CHARS:
+        raise _not_found()
+    outcome = await gw.control.cancel(run_id, user_id, reason)
+    if outcome is None:
+        raise _not_found()
+    metrics.RUNS_CANCEL_REQUESTS.labels(outcome=outcome.outcome).inc()
+    log.info(
+        "event=run_cancel run_id=%s user_id=%s outcome=%s status=%s",
+        run_id,
+        user_id,
+        outcome.outcome,
+        outcome.status,
+    )
+    if outcome.outcome == CANCELLED:
+        await _publish_end(gw, outcome)
+    elif outcome.outcome == REQUESTED:
+        await gw.admissions.signal(
+            ControlRecord(run_id, user_id, CANCEL, reason=outcome.cancel_reason)
+        )
+    body = RunCancel(
+        run_id=outcome.run_id,
+        status=outcome.status,
+        cancel_requested=outcome.cancel_requested_at is not None,
+        cancel_reason=outcome.cancel_reason,
+        events_url=f"/v1/runs/{run_id}/events",
+    )
+    return JSONResponse(
+        body.model_dump(mode="json"), status_code=202 if outcome.outcome == REQUESTED else 200
+    )
+
+
+async def _publish_end(gw: Components, outcome: CancelOutcome) -> None:
+    """The terminal event of a run cancelled while pending, for live viewers (Postgres
+    has it already; a viewer that misses the record finds it at its next re-read)."""
+    if outcome.event_seq is None or outcome.event_content is None:
+        return
+    partition = outcome.partition
+    if partition is None:
+        partition = partition_for_key(outcome.user_id.encode(), gw.settings.partitions)
+    try:
+        await asyncio.wait_for(
+            gw.publisher.send(
+                gw.settings.names.topic(RUN_CHUNKS),
+                chunk_key(outcome.run_id, outcome.event_seq).encode(),
+                chunk_value(
+                    outcome.run_id,
+                    outcome.event_seq,
+                    ChunkKind.CANCELLED.value,
+                    outcome.event_content,
+                    0,
+                ),
+                list(headers_for(RUN_CHUNK)),
+                partition=partition,
+            ),
+            gw.admissions.publish_wait_s,
+        )
+    except (PublishError, TimeoutError) as exc:
+        log.warning("event=cancel_event_publish_failed run_id=%s error=%s", outcome.run_id, exc)
+
+
+def _limit(raw: str | None) -> int:
+    if raw is None:
+        return DEFAULT_LIMIT
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+        raise BadRequest(
+            f"limit must be an integer from 1 to {MAX_LIMIT}", field="limit", code="invalid_query"
+        )
+    return int(raw)
+
+
+async def _page(
+    gw: Components,
+    user_id: str,
+    *,
+    session_id: str | None,
+    status: RunStatus | None,
+    limit_raw: str | None,
+    before: str | None,
+) -> RunPage:
+    limit = _limit(limit_raw)
+    position = None
+    if before is not None:
+        if not before or len(before) > MAX_RUN_ID_CHARS or "\x00" in before:
+            raise BadRequest(
+                "before must be a run id from an earlier page", field="before", code="invalid_query"
+            )
+        position = await gw.control.cursor_position(before, user_id)
+        if position is None:
+            raise BadRequest(
+                "before is not one of your runs: pass next_before of the previous page",
+                field="before",
+                code="invalid_query",
+            )
+    rows = await gw.control.list_runs(
+        user_id, session_id=session_id, status=status, limit=limit, before=position
+    )
+    runs = [
+        RunSummary(
+            run_id=r.run_id,
+            session_id=r.session_id,
+            status=r.status,
+            attempt=r.attempt,
+            created_at=r.created_at,
+            finished_at=r.finished_at,
+            cancel_reason=r.cancel_reason,
+            merged_messages=r.merged,
+        )
+        for r in rows
+    ]
+    return RunPage(runs=runs, next_before=runs[-1].run_id if len(runs) == limit else None)
+
+
+@router.get(
+    "/v1/sessions/{session_id}/runs",
+    response_model=RunPage,
+    responses=_errors(400, 401, 404, 503),
+    dependencies=[Security(_bearer)],
+    summary="A session's runs, newest first",
+)
+async def session_runs(
+    session_id: str,
+    request: Request,
+    limit: str | None = Query(None, description=f"1-{MAX_LIMIT}, default {DEFAULT_LIMIT}"),
+    before: str | None = Query(None, description="next_before of the previous page"),
+) -> RunPage:
+    gw = components_of(request)
+    user_id = _user(request, gw)
+    if not SESSION_ID.fullmatch(session_id) or not await gw.control.session_owned(
+        session_id, user_id
+    ):
+        raise NotFound(
+            "session not found: check the session id and the token's user", field="session_id"
+        )
+    return await _page(
+        gw, user_id, session_id=session_id, status=None, limit_raw=limit, before=before
+    )
+
+
+@router.get(
+    "/v1/runs",
+    response_model=RunPage,
+    responses=_errors(400, 401, 503),
+    dependencies=[Security(_bearer)],
+    summary="Your runs, newest first, optionally by status and session",
+)
+async def list_runs(
+    request: Request,
+    status: str | None = Query(None, description="One of " + ", ".join(s.value for s in RunStatus)),
+    session_id: str | None = Query(None, description="Only this session's runs"),
+    limit: str | None = Query(None, description=f"1-{MAX_LIMIT}, default {DEFAULT_LIMIT}"),
+    before: str | None = Query(None, description="next_before of the previous page"),
+) -> RunPage:
+    gw = components_of(request)
+    user_id = _user(request, gw)
+    wanted = None
+    if status is not None:
+        try:
+            wanted = RunStatus(status)
+        except ValueError:
+            raise BadRequest(
+                f"status must be one of {', '.join(s.value for s in RunStatus)}",
+                field="status",
+                code="invalid_query",
+            ) from None
+    if session_id is not None and not SESSION_ID.fullmatch(session_id):
+        raise BadRequest(
+            "session_id must be 1-128 chars of A-Z a-z 0-9 . _ : @ -",
+            field="session_id",
+            code="invalid_query",
+        )
+    return await _page(
+        gw, user_id, session_id=session_id, status=wanted, limit_raw=limit, before=before
+    )

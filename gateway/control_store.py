@@ -1,0 +1,380 @@
+"""The gateway's Postgres side of run control: cancel, merge and a user's run history.
+
+Every write is one conditional UPDATE on the run's row (expected status in the
+WHERE clause), so it cannot race the worker: the worker's fenced writes lock the row
+``FOR SHARE``, and its finish checks ``cancel_requested_at`` and ``input_version`` in
+the same transaction that ends the run. Whichever commits first wins; the other
+sees it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from koda.errors import DatabaseError
+from koda.lifecycle.chunks import ChunkKind
+from koda.lifecycle.control import merge_inputs
+from koda.lifecycle.states import ACTIVE, RunStatus, sources_of
+
+CANCELLED = "cancelled"  # pending → cancelled, here and now
+REQUESTED = "requested"  # running: the request is durable, the worker ends the run
+UNCHANGED = "unchanged"  # terminal already: nothing changes
+
+
+@dataclass(frozen=True)
+class CancelOutcome:
+    run_id: str
+    user_id: str
+    status: str
+    outcome: str
+    partition: int | None
+    cancel_reason: str | None
+    cancel_requested_at: datetime | None
+    # pending → cancelled: the terminal event the gateway wrote (seq, content).
+    event_seq: int | None = None
+    event_content: str | None = None
+
+
+@dataclass(frozen=True)
+class MergeOutcome:
+    run_id: str
+    user_id: str
+    session_id: str
+    status: str
+    created_at: datetime
+    input_version: int
+    replayed: bool
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_id: str
+    session_id: str
+    status: str
+    attempt: int
+    created_at: datetime
+    finished_at: datetime | None
+    cancel_reason: str | None
+    merged: int  # messages merged into the run
+
+
+_CANCEL_PENDING = text(
+    """
+    UPDATE runs SET status = 'cancelled', finished_at = now(),
+           cancel_requested_at = now(), cancel_reason = :reason
+     WHERE id = :run_id AND user_id = :user_id AND status = 'pending'
+       AND status = ANY(:sources)
+    RETURNING id, user_id, status, partition, attempt, cancel_reason, cancel_requested_at
+    """
+)
+_CANCEL_EVENT = text(
+    """
+    INSERT INTO messages (run_id, seq, kind, content, attempt)
+    SELECT :run_id, COALESCE(MAX(seq) + 1, 0), :kind, :content, :attempt
+      FROM messages WHERE run_id = :run_id
+    RETURNING seq
+    """
+)
+_REQUEST_CANCEL = text(
+    """
+    UPDATE runs SET cancel_requested_at = now(), cancel_reason = :reason
+     WHERE id = :run_id AND user_id = :user_id AND status = ANY(:active)
+       AND cancel_requested_at IS NULL
+    RETURNING id, user_id, status, partition, cancel_reason, cancel_requested_at
+    """
+)
+_READ = text(
+    """
+    SELECT id, user_id, status, partition, cancel_reason, cancel_requested_at
+      FROM runs WHERE id = :run_id AND user_id = :user_id
+    """
+)
+_LATEST_IN_SESSION = text(
+    """
+    SELECT id, user_id, session_id, status, input, COALESCE(input_version, 0) AS input_version,
+           created_at, cancel_requested_at,
+           created_at > now() - make_interval(secs => :window_s) AS in_window
+      FROM runs WHERE session_id = :session_id AND user_id = :user_id
+     ORDER BY created_at DESC, id DESC LIMIT 1
+       FOR UPDATE
+    """
+)
+_MERGE = text(
+    """
+    UPDATE runs SET input = CAST(:input AS jsonb),
+           input_version = COALESCE(input_version, 0) + 1
+     WHERE id = :run_id AND status = ANY(:active) AND cancel_requested_at IS NULL
+       AND COALESCE(input_version, 0) = :version
+    RETURNING status, input_version
+    """
+)
+_RECORD_MERGE = text(
+    """
+    INSERT INTO run_merges (idempotency_key, run_id, user_id, input_version, input)
+    VALUES (:key, :run_id, :user_id, :version, CAST(:input AS jsonb))
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING run_id
+    """
+)
+_MERGE_BY_KEY = text(
+    """
+    SELECT m.run_id, m.user_id, m.input_version, r.session_id, r.status, r.created_at
+      FROM run_merges m JOIN runs r ON r.id = m.run_id
+     WHERE m.idempotency_key = :key
+    """
+)
+_LIST_RUNS = text(
+    """
+    SELECT r.id, r.session_id, r.status, r.attempt, r.created_at, r.finished_at,
+           r.cancel_reason, COALESCE(r.input_version, 0) AS merged
+      FROM runs r
+     WHERE r.user_id = :user_id
+       AND (CAST(:session_id AS text) IS NULL OR r.session_id = CAST(:session_id AS text))
+       AND (CAST(:status AS text) IS NULL OR r.status = CAST(:status AS text))
+       AND (CAST(:before_id AS text) IS NULL
+            OR (r.created_at, r.id)
+               < (CAST(:before_at AS timestamptz), CAST(:before_id AS text)))
+     ORDER BY r.created_at DESC, r.id DESC
+     LIMIT :limit
+    """
+)
+_RUN_BY_KEY = text("SELECT 1 FROM runs WHERE idempotency_key = :key")
+
+
+def _db_error(what: str, exc: Exception) -> DatabaseError:
+    return DatabaseError(f"{what} failed: {type(exc).__name__}")
+
+
+class ControlStore:
+    """Cancel and merge writes, and history reads; owner-only throughout."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def cancel(self, run_id: str, user_id: str, reason: str | None) -> CancelOutcome | None:
+        """Cancel the user's run; None when it is unknown or another user's."""
+        if "\x00" in run_id:
+            return None
+        params = {"run_id": run_id, "user_id": user_id, "reason": reason}
+        try:
+            async with self.engine.begin() as conn:
+                row = (
+                    await conn.execute(
+                        _CANCEL_PENDING,
+                        {**params, "sources": [s.value for s in sources_of(RunStatus.CANCELLED)]},
+                    )
+                ).first()
+                if row is not None:
+                    content = json.dumps({"status": "cancelled", "reason": reason})
+                    seq = (
+                        await conn.execute(
+                            _CANCEL_EVENT,
+                            {
+                                "run_id": run_id,
+                                "kind": ChunkKind.CANCELLED.value,
+                                "content": content,
+                                "attempt": int(row.attempt),
+                            },
+                        )
+                    ).scalar_one()
+                    return CancelOutcome(
+                        row.id,
+                        row.user_id,
+                        row.status,
+                        CANCELLED,
+                        row.partition,
+                        row.cancel_reason,
+                        row.cancel_requested_at,
+                        int(seq),
+                        content,
+                    )
+                row = (
+                    await conn.execute(
+                        _REQUEST_CANCEL, {**params, "active": [s.value for s in ACTIVE]}
+                    )
+                ).first()
+                outcome = REQUESTED
+                if row is None:
+                    row = (await conn.execute(_READ, params)).first()
+                    if row is None:
+                        return None
+                    # Already requested (signal again: harmless) or already terminal.
+                    active = RunStatus(row.status) in ACTIVE
+                    outcome = REQUESTED if active else UNCHANGED
+        except SQLAlchemyError as exc:
+            raise _db_error("cancelling a run", exc) from exc
+        return CancelOutcome(
+            row.id,
+            row.user_id,
+            row.status,
+            outcome,
+            row.partition,
+            row.cancel_reason,
+            row.cancel_requested_at,
+        )
+
+    async def merge(
+        self,
+        user_id: str,
+        session_id: str,
+        idempotency_key: str,
+        extra: dict[str, Any],
+        window_s: float,
+    ) -> MergeOutcome | None:
+        """Merge ``extra`` into the session's latest run if it is running or streaming,
+        not being cancelled, and younger than ``window_s``; None: admit a new run.
+
+        The latest run's row is locked ``FOR UPDATE`` while the rule is checked, and
+        the UPDATE is conditional on status and version again: a finish committed
+        first makes this a new run; a merge committed first makes the finish refuse.
+        A key seen before answers the earlier outcome and appends nothing.
+        """
+        try:
+            async with self.engine.begin() as conn:
+                if (await conn.execute(_RUN_BY_KEY, {"key": idempotency_key})).first():
+                    return None  # a replay of a run: the admission path answers it
+                earlier = (await conn.execute(_MERGE_BY_KEY, {"key": idempotency_key})).first()
+                if earlier is not None:
+                    return _replayed(earlier)
+                latest = (
+                    await conn.execute(
+                        _LATEST_IN_SESSION,
+                        {"session_id": session_id, "user_id": user_id, "window_s": window_s},
+                    )
+                ).first()
+                if (
+                    latest is None
+                    or RunStatus(latest.status) not in ACTIVE
+                    or latest.cancel_requested_at is not None
+                    or not latest.in_window
+                ):
+                    return None
+                merged = merge_inputs(latest.input, extra)
+                row = (
+                    await conn.execute(
+                        _MERGE,
+                        {
+                            "run_id": latest.id,
+                            "input": json.dumps(merged),
+                            "active": [s.value for s in ACTIVE],
+                            "version": int(latest.input_version),
+                        },
+                    )
+                ).first()
+                if row is None:
+                    return None
+                recorded = (
+                    await conn.execute(
+                        _RECORD_MERGE,
+                        {
+                            "key": idempotency_key,
+                            "run_id": latest.id,
+                            "user_id": user_id,
+                            "version": int(row.input_version),
+                            "input": json.dumps(extra),
+                        },
+                    )
+                ).first()
+                if recorded is None:
+                    # The same key merged concurrently: undo ours, answer theirs.
+                    await conn.rollback()
+                    async with self.engine.connect() as again:
+                        earlier = (
+                            await again.execute(_MERGE_BY_KEY, {"key": idempotency_key})
+                        ).first()
+                    return None if earlier is None else _replayed(earlier)
+        except SQLAlchemyError as exc:
+            raise _db_error("merging into a run", exc) from exc
+        return MergeOutcome(
+            latest.id,
+            user_id,
+            latest.session_id,
+            row.status,
+            latest.created_at,
+            int(row.input_version),
+            replayed=False,
+        )
+
+    async def session_owned(self, session_id: str, user_id: str) -> bool:
+        try:
+            async with self.engine.connect() as conn:
+                row = (
+                    await conn.execute(
+                        text("SELECT 1 FROM sessions WHERE id = :id AND user_id = :user_id"),
+                        {"id": session_id, "user_id": user_id},
+                    )
+                ).first()
+        except SQLAlchemyError as exc:
+            raise _db_error("reading a session", exc) from exc
+        return row is not None
+
+    async def cursor_position(self, run_id: str, user_id: str) -> tuple[datetime, str] | None:
+        """Where the user's run ``run_id`` sits in the history; None if not theirs."""
+        try:
+            async with self.engine.connect() as conn:
+                row = (
+                    await conn.execute(
+                        text("SELECT created_at, id FROM runs WHERE id = :id AND user_id = :u"),
+                        {"id": run_id, "u": user_id},
+                    )
+                ).first()
+        except SQLAlchemyError as exc:
+            raise _db_error("reading a cursor", exc) from exc
+        return None if row is None else (row.created_at, row.id)
+
+    async def list_runs(
+        self,
+        user_id: str,
+        *,
+        session_id: str | None,
+        status: RunStatus | None,
+        limit: int,
+        before: tuple[datetime, str] | None,
+    ) -> list[RunSummary]:
+        """The user's runs, newest first, (created_at, id) below ``before``."""
+        params: dict[str, Any] = {
+            "user_id": user_id,
+            "limit": limit,
+            "session_id": session_id,
+            "status": None if status is None else status.value,
+            "before_at": None if before is None else before[0],
+            "before_id": None if before is None else before[1],
+        }
+        sql = _LIST_RUNS
+        try:
+            async with self.engine.connect() as conn:
+                rows = (await conn.execute(sql, params)).all()
+        except SQLAlchemyError as exc:
+            raise _db_error("listing runs", exc) from exc
+        return [
+            RunSummary(
+                r.id,
+                r.session_id,
+                r.status,
+                int(r.attempt),
+                r.created_at,
+                r.finished_at,
+                r.cancel_reason,
+                int(r.merged),
+            )
+            for r in rows
+        ]
+
+
+def _replayed(row: Any) -> MergeOutcome:
+    return MergeOutcome(
+        row.run_id,
+        row.user_id,
+        row.session_id,
+        row.status,
+        row.created_at,
+        int(row.input_version),
+        replayed=True,
+    )

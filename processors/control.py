@@ -1,0 +1,199 @@
+"""Steering runs in flight: the control board and the run-control listener.
+
+The gateway makes a cancel request or a merge durable in Postgres first, then
+produces a ``run.control`` record (key user_id) to ``<env>.koda.run-control``. Every
+worker tails every partition of that topic *without a consumer group* (from its end
+at start-up) and acts only on runs it is executing right now: the volume is one
+record per cancel or merge, so reading all partitions costs nothing, and no
+assignment has to follow the runs topic's through a rebalance (a second topic in the
+group would be co-partitioned only by an assignor that Faust does not use here).
+
+The record is only a wake-up. A worker that misses it (it was draining, the
+partition moved, the worker died) is covered by Postgres: every chunk write tells
+the board what the row says (``RunStore.observer``), the finish refuses to end a
+run that was cancelled or whose input changed, and the next claim sees the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from koda.kafka import aiokafka_security
+from koda.lifecycle.control import CANCEL, MERGE, ControlRecord, decode_control
+from koda.lifecycle.handler import CancelToken
+from koda.settings import Settings
+from processors.store import RunSteer
+from topics.catalogue import RUN_CONTROL
+
+log = logging.getLogger("koda.worker")
+
+RETRY_S = 1.0
+
+
+@dataclass
+class RunControl:
+    """The steering state of one run this worker executes.
+
+    ``token`` is the current attempt's (handed to the handler); a stop fires it and
+    every ``on_stop`` callback once. ``cancel_reason`` set: end the run cancelled.
+    ``input_version`` above the attempt's: run again on the merged input.
+    """
+
+    run_id: str
+    attempt_version: int = 0
+    input_version: int = 0
+    cancel_requested: bool = False
+    cancel_reason: str | None = None
+    token: CancelToken = field(default_factory=CancelToken)
+    _callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def stopping(self) -> bool:
+        return self.cancel_requested or self.input_version > self.attempt_version
+
+    def begin(self, input_version: int) -> CancelToken:
+        """A new attempt on ``input_version``: a fresh token, no callbacks."""
+        self.attempt_version = input_version
+        self.input_version = max(self.input_version, input_version)
+        self.token = CancelToken()
+        self._callbacks = []
+        return self.token
+
+    def on_stop(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+        if self.stopping:
+            callback()
+
+    def cancel(self, reason: str | None) -> None:
+        if self.cancel_requested:
+            return
+        self.cancel_requested = True
+        self.cancel_reason = reason
+        self._stop("cancelled")
+
+    def merged(self, version: int) -> None:
+        if version <= self.input_version:
+            return
+        self.input_version = version
+        if not self.cancel_requested:
+            self._stop("merged")
+
+    def _stop(self, why: str) -> None:
+        self.token.cancel(why)
+        for callback in self._callbacks:
+            callback()
+
+
+class ControlBoard:
+    """The runs this worker executes, by id, for the listener and the store observer."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, RunControl] = {}
+        self.delivered = 0  # control records acted on (tests and metrics read it)
+
+    def open(self, run_id: str) -> RunControl:
+        control = self.runs.get(run_id)
+        if control is None:
+            control = self.runs[run_id] = RunControl(run_id)
+        return control
+
+    def close(self, run_id: str) -> None:
+        self.runs.pop(run_id, None)
+
+    def deliver(self, record: ControlRecord) -> bool:
+        """Act on ``record`` if the run executes here; True if it did."""
+        control = self.runs.get(record.run_id)
+        if control is None:
+            return False
+        self.delivered += 1
+        if record.action == CANCEL:
+            control.cancel(record.reason)
+        elif record.action == MERGE:
+            control.merged(record.input_version)
+        return True
+
+    def observe(self, run_id: str, steer: RunSteer) -> None:
+        """A fenced write saw the row: the fallback for a control record never read."""
+        control = self.runs.get(run_id)
+        if control is None:
+            return
+        if steer.cancel_requested:
+            control.cancel(steer.cancel_reason)
+        else:
+            control.merged(steer.input_version)
+
+
+class ControlListener:
+    """Tails every partition of the run-control topic and hands records to the board."""
+
+    def __init__(self, settings: Settings, board: ControlBoard) -> None:
+        self.settings = settings
+        self.board = board
+        self.topic = settings.names.topic(RUN_CONTROL)
+        self._task: asyncio.Task[None] | None = None
+        self.ready = asyncio.Event()  # assigned and positioned at the end
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="koda-run-control")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def _consumer(self) -> AIOKafkaConsumer:
+        return AIOKafkaConsumer(
+            bootstrap_servers=self.settings.kafka_bootstrap.split(","),
+            group_id=None,
+            enable_auto_commit=False,
+            client_id=self.settings.names.client_id("control", "tail"),
+            fetch_max_wait_ms=100,
+            **aiokafka_security(self.settings),
+        )
+
+    async def _run(self) -> None:
+        while True:
+            consumer = self._consumer()
+            try:
+                await consumer.start()
+                # The catalogue gives run-control the runs topic's partition count
+                # (`koda topics check` verifies it); no metadata round trip needed.
+                tps = [TopicPartition(self.topic, p) for p in range(self.settings.partitions)]
+                consumer.assign(tps)
+                await consumer.seek_to_end(*tps)
+                for tp in tps:  # resolve the end now: records from here on are acted on
+                    await consumer.position(tp)
+                self.ready.set()
+                log.info("run-control tail started partitions=%d", len(tps))
+                async for msg in consumer:
+                    self._handle(msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - Postgres covers what is missed
+                log.warning("run-control tail failed, restarting: %s", exc)
+                await asyncio.sleep(RETRY_S)
+            finally:
+                with contextlib.suppress(Exception):
+                    await consumer.stop()
+
+    def _handle(self, msg: Any) -> None:
+        record = decode_control(msg.value)
+        if record is None:
+            log.warning(
+                "run-control record ignored: not a control record partition=%d offset=%d",
+                msg.partition,
+                msg.offset,
+            )
+            return
+        if self.board.deliver(record):
+            log.info("run-control %s run_id=%s", record.action, record.run_id)
