@@ -41,6 +41,9 @@ class NewRun:
     input: dict[str, Any]
     metadata: dict[str, Any] | None
     partition: int
+    # A scheduled run: the schedule and the UTC minute it fired for.
+    schedule_id: str | None = None
+    scheduled_for: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class RunView:
     finished_at: datetime | None
     error: str | None
     output: str
+    schedule_id: str | None = None
+    scheduled_for: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,7 @@ _EVENTS_AFTER = text(
 _GET_RUN = text(
     """
     SELECT r.id, r.status, r.attempt, r.session_id, r.created_at, r.started_at,
-           r.first_chunk_at, r.finished_at, r.error,
+           r.first_chunk_at, r.finished_at, r.error, r.schedule_id, r.scheduled_for,
            COALESCE((
                SELECT string_agg(m.content, '' ORDER BY m.seq)
                  FROM messages m
@@ -229,6 +234,8 @@ class RunStore:
                             input=run.input,
                             metadata=run.metadata,
                             partition=run.partition,
+                            schedule_id=run.schedule_id,
+                            scheduled_for=run.scheduled_for,
                         )
                         .on_conflict_do_nothing(index_elements=[runs.c.idempotency_key])
                         .returning(runs.c.status, runs.c.created_at)
@@ -297,6 +304,8 @@ class RunStore:
             finished_at=row.finished_at,
             error=row.error,
             output=row.output,
+            schedule_id=row.schedule_id,
+            scheduled_for=row.scheduled_for,
         )
 
     async def mark_published(self, run_ids: list[str]) -> None:

@@ -149,6 +149,11 @@ class Settings:
     admin_token: str | None = field(default=None, repr=False)
     loop_stall_s: float = 10.0
     lag_interval_s: float = 10.0
+    # koda scheduler
+    scheduler_port: int = 0
+    scheduler_poll_s: float = 5.0
+    scheduler_batch: int = 500
+    scheduler_concurrency: int = 16
 
     def __post_init__(self) -> None:
         if self.partitions & (self.partitions - 1):
@@ -268,4 +273,8 @@ class Settings:
             admin_token=env.get("KODA_ADMIN_TOKEN") or None,
             loop_stall_s=_float(env, "KODA_LOOP_STALL", 10.0, lo=0.1, hi=600),
             lag_interval_s=_float(env, "KODA_LAG_INTERVAL", 10.0, lo=0.1, hi=3600),
+            scheduler_port=_int(env, "KODA_SCHEDULER_PORT", 0, lo=0, hi=65535),
+            scheduler_poll_s=_float(env, "KODA_SCHEDULER_POLL", 5.0, lo=0.05, hi=60),
+            scheduler_batch=_int(env, "KODA_SCHEDULER_BATCH", 500, lo=1, hi=100_000),
+            scheduler_concurrency=_int(env, "KODA_SCHEDULER_CONCURRENCY", 16, lo=1, hi=256),
         )

@@ -1,0 +1,322 @@
+"""Schedules in Postgres, and firing one scheduled minute as a run through the gateway's path.
+
+:class:`ScheduleStore` is every read and write of the ``schedules`` table (the HTTP
+routes and ``koda scheduler`` share it). :func:`fire` turns a (schedule, minute) into a
+run with :meth:`RunStore.admit`, the very insert ``POST /v1/runs`` makes, under the
+idempotency key ``sched:<schedule_id>:<UTC minute>``: ``ON CONFLICT DO NOTHING`` is the
+arbiter, so any number of schedulers firing the same minute create one run, and only
+the one that created it publishes it (keyed by user, like the gateway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.errors import NotFound
+from gateway.publisher import Delivery, RunPublisher
+from gateway.store import AdmittedRun, NewRun, RunStore
+from koda.errors import DatabaseError
+from koda.lifecycle.ids import uuid7
+from koda.lifecycle.states import RunStatus
+from koda.scheduling import CronSpec, Facts, Overlap, Policy, QuietHours
+from schemas.records import RunRequested
+from topics.catalogue import partition_for_key
+
+_TERMINAL = [s.value for s in RunStatus if s.terminal]
+_COLUMNS = (
+    "id, user_id, session_id, cron, timezone, input, enabled, quiet_start, quiet_end, "
+    "daily_cap, overlap, catchup_s, next_fire_at, last_fire_at, created_at"
+)
+
+
+def fire_key(schedule_id: str, minute: datetime) -> str:
+    """The idempotency key of a scheduled minute: ``sched:<id>:<YYYY-MM-DDTHH:MMZ>``."""
+    return f"sched:{schedule_id}:{minute.astimezone(UTC).strftime('%Y-%m-%dT%H:%MZ')}"
+
+
+@dataclass(frozen=True)
+class ScheduleRow:
+    """One ``schedules`` row."""
+
+    id: str
+    user_id: str
+    session_id: str | None
+    cron: str
+    timezone: str
+    input: dict[str, Any]
+    enabled: bool
+    quiet_start: int | None
+    quiet_end: int | None
+    daily_cap: int
+    overlap: str
+    catchup_s: int
+    next_fire_at: datetime | None
+    last_fire_at: datetime | None
+    created_at: datetime
+
+    @property
+    def spec(self) -> CronSpec:
+        return CronSpec.parse(self.cron, self.timezone)
+
+    @property
+    def quiet_hours(self) -> QuietHours | None:
+        if self.quiet_start is None or self.quiet_end is None:
+            return None
+        return QuietHours(self.quiet_start, self.quiet_end)
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(
+            enabled=self.enabled,
+            quiet_hours=self.quiet_hours,
+            daily_cap=self.daily_cap,
+            overlap=Overlap(self.overlap),
+            catchup_s=self.catchup_s,
+        )
+
+
+def _row(r: Any) -> ScheduleRow:
+    return ScheduleRow(**{k: getattr(r, k) for k in ScheduleRow.__dataclass_fields__})
+
+
+# The f-strings below only interpolate _COLUMNS and column names from this module.
+_INSERT = text(
+    f"""
+    INSERT INTO schedules (id, user_id, session_id, cron, timezone, input, enabled,
+                           quiet_start, quiet_end, daily_cap, overlap, catchup_s, next_fire_at)
+    VALUES (:id, :user_id, :session_id, :cron, :timezone, CAST(:input AS jsonb), :enabled,
+            :quiet_start, :quiet_end, :daily_cap, :overlap, :catchup_s, :next_fire_at)
+    RETURNING {_COLUMNS}
+    """  # noqa: S608
+)
+_DUE = text(
+    f"""
+    SELECT now() AS db_now, {_COLUMNS} FROM schedules
+     WHERE next_fire_at <= now()
+     -- Each replica walks the due rows in its own order, so two schedulers mostly work
+     -- on different schedules; correctness never depends on it (the key is the arbiter).
+     ORDER BY md5(id || :salt)
+     LIMIT :limit
+    """  # noqa: S608
+)
+_ADVANCE = text(
+    """
+    UPDATE schedules
+       SET next_fire_at = :next, last_fire_at = COALESCE(:last, last_fire_at), updated_at = now()
+     WHERE id = :id AND next_fire_at = :expected
+    """
+)
+_PER_DAY = text(
+    """
+    SELECT count(*) FROM runs
+     WHERE user_id = :user_id AND schedule_id IS NOT NULL
+       AND scheduled_for >= :start AND scheduled_for < :end
+    """
+)
+_PREVIOUS = text(
+    """
+    SELECT status FROM runs
+     WHERE schedule_id = :schedule_id AND scheduled_for < :before
+     ORDER BY scheduled_for DESC LIMIT 1
+    """
+)
+
+
+class ScheduleStore:
+    """Every read and write of ``schedules``; owner-scoped where a user asks."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def _fetch(self, sql: Any, params: dict[str, Any]) -> list[Any]:
+        try:
+            async with self.engine.begin() as conn:
+                return list((await conn.execute(sql, params)).all())
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"a schedules query failed: {type(exc).__name__}") from exc
+
+    async def now(self) -> datetime:
+        """Postgres's clock: every scheduler replica reads the same one."""
+        rows = await self._fetch(text("SELECT now() AS now"), {})
+        now: datetime = rows[0].now
+        return now
+
+    async def create(self, values: dict[str, Any]) -> ScheduleRow:
+        """Insert a schedule; a fixed session must be the owner's (else NotFound)."""
+        import json
+
+        params = {**values, "input": json.dumps(values["input"])}
+        try:
+            async with self.engine.begin() as conn:
+                if values.get("session_id") is not None:
+                    await conn.execute(
+                        text(
+                            "INSERT INTO sessions (id, user_id) VALUES (:s, :u) "
+                            "ON CONFLICT (id) DO NOTHING"
+                        ),
+                        {"s": values["session_id"], "u": values["user_id"]},
+                    )
+                    owner = (
+                        await conn.execute(
+                            text("SELECT user_id FROM sessions WHERE id = :s"),
+                            {"s": values["session_id"]},
+                        )
+                    ).scalar_one()
+                    if owner != values["user_id"]:
+                        raise NotFound(
+                            "session not found: omit session_id for a new session per fire",
+                            field="session_id",
+                        )
+                row = (await conn.execute(_INSERT, params)).one()
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"creating a schedule failed: {type(exc).__name__}") from exc
+        return _row(row)
+
+    async def get(self, schedule_id: str, user_id: str) -> ScheduleRow | None:
+        rows = await self._fetch(
+            text(f"SELECT {_COLUMNS} FROM schedules WHERE id = :id AND user_id = :u"),  # noqa: S608
+            {"id": schedule_id, "u": user_id},
+        )
+        return _row(rows[0]) if rows else None
+
+    async def owned(self, user_id: str, limit: int) -> list[ScheduleRow]:
+        rows = await self._fetch(
+            text(
+                f"SELECT {_COLUMNS} FROM schedules WHERE user_id = :u "  # noqa: S608
+                "ORDER BY created_at, id LIMIT :limit"
+            ),
+            {"u": user_id, "limit": limit},
+        )
+        return [_row(r) for r in rows]
+
+    async def update(
+        self, schedule_id: str, user_id: str, changes: dict[str, Any]
+    ) -> ScheduleRow | None:
+        """Set ``changes`` (column -> value) on the owner's schedule; None if not theirs.
+
+        The column names come from the caller's fixed set (gateway/schedules.py), never
+        from a request."""
+        import json
+
+        if "input" in changes:
+            changes = {**changes, "input": json.dumps(changes["input"])}
+        sets = ", ".join(
+            f"{k} = CAST(:{k} AS jsonb)" if k == "input" else f"{k} = :{k}" for k in changes
+        )
+        rows = await self._fetch(
+            text(
+                f"UPDATE schedules SET {sets}, updated_at = now() "  # noqa: S608
+                f"WHERE id = :id AND user_id = :u RETURNING {_COLUMNS}"
+            ),
+            {**changes, "id": schedule_id, "u": user_id},
+        )
+        return _row(rows[0]) if rows else None
+
+    async def delete(self, schedule_id: str, user_id: str) -> bool:
+        rows = await self._fetch(
+            text("DELETE FROM schedules WHERE id = :id AND user_id = :u RETURNING id"),
+            {"id": schedule_id, "u": user_id},
+        )
+        return bool(rows)
+
+    async def due(self, limit: int, salt: str) -> tuple[datetime, list[ScheduleRow]]:
+        """Postgres's now and up to ``limit`` schedules whose next fire is not after it."""
+        rows = await self._fetch(_DUE, {"limit": limit, "salt": salt})
+        if not rows:
+            return await self.now(), []
+        return rows[0].db_now, [_row(r) for r in rows]
+
+    async def facts(self, row: ScheduleRow, days: list[date], first: datetime) -> Facts:
+        """The owner's scheduled runs per local day of ``days``, and whether the schedule's
+        latest run before ``first`` is still going."""
+        spec = row.spec
+        try:
+            async with self.engine.connect() as conn:
+                per_day: dict[date, int] = {}
+                for day in days:
+                    start, end = spec.day_bounds(day)
+                    per_day[day] = int(
+                        (
+                            await conn.execute(
+                                _PER_DAY, {"user_id": row.user_id, "start": start, "end": end}
+                            )
+                        ).scalar_one()
+                    )
+                active = False
+                if row.overlap == Overlap.SKIP.value:
+                    status = (
+                        await conn.execute(_PREVIOUS, {"schedule_id": row.id, "before": first})
+                    ).scalar()
+                    active = status is not None and status not in _TERMINAL
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"reading schedule facts failed: {type(exc).__name__}") from exc
+        return Facts(runs_per_day=per_day, previous_active=active)
+
+    async def advance(
+        self,
+        schedule_id: str,
+        expected: datetime,
+        next_fire_at: datetime | None,
+        last_fire_at: datetime | None,
+    ) -> bool:
+        """Move the next fire from ``expected`` on; False when someone moved it first."""
+        rows = await self._fetch(
+            text(_ADVANCE.text + " RETURNING id"),
+            {"id": schedule_id, "expected": expected, "next": next_fire_at, "last": last_fire_at},
+        )
+        return bool(rows)
+
+
+@dataclass(frozen=True)
+class Fired:
+    """A fire's run; ``delivery`` is set when this call created and published it."""
+
+    run: AdmittedRun
+    delivery: asyncio.Future[Delivery] | None
+
+
+async def fire(
+    store: RunStore,
+    publisher: RunPublisher,
+    schedule: ScheduleRow,
+    minute: datetime,
+    *,
+    partitions: int,
+    key: str | None = None,
+) -> Fired:
+    """Create the run of ``schedule`` for ``minute`` (once, whoever else tries) and publish it.
+
+    ``key`` defaults to :func:`fire_key`. Raises DatabaseError when Postgres fails (then
+    nothing was written); a failed publish leaves the run pending for the sweeper.
+    """
+    new = NewRun(
+        run_id=uuid7(),
+        user_id=schedule.user_id,
+        session_id=schedule.session_id or uuid7(),
+        create_session=schedule.session_id is None,
+        idempotency_key=key or fire_key(schedule.id, minute),
+        input=schedule.input,
+        metadata=None,
+        partition=partition_for_key(schedule.user_id.encode(), partitions),
+        schedule_id=schedule.id,
+        scheduled_for=minute,
+    )
+    run = await store.admit(new)
+    if not run.created:
+        return Fired(run, None)
+    record = RunRequested(
+        run_id=run.run_id,
+        user_id=run.user_id,
+        session_id=run.session_id,
+        created_at=run.created_at.isoformat(),
+        schedule_id=schedule.id,
+        scheduled_for=minute.astimezone(UTC).isoformat(),
+    )
+    return Fired(run, publisher.publish(record))

@@ -1,0 +1,458 @@
+"""Schedules against the real Kafka and Postgres: the HTTP API (over uvicorn) and the
+scheduler's passes in-process (two replicas racing, the policies with Postgres's facts).
+
+One namespace and one gateway for the module; each test uses its own users, so the
+per-user daily cap and listings never see another test's rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from gateway import create_app
+from gateway.publisher import RunPublisher
+from gateway.scheduled import ScheduleStore, fire_key
+from gateway.store import RunStore
+from koda.db import async_engine
+from koda.lifecycle.ids import uuid7
+from koda.scheduling import CronSpec
+from koda.settings import Settings
+from scheduler.service import Scheduler
+from schemas.migrate import upgrade
+from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.integration.test_gateway import bearer, db_rows, records_of, running
+from topics.admin import apply_topics
+
+KEYS = {
+    "id",
+    "cron",
+    "timezone",
+    "input",
+    "enabled",
+    "quiet_hours",
+    "daily_cap",
+    "overlap",
+    "catchup_s",
+    "next_fire_at",
+    "last_fire_at",
+    "session_id",
+}
+
+
+@pytest.fixture(scope="module")
+def shared(stack) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
+    settings = make_settings(stack, rate_per_s=1000.0, rate_burst=1000)
+    apply_topics(settings)
+    upgrade(settings)
+    yield settings
+    delete_topics(settings)
+    drop_schema(settings)
+
+
+@pytest.fixture(scope="module")
+def url(shared: Settings) -> Iterator[str]:
+    with running(create_app(shared)) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=url, timeout=30) as c:
+        yield c
+
+
+def user() -> str:
+    return "u" + uuid.uuid4().hex[:10]
+
+
+def create(client: httpx.Client, who: str, **fields: Any) -> httpx.Response:
+    body = {"cron": "*/5 * * * *", "timezone": "Europe/Berlin", "input": "hello", **fields}
+    return client.post("/v1/schedules", json=body, headers=bearer(who))
+
+
+def schedule_count(settings: Settings) -> int:
+    return int(db_rows(settings, "SELECT count(*) FROM schedules")[0][0])
+
+
+# --- API -----------------------------------------------------------------------------
+
+
+def test_create_answers_the_schedule_with_defaults_and_its_next_fire(
+    client: httpx.Client, shared: Settings
+) -> None:
+    who = user()
+    before = datetime.now(UTC)
+    r = create(client, who)
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert set(body) == KEYS
+    assert body["input"] == {"text": "hello"}
+    assert (body["enabled"], body["quiet_hours"], body["daily_cap"]) == (True, None, 1440)
+    assert (body["overlap"], body["catchup_s"], body["last_fire_at"]) == ("skip", 900, None)
+    assert body["session_id"] is None
+    expected = next(CronSpec.parse("*/5 * * * *", "Europe/Berlin").fires_after(before))
+    nxt = datetime.fromisoformat(body["next_fire_at"])
+    assert expected <= nxt <= expected + timedelta(minutes=5)
+    got = client.get(f"/v1/schedules/{body['id']}", headers=bearer(who))
+    assert got.status_code == 200 and got.json() == body
+
+
+def test_every_field_can_be_set_and_read_back(client: httpx.Client) -> None:
+    who = user()
+    r = create(
+        client,
+        who,
+        cron="30 2 * * 1-5",
+        input={"text": "report", "demo": {"tokens": 1}},
+        enabled=False,
+        quiet_hours={"start": "22:00", "end": "07:00"},
+        daily_cap=3,
+        overlap="allow",
+        catchup_s=0,
+        session_id=f"s-{who}",
+    )
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert body["quiet_hours"] == {"start": "22:00", "end": "07:00"}
+    assert (body["enabled"], body["daily_cap"], body["overlap"]) == (False, 3, "allow")
+    assert (body["catchup_s"], body["session_id"]) == (0, f"s-{who}")
+    assert body["input"] == {"text": "report", "demo": {"tokens": 1}}
+
+
+def test_schedules_are_owner_only(client: httpx.Client) -> None:
+    alice, mallory = user(), user()
+    sid = create(client, alice).json()["id"]
+    for method, path in (
+        ("GET", f"/v1/schedules/{sid}"),
+        ("PATCH", f"/v1/schedules/{sid}"),
+        ("DELETE", f"/v1/schedules/{sid}"),
+        ("POST", f"/v1/schedules/{sid}/pause"),
+        ("POST", f"/v1/schedules/{sid}/resume"),
+        ("POST", f"/v1/schedules/{sid}/run-now"),
+    ):
+        kwargs: dict[str, Any] = {"json": {"daily_cap": 1}} if method == "PATCH" else {}
+        r = client.request(method, path, headers=bearer(mallory), **kwargs)
+        assert r.status_code == 404, (method, path, r.text)
+        assert r.json()["error"]["field"] == "schedule_id"
+    assert client.get("/v1/schedules", headers=bearer(mallory)).json() == {"schedules": []}
+    listed = client.get("/v1/schedules", headers=bearer(alice)).json()["schedules"]
+    assert [s["id"] for s in listed] == [sid]
+    assert client.get(f"/v1/schedules/{sid}", headers=bearer(alice)).json()["daily_cap"] == 1440
+    assert client.get("/v1/schedules").status_code == 401
+
+
+def test_a_fixed_session_of_another_user_is_refused(client: httpx.Client) -> None:
+    owner, other = user(), user()
+    assert create(client, owner, session_id=f"s-{owner}").status_code == 201
+    r = create(client, other, session_id=f"s-{owner}")
+    assert r.status_code == 404 and r.json()["error"]["field"] == "session_id"
+
+
+def test_patch_recomputes_the_next_fire_and_pause_resume_toggle(client: httpx.Client) -> None:
+    who = user()
+    sid = create(client, who, cron="0 3 1 1 *", timezone="UTC").json()["id"]
+    before = datetime.now(UTC)
+    r = client.patch(f"/v1/schedules/{sid}", json={"cron": "* * * * *"}, headers=bearer(who))
+    assert r.status_code == 200, r.text
+    nxt = datetime.fromisoformat(r.json()["next_fire_at"])
+    assert before < nxt <= before + timedelta(minutes=1, seconds=1)
+    r = client.patch(f"/v1/schedules/{sid}", json={"timezone": "Asia/Tokyo"}, headers=bearer(who))
+    assert r.json()["timezone"] == "Asia/Tokyo" and r.json()["cron"] == "* * * * *"
+    paused = client.post(f"/v1/schedules/{sid}/pause", headers=bearer(who)).json()
+    assert paused["enabled"] is False
+    resumed = client.post(f"/v1/schedules/{sid}/resume", headers=bearer(who)).json()
+    assert resumed["enabled"] is True
+    assert datetime.fromisoformat(resumed["next_fire_at"]) > before
+
+
+def test_run_now_creates_a_scheduled_run_shown_by_get_run_and_on_the_topic(
+    client: httpx.Client, shared: Settings
+) -> None:
+    who = user()
+    sid = create(client, who, input={"text": "now"}).json()["id"]
+    r = client.post(f"/v1/schedules/{sid}/run-now", headers=bearer(who))
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert body["schedule_id"] == sid and body["status"] == "pending"
+    run = client.get(f"/v1/runs/{body['run_id']}", headers=bearer(who)).json()
+    assert run["schedule_id"] == sid
+    assert run["scheduled_for"] == body["scheduled_for"]
+    (record,) = records_of(shared, body["run_id"])
+    value = json.loads(record.value())
+    assert value["schedule_id"] == sid
+    assert datetime.fromisoformat(value["scheduled_for"]) == datetime.fromisoformat(
+        body["scheduled_for"]
+    )
+    second = client.post(f"/v1/schedules/{sid}/run-now", headers=bearer(who)).json()
+    assert second["run_id"] != body["run_id"]  # a person pressing twice means twice
+
+
+def test_delete_removes_the_schedule_and_keeps_its_runs(
+    client: httpx.Client, shared: Settings
+) -> None:
+    who = user()
+    sid = create(client, who).json()["id"]
+    run_id = client.post(f"/v1/schedules/{sid}/run-now", headers=bearer(who)).json()["run_id"]
+    assert client.delete(f"/v1/schedules/{sid}", headers=bearer(who)).status_code == 204
+    assert client.get(f"/v1/schedules/{sid}", headers=bearer(who)).status_code == 404
+    assert client.delete(f"/v1/schedules/{sid}", headers=bearer(who)).status_code == 404
+    assert client.get(f"/v1/runs/{run_id}", headers=bearer(who)).json()["schedule_id"] == sid
+
+
+BAD_FIELDS = [
+    ({"cron": "61 * * * *"}, "cron", "30 2 * * 1-5"),
+    ({"cron": "* * * *"}, "cron", "30 2 * * 1-5"),
+    ({"cron": "0 0 31 2 *"}, "cron", "never fires"),
+    ({"cron": 5}, "cron", "30 2 * * 1-5"),
+    ({"cron": None}, "cron", "required"),
+    ({"timezone": "Mars/Olympus"}, "timezone", "Europe/Berlin"),
+    ({"timezone": "CEST"}, "timezone", "Europe/Berlin"),
+    ({"timezone": ""}, "timezone", "Europe/Berlin"),
+    ({"timezone": None}, "timezone", "required"),
+    ({"input": None}, "input", "required"),
+    ({"input": 7}, "input", "object or a string"),
+    ({"input": "  "}, "input", "empty"),
+    ({"input": {"t": "a\u0000b"}}, "input", "NUL"),
+    ({"enabled": "yes"}, "enabled", "true or false"),
+    ({"quiet_hours": "22-07"}, "quiet_hours", "start"),
+    ({"quiet_hours": {"start": "22:00"}}, "quiet_hours", "start"),
+    ({"quiet_hours": {"start": "24:00", "end": "07:00"}}, "quiet_hours.start", "HH:MM"),
+    ({"quiet_hours": {"start": "22:00", "end": "7"}}, "quiet_hours.end", "HH:MM"),
+    ({"quiet_hours": {"start": "07:00", "end": "07:00"}}, "quiet_hours", "different"),
+    ({"daily_cap": 0}, "daily_cap", "1..100000"),
+    ({"daily_cap": 100001}, "daily_cap", "1..100000"),
+    ({"daily_cap": "5"}, "daily_cap", "integer"),
+    ({"daily_cap": True}, "daily_cap", "integer"),
+    ({"daily_cap": 2.5}, "daily_cap", "integer"),
+    ({"overlap": "queue"}, "overlap", "skip"),
+    ({"catchup_s": -1}, "catchup_s", "0..604800"),
+    ({"catchup_s": 604801}, "catchup_s", "0..604800"),
+    ({"catchup_s": None}, "catchup_s", "integer"),
+    ({"session_id": "has space"}, "session_id", "1-128"),
+    ({"session_id": 3}, "session_id", "1-128"),
+    ({"next_fire_at": "2030-01-01T00:00:00Z"}, "next_fire_at", "accepted fields"),
+    ({"id": "mine"}, "id", "accepted fields"),
+]
+
+
+@pytest.mark.parametrize(("fields", "field", "hint"), BAD_FIELDS)
+def test_bad_input_on_every_field_is_a_422_naming_it_and_writes_nothing(
+    client: httpx.Client, shared: Settings, fields: dict[str, Any], field: str, hint: str
+) -> None:
+    who = user()
+    before = schedule_count(shared)
+    r = create(client, who, **fields)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["field"] == field and hint in error["message"], error
+    assert schedule_count(shared) == before
+    # The same value in a PATCH (where it can be changed) is refused the same way.
+    sid = create(client, who).json()["id"]
+    if field not in ("next_fire_at", "id") and fields.get(field.split(".")[0]) is not None:
+        r = client.patch(f"/v1/schedules/{sid}", json=fields, headers=bearer(who))
+        assert r.status_code == 422, r.text
+        if field != "session_id":
+            assert r.json()["error"]["field"] == field
+    unchanged = client.get(f"/v1/schedules/{sid}", headers=bearer(who)).json()
+    assert unchanged["cron"] == "*/5 * * * *" and unchanged["daily_cap"] == 1440
+
+
+def test_bodies_that_are_not_json_objects_are_refused(client: httpx.Client) -> None:
+    who = user()
+    h = bearer(who)
+    assert (
+        client.post(
+            "/v1/schedules", content=b"{", headers={**h, "Content-Type": "application/json"}
+        ).status_code
+        == 400
+    )
+    assert (
+        client.post(
+            "/v1/schedules", content=b"x", headers={**h, "Content-Type": "text/plain"}
+        ).status_code
+        == 415
+    )
+    r = client.post("/v1/schedules", json=[1], headers=h)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "body"
+    sid = create(client, who).json()["id"]
+    r = client.patch(f"/v1/schedules/{sid}", json={}, headers=h)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "body"
+    big = {"cron": "* * * * *", "timezone": "UTC", "input": "x" * 70_000}
+    assert client.post("/v1/schedules", json=big, headers=h).status_code == 413
+    assert client.get("/v1/schedules?limit=0", headers=h).status_code == 422
+
+
+# --- the scheduler's passes, in-process ---------------------------------------------
+
+
+class Harness:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.engine = async_engine(settings, pool_size=12)
+        self.publisher = RunPublisher(settings)
+        self.store = ScheduleStore(self.engine)
+
+    def replica(self, name: str) -> Scheduler:
+        return Scheduler(
+            self.store,
+            RunStore(self.engine),
+            self.publisher,
+            partitions=8,
+            batch=40,
+            concurrency=4,
+            replica=name,
+        )
+
+    async def add(self, who: str, first: datetime, **cols: Any) -> str:
+        sid = uuid7()
+        values = {
+            "cron": "* * * * *",
+            "timezone": "UTC",
+            "overlap": "allow",
+            "catchup_s": 3600,
+            "daily_cap": 1440,
+            "enabled": True,
+            **cols,
+        }
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO schedules (id, user_id, session_id, cron, timezone, input, "
+                    "enabled, daily_cap, overlap, catchup_s, next_fire_at) VALUES (:id, :u, "
+                    ":session, :cron, :timezone, CAST(:inp AS jsonb), :enabled, :daily_cap, "
+                    ":overlap, :catchup_s, :n)"
+                ),
+                {
+                    "id": sid,
+                    "u": who,
+                    "session": cols.get("session_id"),
+                    "inp": json.dumps({"text": "x"}),
+                    "n": first,
+                    **values,
+                },
+            )
+        return sid
+
+    async def rows(self, sql: str, **params: Any) -> list[Any]:
+        async with self.engine.connect() as conn:
+            return list((await conn.execute(text(sql), params)).all())
+
+
+@pytest.fixture
+async def harness(shared: Settings) -> AsyncIterator[Harness]:
+    h = Harness(shared)
+    await h.publisher.start()
+    yield h
+    await h.publisher.stop(5)
+    await h.engine.dispose()
+
+
+def _ago(minutes: int) -> datetime:
+    now = datetime.now(UTC).replace(second=0, microsecond=0)
+    return now - timedelta(minutes=minutes)
+
+
+async def test_two_replicas_at_once_create_each_due_minute_exactly_once(harness: Harness) -> None:
+    """The failure this catches: a check-then-insert or an advance-before-fire would let
+    both replicas create a run for the same minute (or none)."""
+    first = _ago(4)
+    ids = [await harness.add(user(), first) for _ in range(60)]
+    a, b = harness.replica("a"), harness.replica("b")
+    ra, rb = await asyncio.gather(a.run_pass(), b.run_pass())
+    rows = await harness.rows(
+        "SELECT schedule_id, scheduled_for, idempotency_key, published_at FROM runs "
+        "WHERE schedule_id = ANY(:ids)",
+        ids=ids,
+    )
+    minutes = {first + timedelta(minutes=i) for i in range(5)}
+    got: dict[str, list[datetime]] = {}
+    for r in rows:
+        got.setdefault(r.schedule_id, []).append(r.scheduled_for)
+        assert r.idempotency_key == fire_key(r.schedule_id, r.scheduled_for)
+    assert all(sorted(v) == sorted(minutes) for v in got.values()) and len(got) == 60
+    assert ra.fired + rb.fired == len(rows) == 300
+    assert ra.fired > 0 and rb.fired > 0  # both did real work, neither waited on a lock
+    nxt = await harness.rows(
+        "SELECT DISTINCT next_fire_at FROM schedules WHERE id = ANY(:ids)", ids=ids
+    )
+    assert [r.next_fire_at for r in nxt] == [max(minutes) + timedelta(minutes=1)]
+    # Another pass now fires nothing more.
+    again = await a.run_pass()
+    assert again.fired == 0
+
+
+def _midday_zone() -> str:
+    """A zone whose local day does not change within the next minutes."""
+    for zone in ("UTC", "Asia/Tokyo", "America/New_York"):
+        if 1 <= datetime.now(ZoneInfo(zone)).hour <= 22:
+            return zone
+    raise AssertionError("unreachable: these zones are hours apart")
+
+
+async def test_the_daily_cap_spans_the_users_schedules(harness: Harness) -> None:
+    who = user()
+    first = _ago(4)
+    zone = _midday_zone()
+    s1 = await harness.add(who, first, daily_cap=3, timezone=zone)
+    s2 = await harness.add(who, first, daily_cap=3, timezone=zone)
+    result = await harness.replica("cap").run_pass()
+    rows = await harness.rows(
+        "SELECT count(*) AS n FROM runs WHERE schedule_id IN (:a, :b)", a=s1, b=s2
+    )
+    assert rows[0].n == 3
+    assert result.skipped == 10 - 3
+
+
+async def test_overlap_skip_waits_for_the_previous_run_to_end(harness: Harness) -> None:
+    """No worker runs here, so the first fired run stays pending: the next minutes skip."""
+    sid = await harness.add(user(), _ago(2), overlap="skip")
+    result = await harness.replica("ov").run_pass()
+    rows = await harness.rows("SELECT id FROM runs WHERE schedule_id = :s", s=sid)
+    assert len(rows) == 1 and result.skipped == 2
+    async with harness.engine.begin() as conn:
+        await conn.execute(text("UPDATE runs SET status = 'done' WHERE id = :r"), {"r": rows[0].id})
+        await conn.execute(
+            text("UPDATE schedules SET next_fire_at = :n WHERE id = :s"), {"n": _ago(0), "s": sid}
+        )
+    await harness.replica("ov").run_pass()
+    assert len(await harness.rows("SELECT id FROM runs WHERE schedule_id = :s", s=sid)) == 2
+
+
+async def test_a_paused_schedule_fires_nothing_and_moves_on(harness: Harness) -> None:
+    sid = await harness.add(user(), _ago(3), enabled=False)
+    result = await harness.replica("p").run_pass()
+    assert result.skipped == 4 and result.fired == 0
+    assert await harness.rows("SELECT id FROM runs WHERE schedule_id = :s", s=sid) == []
+    (row,) = await harness.rows("SELECT next_fire_at FROM schedules WHERE id = :s", s=sid)
+    assert row.next_fire_at > datetime.now(UTC)
+
+
+async def test_minutes_outside_the_catch_up_window_are_missed_not_run(harness: Harness) -> None:
+    sid = await harness.add(user(), _ago(10), catchup_s=150)
+    result = await harness.replica("m").run_pass()
+    rows = await harness.rows("SELECT scheduled_for FROM runs WHERE schedule_id = :s", s=sid)
+    fired = sorted(r.scheduled_for for r in rows)
+    assert fired and min(fired) >= datetime.now(UTC) - timedelta(seconds=151)
+    assert result.missed + len(fired) == 11
+
+
+async def test_a_fixed_session_collects_every_fire(harness: Harness) -> None:
+    who = user()
+    async with harness.engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO sessions (id, user_id) VALUES (:s, :u)"), {"s": f"s-{who}", "u": who}
+        )
+    sid = await harness.add(who, _ago(2), session_id=f"s-{who}")
+    await harness.replica("fs").run_pass()
+    rows = await harness.rows("SELECT DISTINCT session_id FROM runs WHERE schedule_id = :s", s=sid)
+    assert [r.session_id for r in rows] == [f"s-{who}"]
