@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import func, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -27,13 +28,28 @@ from koda.lifecycle.ids import uuid7
 from koda.lifecycle.states import RunStatus
 from koda.scheduling import CronSpec, Facts, Overlap, Policy, QuietHours
 from schemas.records import RunRequested
+from schemas.tables import schedules, sessions
 from topics.catalogue import partition_for_key
 
 _TERMINAL = [s.value for s in RunStatus if s.terminal]
 _COLUMNS = (
-    "id, user_id, session_id, cron, timezone, input, enabled, quiet_start, quiet_end, "
-    "daily_cap, overlap, catchup_s, next_fire_at, last_fire_at, created_at"
+    "id",
+    "user_id",
+    "session_id",
+    "cron",
+    "timezone",
+    "input",
+    "enabled",
+    "quiet_start",
+    "quiet_end",
+    "daily_cap",
+    "overlap",
+    "catchup_s",
+    "next_fire_at",
+    "last_fire_at",
+    "created_at",
 )
+_SELECTED = [schedules.c[name] for name in _COLUMNS]
 
 
 def fire_key(schedule_id: str, minute: datetime) -> str:
@@ -86,33 +102,6 @@ def _row(r: Any) -> ScheduleRow:
     return ScheduleRow(**{k: getattr(r, k) for k in ScheduleRow.__dataclass_fields__})
 
 
-# The f-strings below only interpolate _COLUMNS and column names from this module.
-_INSERT = text(
-    f"""
-    INSERT INTO schedules (id, user_id, session_id, cron, timezone, input, enabled,
-                           quiet_start, quiet_end, daily_cap, overlap, catchup_s, next_fire_at)
-    VALUES (:id, :user_id, :session_id, :cron, :timezone, CAST(:input AS jsonb), :enabled,
-            :quiet_start, :quiet_end, :daily_cap, :overlap, :catchup_s, :next_fire_at)
-    RETURNING {_COLUMNS}
-    """  # noqa: S608
-)
-_DUE = text(
-    f"""
-    SELECT now() AS db_now, {_COLUMNS} FROM schedules
-     WHERE next_fire_at <= now()
-     -- Each replica walks the due rows in its own order, so two schedulers mostly work
-     -- on different schedules; correctness never depends on it (the key is the arbiter).
-     ORDER BY md5(id || :salt)
-     LIMIT :limit
-    """  # noqa: S608
-)
-_ADVANCE = text(
-    """
-    UPDATE schedules
-       SET next_fire_at = :next, last_fire_at = COALESCE(:last, last_fire_at), updated_at = now()
-     WHERE id = :id AND next_fire_at = :expected
-    """
-)
 _PER_DAY = text(
     """
     SELECT count(*) FROM runs
@@ -144,29 +133,23 @@ class ScheduleStore:
 
     async def now(self) -> datetime:
         """Postgres's clock: every scheduler replica reads the same one."""
-        rows = await self._fetch(text("SELECT now() AS now"), {})
+        rows = await self._fetch(select(func.now().label("now")), {})
         now: datetime = rows[0].now
         return now
 
     async def create(self, values: dict[str, Any]) -> ScheduleRow:
         """Insert a schedule; a fixed session must be the owner's (else NotFound)."""
-        import json
-
-        params = {**values, "input": json.dumps(values["input"])}
         try:
             async with self.engine.begin() as conn:
                 if values.get("session_id") is not None:
                     await conn.execute(
-                        text(
-                            "INSERT INTO sessions (id, user_id) VALUES (:s, :u) "
-                            "ON CONFLICT (id) DO NOTHING"
-                        ),
-                        {"s": values["session_id"], "u": values["user_id"]},
+                        pg_insert(sessions)
+                        .values(id=values["session_id"], user_id=values["user_id"])
+                        .on_conflict_do_nothing(index_elements=[sessions.c.id])
                     )
                     owner = (
                         await conn.execute(
-                            text("SELECT user_id FROM sessions WHERE id = :s"),
-                            {"s": values["session_id"]},
+                            select(sessions.c.user_id).where(sessions.c.id == values["session_id"])
                         )
                     ).scalar_one()
                     if owner != values["user_id"]:
@@ -174,61 +157,62 @@ class ScheduleStore:
                             "session not found: omit session_id for a new session per fire",
                             field="session_id",
                         )
-                row = (await conn.execute(_INSERT, params)).one()
+                row = (
+                    await conn.execute(schedules.insert().values(**values).returning(*_SELECTED))
+                ).one()
         except SQLAlchemyError as exc:
             raise DatabaseError(f"creating a schedule failed: {type(exc).__name__}") from exc
         return _row(row)
 
+    def _owned(self, schedule_id: str, user_id: str) -> Any:
+        return (schedules.c.id == schedule_id) & (schedules.c.user_id == user_id)
+
     async def get(self, schedule_id: str, user_id: str) -> ScheduleRow | None:
-        rows = await self._fetch(
-            text(f"SELECT {_COLUMNS} FROM schedules WHERE id = :id AND user_id = :u"),  # noqa: S608
-            {"id": schedule_id, "u": user_id},
-        )
+        rows = await self._fetch(select(*_SELECTED).where(self._owned(schedule_id, user_id)), {})
         return _row(rows[0]) if rows else None
 
     async def owned(self, user_id: str, limit: int) -> list[ScheduleRow]:
         rows = await self._fetch(
-            text(
-                f"SELECT {_COLUMNS} FROM schedules WHERE user_id = :u "  # noqa: S608
-                "ORDER BY created_at, id LIMIT :limit"
-            ),
-            {"u": user_id, "limit": limit},
+            select(*_SELECTED)
+            .where(schedules.c.user_id == user_id)
+            .order_by(schedules.c.created_at, schedules.c.id)
+            .limit(limit),
+            {},
         )
         return [_row(r) for r in rows]
 
     async def update(
         self, schedule_id: str, user_id: str, changes: dict[str, Any]
     ) -> ScheduleRow | None:
-        """Set ``changes`` (column -> value) on the owner's schedule; None if not theirs.
-
-        The column names come from the caller's fixed set (gateway/schedules.py), never
-        from a request."""
-        import json
-
-        if "input" in changes:
-            changes = {**changes, "input": json.dumps(changes["input"])}
-        sets = ", ".join(
-            f"{k} = CAST(:{k} AS jsonb)" if k == "input" else f"{k} = :{k}" for k in changes
-        )
+        """Set ``changes`` (column -> value) on the owner's schedule; None if not theirs."""
         rows = await self._fetch(
-            text(
-                f"UPDATE schedules SET {sets}, updated_at = now() "  # noqa: S608
-                f"WHERE id = :id AND user_id = :u RETURNING {_COLUMNS}"
-            ),
-            {**changes, "id": schedule_id, "u": user_id},
+            schedules.update()
+            .where(self._owned(schedule_id, user_id))
+            .values(**changes, updated_at=func.now())
+            .returning(*_SELECTED),
+            {},
         )
         return _row(rows[0]) if rows else None
 
     async def delete(self, schedule_id: str, user_id: str) -> bool:
         rows = await self._fetch(
-            text("DELETE FROM schedules WHERE id = :id AND user_id = :u RETURNING id"),
-            {"id": schedule_id, "u": user_id},
+            schedules.delete().where(self._owned(schedule_id, user_id)).returning(schedules.c.id),
+            {},
         )
         return bool(rows)
 
     async def due(self, limit: int, salt: str) -> tuple[datetime, list[ScheduleRow]]:
-        """Postgres's now and up to ``limit`` schedules whose next fire is not after it."""
-        rows = await self._fetch(_DUE, {"limit": limit, "salt": salt})
+        """Postgres's now and up to ``limit`` schedules whose next fire is not after it.
+
+        Each replica walks the due rows in its own order (``salt``), so two schedulers
+        mostly work on different schedules; correctness never depends on it."""
+        rows = await self._fetch(
+            select(func.now().label("db_now"), *_SELECTED)
+            .where(schedules.c.next_fire_at <= func.now())
+            .order_by(func.md5(schedules.c.id.concat(salt)))
+            .limit(limit),
+            {},
+        )
         if not rows:
             return await self.now(), []
         return rows[0].db_now, [_row(r) for r in rows]
@@ -267,9 +251,15 @@ class ScheduleStore:
         last_fire_at: datetime | None,
     ) -> bool:
         """Move the next fire from ``expected`` on; False when someone moved it first."""
+        values: dict[str, Any] = {"next_fire_at": next_fire_at, "updated_at": func.now()}
+        if last_fire_at is not None:
+            values["last_fire_at"] = last_fire_at
         rows = await self._fetch(
-            text(_ADVANCE.text + " RETURNING id"),
-            {"id": schedule_id, "expected": expected, "next": next_fire_at, "last": last_fire_at},
+            schedules.update()
+            .where((schedules.c.id == schedule_id) & (schedules.c.next_fire_at == expected))
+            .values(**values)
+            .returning(schedules.c.id),
+            {},
         )
         return bool(rows)
 

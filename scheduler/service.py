@@ -90,11 +90,21 @@ class Scheduler:
             metrics.SCHEDULES_DUE.set(len(rows))
             if not rows:
                 return result
-            outcomes = await asyncio.gather(
-                *(self._schedule(row, now, result) for row in rows), return_exceptions=True
-            )
+            # One user's schedules go one after another: the daily cap counts the user's
+            # runs across schedules, so each must see the runs the previous one fired.
+            by_user: dict[str, list[ScheduleRow]] = {}
+            for row in rows:
+                by_user.setdefault(row.user_id, []).append(row)
+            outcomes = [
+                outcome
+                for group in await asyncio.gather(
+                    *(self._user(group, now, result) for group in by_user.values())
+                )
+                for outcome in group
+            ]
+            ordered = [row for group in by_user.values() for row in group]
             advanced = 0
-            for row, outcome in zip(rows, outcomes, strict=True):
+            for row, outcome in zip(ordered, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
                     log.warning(
                         "event=schedule_failed schedule_id=%s user_id=%s error=%s",
@@ -108,6 +118,17 @@ class Scheduler:
             if len(rows) < self.batch and advanced == 0:
                 # Every row either failed or was advanced by another replica: do not spin.
                 return result
+
+    async def _user(
+        self, rows: list[ScheduleRow], now: datetime, result: PassResult
+    ) -> list[bool | BaseException]:
+        outcomes: list[bool | BaseException] = []
+        for row in rows:
+            try:
+                outcomes.append(await self._schedule(row, now, result))
+            except Exception as exc:  # reported per schedule by the caller
+                outcomes.append(exc)
+        return outcomes
 
     async def _schedule(self, row: ScheduleRow, now: datetime, result: PassResult) -> bool:
         """Plan and fire one schedule; True when something moved (by us or another)."""
