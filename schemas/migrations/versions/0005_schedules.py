@@ -64,25 +64,22 @@ def upgrade() -> None:
         ["next_fire_at"],
         postgresql_where=sa.text("next_fire_at IS NOT NULL"),
     )
-    with op.get_context().autocommit_block():
-        for name, columns in (
-            ("ix_runs_schedule_scheduled_for", ["schedule_id", "scheduled_for"]),
-            ("ix_runs_user_scheduled_for", ["user_id", "scheduled_for"]),
-        ):
-            op.create_index(
-                name,
-                "runs",
-                columns,
-                postgresql_where=sa.text("schedule_id IS NOT NULL"),
-                postgresql_concurrently=True,
-                if_not_exists=True,
-            )
+    for name, columns in (
+        ("ix_runs_schedule_scheduled_for", ["schedule_id", "scheduled_for"]),
+        ("ix_runs_user_scheduled_for", ["user_id", "scheduled_for"]),
+    ):
+        op.create_index(
+            name,
+            "runs",
+            columns,
+            postgresql_where=sa.text("schedule_id IS NOT NULL"),
+            if_not_exists=True,
+        )
 
 
 def downgrade() -> None:
-    with op.get_context().autocommit_block():
-        for name in ("ix_runs_user_scheduled_for", "ix_runs_schedule_scheduled_for"):
-            op.drop_index(name, table_name="runs", postgresql_concurrently=True, if_exists=True)
+    for name in ("ix_runs_user_scheduled_for", "ix_runs_schedule_scheduled_for"):
+        op.drop_index(name, table_name="runs", if_exists=True)
     op.drop_table("schedules")
     op.drop_column("runs", "scheduled_for")
     op.drop_column("runs", "schedule_id")
