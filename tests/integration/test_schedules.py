@@ -12,11 +12,14 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
+import duckdb
 import httpx
 import pytest
+from confluent_kafka import KafkaException
 from sqlalchemy import text
 
 from gateway import create_app
@@ -28,10 +31,16 @@ from koda.lifecycle.ids import uuid7
 from koda.scheduling import CronSpec
 from koda.settings import Settings
 from scheduler.service import Scheduler
-from schemas.migrate import upgrade
+from schemas.migrate import downgrade, upgrade
 from tests.integration.conftest import delete_topics, drop_schema, make_settings
-from tests.integration.test_gateway import bearer, db_rows, records_of, running
+from tests.integration.test_gateway import bearer, db_rows, read_runs_topic, records_of, running
+from tests.support import wait_until
 from topics.admin import apply_topics
+from topics.catalogue import RUNS
+from topics.replay import tables as t
+from topics.replay.engine import ReplayOptions, run_replay
+from topics.replay.sinks.duckdb import DUCKDB_TYPES
+from topics.replay.sql import create_table
 
 KEYS = {
     "id",
@@ -49,11 +58,20 @@ KEYS = {
 }
 
 
+def _readable(settings: Settings) -> bool:
+    try:
+        read_runs_topic(settings, timeout=5)
+    except KafkaException:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def shared(stack) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
     settings = make_settings(stack, rate_per_s=1000.0, rate_burst=1000)
     apply_topics(settings)
     upgrade(settings)
+    wait_until(lambda: _readable(settings), timeout=30, what="the new runs topic's leaders")
     yield settings
     delete_topics(settings)
     drop_schema(settings)
@@ -456,3 +474,75 @@ async def test_a_fixed_session_collects_every_fire(harness: Harness) -> None:
     await harness.replica("fs").run_pass()
     rows = await harness.rows("SELECT DISTINCT session_id FROM runs WHERE schedule_id = :s", s=sid)
     assert [r.session_id for r in rows] == [f"s-{who}"]
+
+
+# --- the warehouse and the migration --------------------------------------------------
+
+
+def test_the_warehouse_replay_shows_a_scheduled_runs_schedule_and_minute(
+    client: httpx.Client, shared: Settings, tmp_path: Path
+) -> None:
+    who = user()
+    sid = create(client, who).json()["id"]
+    fired = client.post(f"/v1/schedules/{sid}/run-now", headers=bearer(who)).json()
+    person = client.post("/v1/runs", json={"input": "by hand"}, headers=bearer(who)).json()
+    wait_until(
+        lambda: records_of(shared, fired["run_id"]) and records_of(shared, person["run_id"]),
+        timeout=30,
+        what="both triggers on the topic",
+    )
+    target = tmp_path / "w.duckdb"
+    run_replay(shared, ReplayOptions(topics=(RUNS,), sink_url=f"duckdb:///{target}"))
+    with duckdb.connect(str(target)) as conn:
+        rows = dict(
+            (r[0], (r[1], r[2]))
+            for r in conn.execute(
+                "SELECT run_id, schedule_id, scheduled_for FROM runs WHERE run_id IN (?, ?)",
+                [fired["run_id"], person["run_id"]],
+            ).fetchall()
+        )
+    schedule_id, minute = rows[fired["run_id"]]
+    assert schedule_id == sid
+    assert minute.replace(tzinfo=UTC) == datetime.fromisoformat(fired["scheduled_for"])
+    assert rows[person["run_id"]] == (None, None)
+
+
+def test_an_older_warehouse_gains_the_schedule_columns(shared: Settings, tmp_path: Path) -> None:
+    """A warehouse written before the columns existed must take the new rows."""
+    target = tmp_path / "old.duckdb"
+    old = [c for c in t.RUNS.columns if c.name not in ("schedule_id", "scheduled_for")]
+    with duckdb.connect(str(target)) as conn:
+        conn.execute(create_table(t.Table("runs", tuple(old)), DUCKDB_TYPES))
+    run_replay(shared, ReplayOptions(topics=(RUNS,), sink_url=f"duckdb:///{target}"))
+    with duckdb.connect(str(target)) as conn:
+        names = [r[0] for r in conn.execute("DESCRIBE runs").fetchall()]
+        scheduled = conn.execute(
+            "SELECT count(*) FROM runs WHERE schedule_id IS NOT NULL"
+        ).fetchone()
+    assert {"schedule_id", "scheduled_for"} <= set(names)
+    assert scheduled is not None and scheduled[0] > 0
+
+
+def test_migration_0005_downgrades_and_upgrades_again(stack) -> None:  # type: ignore[no-untyped-def]
+    settings = make_settings(stack)
+    try:
+        upgrade(settings)
+        downgrade(settings, "0003")
+        schema = settings.names.pg_schema()
+        tables = {
+            r[0]
+            for r in db_rows(
+                settings, "SELECT tablename FROM pg_tables WHERE schemaname = :s", s=schema
+            )
+        }
+        assert "schedules" not in tables
+        upgrade(settings)
+        tables = {
+            r[0]
+            for r in db_rows(
+                settings, "SELECT tablename FROM pg_tables WHERE schemaname = :s", s=schema
+            )
+        }
+        assert "schedules" in tables
+    finally:
+        drop_schema(settings)

@@ -78,6 +78,13 @@ def pool_sizes() -> tuple[int, int]:
     return worker, gateway
 
 
+def scheduler_pool(concurrency: str) -> int:
+    """A scheduler replica's pool size for KODA_SCHEDULER_CONCURRENCY, as serve() builds it."""
+    settings = Settings.from_env({"APP_ENV": "dev", "KODA_SCHEDULER_CONCURRENCY": concurrency})
+    engine = async_engine(settings, pool_size=settings.scheduler_concurrency + 2)
+    return engine.pool.size() + engine.pool._max_overflow  # type: ignore[attr-defined]
+
+
 def health_path(test: list[str]) -> str:
     """The URL path a Python urllib healthcheck command requests."""
     match = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", " ".join(test))
@@ -181,9 +188,13 @@ def test_compose_connections_fit_postgres(compose) -> None:
     worker_pool, gateway_pool = pool_sizes()
     assert services["gateway"]["environment"].get("KODA_MAX_INFLIGHT", "8") == "8"
     gateways = services["gateway"].get("deploy", {}).get("replicas", 1)
+    scheduler = services["scheduler"]
+    assert scheduler["environment"]["ROLE"] == "scheduler"
     needed = (
         services["worker"]["deploy"]["replicas"] * worker_pool
         + gateways * gateway_pool
+        + scheduler["deploy"]["replicas"]
+        * scheduler_pool(scheduler["environment"]["KODA_SCHEDULER_CONCURRENCY"])
         + MIGRATE_CONNECTIONS
     )
     assert needed <= max_connections - PG_RESERVED, (needed, max_connections)
@@ -299,7 +310,16 @@ def test_k8s_connections_fit_postgres(k8s) -> None:
     # During a rolling update maxSurge pods exist beside the old ones.
     worker_pods = workers["replicas"] + workers["strategy"]["rollingUpdate"]["maxSurge"]
     gateway_pods = gateways["replicas"] + gateways["strategy"]["rollingUpdate"]["maxSurge"]
-    needed = worker_pods * worker_pool + gateway_pods * gateway_pool + MIGRATE_CONNECTIONS
+    schedulers = k8s[("Deployment", "koda-scheduler")]["spec"]
+    assert container(k8s[("Deployment", "koda-scheduler")])["env"][0]["value"] == "scheduler"
+    assert 1 <= schedulers["replicas"] <= 2
+    scheduler_pods = schedulers["replicas"] + schedulers["strategy"]["rollingUpdate"]["maxSurge"]
+    needed = (
+        worker_pods * worker_pool
+        + gateway_pods * gateway_pool
+        + scheduler_pods * scheduler_pool(config["data"]["KODA_SCHEDULER_CONCURRENCY"])
+        + MIGRATE_CONNECTIONS
+    )
     assert needed <= max_connections - PG_RESERVED, (needed, max_connections)
 
 

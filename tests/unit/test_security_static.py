@@ -39,6 +39,7 @@ ALLOWED = {
     # of topics/replay/tables.py, every value a bound parameter (topics/replay/sql.py).
     ("topics/replay/sql.py", "CREATE TABLE IF NOT EXISTS {table.name} ({cols}"),
     ("topics/replay/sql.py", "INSERT INTO {table.name} AS cur ({cols}) SELECT {cols}"),
+    ("topics/replay/sql.py", "ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {c.name}"),
     ("topics/replay/sql.py", "SELECT count(*) FROM {table.name}"),
     ("topics/replay/sql.py", "INSERT INTO _dirty SELECT DISTINCT '{table.name}'"),
     ("topics/replay/sql.py", "SELECT {cols} FROM {table.name} WHERE day = ?"),

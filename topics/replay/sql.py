@@ -20,6 +20,16 @@ def create_table(table: Table, types: Mapping[str, str]) -> str:
     return f"CREATE TABLE IF NOT EXISTS {table.name} ({cols}, PRIMARY KEY ({key}))"
 
 
+def add_columns(table: Table, types: Mapping[str, str]) -> list[str]:
+    """``ADD COLUMN IF NOT EXISTS`` for every non-key column: a warehouse created by an
+    older koda gains the columns added since (they stay null for rows read back then)."""
+    return [
+        f"ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {c.name} {types[c.type]}"
+        for c in table.columns
+        if c.name not in table.key
+    ]
+
+
 def upsert(table: Table, source: str) -> str:
     """Upsert every row of the relation ``source`` into ``table`` by its merge rules."""
     cols = ", ".join(table.names)

@@ -66,6 +66,8 @@ class DuckDBSink(SqlSink):
             self._conn.execute("SET TimeZone = 'UTC'")
             for table in t.TABLES:
                 self._conn.execute(sql.create_table(table, DUCKDB_TYPES))
+                for statement in sql.add_columns(table, DUCKDB_TYPES):
+                    self._conn.execute(statement)
         except duckdb.Error as exc:
             self.close()
             hint = " (is another replay writing it?)" if "lock" in str(exc).lower() else ""

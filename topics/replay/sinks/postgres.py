@@ -92,6 +92,8 @@ class PostgresSink(SqlSink):
                 )
                 for table in t.TABLES:
                     self.conn.execute(sql.create_table(table, PG_TYPES))
+                    for statement in sql.add_columns(table, PG_TYPES):
+                        self.conn.execute(statement)
                     self.conn.execute(sql.stage_table(table, _stage(table)))
         except psycopg.Error as exc:
             self.close()
