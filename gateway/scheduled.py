@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import func, select, text
@@ -26,7 +26,7 @@ from gateway.store import AdmittedRun, NewRun, RunStore
 from koda.errors import DatabaseError
 from koda.lifecycle.ids import uuid7
 from koda.lifecycle.states import RunStatus
-from koda.scheduling import CronSpec, Facts, Overlap, Policy, QuietHours
+from koda.scheduling import CronSpec, Overlap, Policy, QuietHours
 from schemas.records import RunRequested
 from schemas.tables import schedules, sessions
 from topics.catalogue import partition_for_key
@@ -102,20 +102,44 @@ def _row(r: Any) -> ScheduleRow:
     return ScheduleRow(**{k: getattr(r, k) for k in ScheduleRow.__dataclass_fields__})
 
 
-_PER_DAY = text(
+_COUNTS = text(
     """
-    SELECT count(*) FROM runs
-     WHERE user_id = :user_id AND schedule_id IS NOT NULL
-       AND scheduled_for >= :start AND scheduled_for < :end
-    """
-)
-_PREVIOUS = text(
-    """
-    SELECT status FROM runs
-     WHERE schedule_id = :schedule_id AND scheduled_for < :before
-     ORDER BY scheduled_for DESC LIMIT 1
+    SELECT q.i, (SELECT count(*) FROM runs r
+                  WHERE r.user_id = q.u AND r.schedule_id IS NOT NULL
+                    AND r.scheduled_for >= q.s AND r.scheduled_for < q.e) AS n
+      FROM unnest(CAST(:users AS text[]), CAST(:starts AS timestamptz[]),
+                  CAST(:ends AS timestamptz[])) WITH ORDINALITY AS q(u, s, e, i)
     """
 )
+_LATEST = text(
+    """
+    SELECT q.i, (SELECT r.status FROM runs r
+                  WHERE r.schedule_id = q.id AND r.scheduled_for < q.b
+                  ORDER BY r.scheduled_for DESC LIMIT 1) AS status
+      FROM unnest(CAST(:ids AS text[]), CAST(:befores AS timestamptz[]))
+           WITH ORDINALITY AS q(id, b, i)
+    """
+)
+_ADVANCE_MANY = text(
+    """
+    UPDATE schedules s
+       SET next_fire_at = q.n, last_fire_at = COALESCE(q.l, s.last_fire_at), updated_at = now()
+      FROM unnest(CAST(:ids AS text[]), CAST(:expected AS timestamptz[]),
+                  CAST(:nexts AS timestamptz[]), CAST(:lasts AS timestamptz[])) AS q(id, e, n, l)
+     WHERE s.id = q.id AND s.next_fire_at = q.e
+    RETURNING s.id
+    """
+)
+
+
+@dataclass(frozen=True)
+class Advance:
+    """Move ``schedule_id``'s next fire from ``expected`` to ``next_fire_at``."""
+
+    schedule_id: str
+    expected: datetime
+    next_fire_at: datetime | None
+    last_fire_at: datetime | None
 
 
 class ScheduleStore:
@@ -217,51 +241,48 @@ class ScheduleStore:
             return await self.now(), []
         return rows[0].db_now, [_row(r) for r in rows]
 
-    async def facts(self, row: ScheduleRow, days: list[date], first: datetime) -> Facts:
-        """The owner's scheduled runs per local day of ``days``, and whether the schedule's
-        latest run before ``first`` is still going."""
-        spec = row.spec
-        try:
-            async with self.engine.connect() as conn:
-                per_day: dict[date, int] = {}
-                for day in days:
-                    start, end = spec.day_bounds(day)
-                    per_day[day] = int(
-                        (
-                            await conn.execute(
-                                _PER_DAY, {"user_id": row.user_id, "start": start, "end": end}
-                            )
-                        ).scalar_one()
-                    )
-                active = False
-                if row.overlap == Overlap.SKIP.value:
-                    status = (
-                        await conn.execute(_PREVIOUS, {"schedule_id": row.id, "before": first})
-                    ).scalar()
-                    active = status is not None and status not in _TERMINAL
-        except SQLAlchemyError as exc:
-            raise DatabaseError(f"reading schedule facts failed: {type(exc).__name__}") from exc
-        return Facts(runs_per_day=per_day, previous_active=active)
-
-    async def advance(
-        self,
-        schedule_id: str,
-        expected: datetime,
-        next_fire_at: datetime | None,
-        last_fire_at: datetime | None,
-    ) -> bool:
-        """Move the next fire from ``expected`` on; False when someone moved it first."""
-        values: dict[str, Any] = {"next_fire_at": next_fire_at, "updated_at": func.now()}
-        if last_fire_at is not None:
-            values["last_fire_at"] = last_fire_at
+    async def scheduled_counts(self, spans: list[tuple[str, datetime, datetime]]) -> list[int]:
+        """For each (user, start, end): the user's scheduled runs with a minute in [start, end)."""
+        if not spans:
+            return []
         rows = await self._fetch(
-            schedules.update()
-            .where((schedules.c.id == schedule_id) & (schedules.c.next_fire_at == expected))
-            .values(**values)
-            .returning(schedules.c.id),
-            {},
+            _COUNTS,
+            {
+                "users": [u for u, _, _ in spans],
+                "starts": [a for _, a, _ in spans],
+                "ends": [b for _, _, b in spans],
+            },
         )
-        return bool(rows)
+        by_index = {int(r.i): int(r.n) for r in rows}
+        return [by_index[i + 1] for i in range(len(spans))]
+
+    async def latest_active(self, items: list[tuple[str, datetime]]) -> list[bool]:
+        """For each (schedule, before): its latest run before that minute is not terminal."""
+        if not items:
+            return []
+        rows = await self._fetch(
+            _LATEST, {"ids": [i for i, _ in items], "befores": [b for _, b in items]}
+        )
+        by_index = {int(r.i): r.status for r in rows}
+        return [
+            (status := by_index[i + 1]) is not None and status not in _TERMINAL
+            for i in range(len(items))
+        ]
+
+    async def advance_many(self, moves: list[Advance]) -> set[str]:
+        """Apply every move whose ``expected`` still holds; the ids of those applied."""
+        if not moves:
+            return set()
+        rows = await self._fetch(
+            _ADVANCE_MANY,
+            {
+                "ids": [m.schedule_id for m in moves],
+                "expected": [m.expected for m in moves],
+                "nexts": [m.next_fire_at for m in moves],
+                "lasts": [m.last_fire_at for m in moves],
+            },
+        )
+        return {r.id for r in rows}
 
 
 @dataclass(frozen=True)
@@ -270,6 +291,53 @@ class Fired:
 
     run: AdmittedRun
     delivery: asyncio.Future[Delivery] | None
+
+
+def scheduled_run(
+    schedule: ScheduleRow, minute: datetime, *, partitions: int, key: str | None = None
+) -> NewRun:
+    """The run a (schedule, minute) fires: the schedule's owner, input and session policy."""
+    return NewRun(
+        run_id=uuid7(),
+        user_id=schedule.user_id,
+        session_id=schedule.session_id or uuid7(),
+        create_session=schedule.session_id is None,
+        idempotency_key=key or fire_key(schedule.id, minute),
+        input=schedule.input,
+        metadata=None,
+        partition=partition_for_key(schedule.user_id.encode(), partitions),
+        schedule_id=schedule.id,
+        scheduled_for=minute,
+    )
+
+
+def publish_scheduled(
+    publisher: RunPublisher, run: AdmittedRun, new: NewRun
+) -> asyncio.Future[Delivery]:
+    """Produce the run's ``run.requested`` record, keyed by user, with its schedule fields."""
+    assert new.scheduled_for is not None
+    return publisher.publish(
+        RunRequested(
+            run_id=run.run_id,
+            user_id=run.user_id,
+            session_id=run.session_id,
+            created_at=run.created_at.isoformat(),
+            schedule_id=new.schedule_id,
+            scheduled_for=new.scheduled_for.astimezone(UTC).isoformat(),
+        )
+    )
+
+
+async def fire_many(
+    store: RunStore, publisher: RunPublisher, batch: list[NewRun]
+) -> list[Fired | None]:
+    """:func:`fire` for many runs: one insert transaction, then a publish per created run
+    in ``batch`` order (a user's minutes oldest first); None where the key had a run."""
+    admitted = await store.admit_many(batch)
+    return [
+        None if run is None else Fired(run, publish_scheduled(publisher, run, new))
+        for run, new in zip(admitted, batch, strict=True)
+    ]
 
 
 async def fire(
@@ -286,27 +354,8 @@ async def fire(
     ``key`` defaults to :func:`fire_key`. Raises DatabaseError when Postgres fails (then
     nothing was written); a failed publish leaves the run pending for the sweeper.
     """
-    new = NewRun(
-        run_id=uuid7(),
-        user_id=schedule.user_id,
-        session_id=schedule.session_id or uuid7(),
-        create_session=schedule.session_id is None,
-        idempotency_key=key or fire_key(schedule.id, minute),
-        input=schedule.input,
-        metadata=None,
-        partition=partition_for_key(schedule.user_id.encode(), partitions),
-        schedule_id=schedule.id,
-        scheduled_for=minute,
-    )
+    new = scheduled_run(schedule, minute, partitions=partitions, key=key)
     run = await store.admit(new)
     if not run.created:
         return Fired(run, None)
-    record = RunRequested(
-        run_id=run.run_id,
-        user_id=run.user_id,
-        session_id=run.session_id,
-        created_at=run.created_at.isoformat(),
-        schedule_id=schedule.id,
-        scheduled_for=minute.astimezone(UTC).isoformat(),
-    )
-    return Fired(run, publisher.publish(record))
+    return Fired(run, publish_scheduled(publisher, run, new))

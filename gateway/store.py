@@ -10,6 +10,7 @@ There is no check-then-insert anywhere.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -166,6 +167,32 @@ _CLAIM_UNPUBLISHED = text(
 )
 
 
+# admit_many: the batch form of admit's insert, for runs whose sessions need no owner
+# check (a new session each, or a fixed session the owner's since the schedule began).
+_ADMIT_SESSIONS = text(
+    """
+    INSERT INTO sessions (id, user_id)
+    SELECT * FROM unnest(CAST(:sids AS text[]), CAST(:uids AS text[]))
+    ON CONFLICT (id) DO NOTHING
+    """
+)
+_ADMIT_RUNS = text(
+    """
+    INSERT INTO runs (id, session_id, user_id, idempotency_key, input, metadata, partition,
+                      schedule_id, scheduled_for)
+    SELECT q.id, q.sid, q.uid, q.key, CAST(q.input AS jsonb), CAST(q.meta AS jsonb), q.part,
+           q.sched, q.at
+      FROM unnest(CAST(:ids AS text[]), CAST(:sids AS text[]), CAST(:uids AS text[]),
+                  CAST(:keys AS text[]), CAST(:inputs AS text[]), CAST(:metas AS text[]),
+                  CAST(:parts AS int[]), CAST(:scheds AS text[]), CAST(:ats AS timestamptz[]))
+           AS q(id, sid, uid, key, input, meta, part, sched, at)
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING id, status, created_at
+    """
+)
+_DROP_SESSIONS = text("DELETE FROM sessions WHERE id = ANY(CAST(:sids AS text[]))")
+
+
 class RunStore:
     """Every read and write the gateway makes; no other gateway module speaks SQL."""
 
@@ -198,6 +225,49 @@ class RunStore:
         raise DatabaseError(
             f"idempotency key conflicted but no run was found after {_ADMIT_ATTEMPTS} tries"
         )
+
+    async def admit_many(self, batch: list[NewRun]) -> list[AdmittedRun | None]:
+        """Insert each run of ``batch`` unless its idempotency key exists, in one transaction.
+
+        The same insert as :meth:`admit` (``ON CONFLICT (idempotency_key) DO NOTHING``),
+        for many runs at once: the i-th answer is the created run, or None when its key
+        already had one (nothing of it is kept, not even its new session). Sessions are
+        not owner-checked here: each run's is either new (``create_session``) or one the
+        caller verified belongs to the user.
+        """
+        if not batch:
+            return []
+        # In key order: two callers inserting overlapping batches then wait on each
+        # other's keys in one order, never in a cycle (a deadlock would abort one).
+        ordered = sorted(batch, key=lambda r: r.idempotency_key)
+        params = {
+            "ids": [r.run_id for r in ordered],
+            "sids": [r.session_id for r in ordered],
+            "uids": [r.user_id for r in ordered],
+            "keys": [r.idempotency_key for r in ordered],
+            "inputs": [json.dumps(r.input) for r in ordered],
+            "metas": [None if r.metadata is None else json.dumps(r.metadata) for r in ordered],
+            "parts": [r.partition for r in ordered],
+            "scheds": [r.schedule_id for r in ordered],
+            "ats": [r.scheduled_for for r in ordered],
+        }
+        try:
+            async with self.engine.begin() as conn:
+                await conn.execute(
+                    _ADMIT_SESSIONS, {"sids": params["sids"], "uids": params["uids"]}
+                )
+                rows = {r.id: r for r in (await conn.execute(_ADMIT_RUNS, params)).all()}
+                lost = [r.session_id for r in batch if r.create_session and r.run_id not in rows]
+                if lost:
+                    await conn.execute(_DROP_SESSIONS, {"sids": lost})
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"admitting runs failed: {type(exc).__name__}") from exc
+        return [
+            None
+            if (row := rows.get(r.run_id)) is None
+            else AdmittedRun(r.run_id, r.user_id, r.session_id, row.status, row.created_at, True)
+            for r in batch
+        ]
 
     async def _insert(self, run: NewRun) -> AdmittedRun | None:
         async with self.engine.connect() as conn:

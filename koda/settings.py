@@ -153,7 +153,6 @@ class Settings:
     scheduler_port: int = 0
     scheduler_poll_s: float = 5.0
     scheduler_batch: int = 500
-    scheduler_concurrency: int = 16
 
     def __post_init__(self) -> None:
         if self.partitions & (self.partitions - 1):
@@ -276,5 +275,4 @@ class Settings:
             scheduler_port=_int(env, "KODA_SCHEDULER_PORT", 0, lo=0, hi=65535),
             scheduler_poll_s=_float(env, "KODA_SCHEDULER_POLL", 5.0, lo=0.05, hi=60),
             scheduler_batch=_int(env, "KODA_SCHEDULER_BATCH", 500, lo=1, hi=100_000),
-            scheduler_concurrency=_int(env, "KODA_SCHEDULER_CONCURRENCY", 16, lo=1, hi=256),
         )

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 ROLE = "scheduler"
 FLUSH_TIMEOUT_S = 5.0
+# One batch at a time plus the sweeper: Postgres connections per replica.
+POOL_SIZE = 4
 
 
 async def serve(settings: Settings) -> None:
@@ -34,7 +36,7 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    engine = async_engine(settings, pool_size=settings.scheduler_concurrency + 2)
+    engine = async_engine(settings, pool_size=POOL_SIZE)
     publisher = RunPublisher(settings, config=producer_config(settings, ROLE))
     await publisher.start()
     runs = RunStore(engine)
@@ -44,7 +46,6 @@ async def serve(settings: Settings) -> None:
         publisher,
         partitions=settings.partitions,
         batch=settings.scheduler_batch,
-        concurrency=settings.scheduler_concurrency,
         poll_s=settings.scheduler_poll_s,
     )
     # A replica killed between a run's insert and its publish leaves the run pending;

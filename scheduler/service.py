@@ -27,19 +27,37 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import date, datetime
 
 from gateway.publisher import Delivery, RunPublisher
-from gateway.scheduled import Fired, ScheduleRow, ScheduleStore, fire
-from gateway.store import RunStore
+from gateway.scheduled import (
+    Advance,
+    Fired,
+    ScheduleRow,
+    ScheduleStore,
+    fire_many,
+    scheduled_run,
+)
+from gateway.store import NewRun, RunStore
 from koda import metrics
 from koda.errors import DatabaseError, KodaError
-from koda.scheduling import Outcome, Plan, ScheduleInvalid, days_of, due_minutes, plan
+from koda.scheduling import (
+    CronSpec,
+    Facts,
+    Outcome,
+    Plan,
+    ScheduleInvalid,
+    days_of,
+    due_minutes,
+    plan,
+)
 
 log = logging.getLogger(__name__)
 
 # Wake this long after a minute boundary: Postgres's clock must have passed it.
 BOUNDARY_SLACK_S = 0.02
+# Runs per insert transaction (and per published_at update).
+INSERT_CHUNK = 1000
 
 
 @dataclass
@@ -65,7 +83,6 @@ class Scheduler:
         *,
         partitions: int,
         batch: int = 500,
-        concurrency: int = 16,
         poll_s: float = 5.0,
         replica: str | None = None,
     ) -> None:
@@ -76,7 +93,6 @@ class Scheduler:
         self.batch = batch
         self.poll_s = poll_s
         self.salt = replica or os.urandom(8).hex()
-        self._slots = asyncio.Semaphore(concurrency)
         # Postgres's clock minus ours, refreshed every pass (only used to time sleeps).
         self._skew_s = 0.0
 
@@ -90,86 +106,98 @@ class Scheduler:
             metrics.SCHEDULES_DUE.set(len(rows))
             if not rows:
                 return result
-            # One user's schedules go one after another: the daily cap counts the user's
-            # runs across schedules, so each must see the runs the previous one fired.
-            by_user: dict[str, list[ScheduleRow]] = {}
-            for row in rows:
-                by_user.setdefault(row.user_id, []).append(row)
-            outcomes = [
-                outcome
-                for group in await asyncio.gather(
-                    *(self._user(group, now, result) for group in by_user.values())
-                )
-                for outcome in group
-            ]
-            ordered = [row for group in by_user.values() for row in group]
-            advanced = 0
-            for row, outcome in zip(ordered, outcomes, strict=True):
-                if isinstance(outcome, BaseException):
-                    log.warning(
-                        "event=schedule_failed schedule_id=%s user_id=%s error=%s",
-                        row.id,
-                        row.user_id,
-                        outcome,
-                    )
-                elif outcome:
-                    advanced += 1
             result.schedules += len(rows)
-            if len(rows) < self.batch and advanced == 0:
-                # Every row either failed or was advanced by another replica: do not spin.
+            if not await self._batch(rows, now, result):
+                # Nothing moved (every row was advanced by another replica meanwhile, or
+                # the writes failed): the next pass looks again rather than spin here.
                 return result
 
-    async def _user(
-        self, rows: list[ScheduleRow], now: datetime, result: PassResult
-    ) -> list[bool | BaseException]:
-        outcomes: list[bool | BaseException] = []
+    async def _batch(self, rows: list[ScheduleRow], now: datetime, result: PassResult) -> bool:
+        """Plan, fire and advance ``rows``; True when at least one schedule moved on."""
+        work: list[tuple[ScheduleRow, CronSpec, list[datetime]]] = []
+        moves: list[Advance] = []
         for row in rows:
-            try:
-                outcomes.append(await self._schedule(row, now, result))
-            except Exception as exc:  # reported per schedule by the caller
-                outcomes.append(exc)
-        return outcomes
-
-    async def _schedule(self, row: ScheduleRow, now: datetime, result: PassResult) -> bool:
-        """Plan and fire one schedule; True when something moved (by us or another)."""
-        if row.next_fire_at is None:
-            return False
-        async with self._slots:
+            assert row.next_fire_at is not None
             try:
                 spec = row.spec
-            except ScheduleInvalid as exc:  # a zone removed from tzdata since it was stored
+            except ScheduleInvalid as exc:  # e.g. a zone removed from tzdata since
                 log.error("event=schedule_unreadable schedule_id=%s error=%s", row.id, exc)
-                return False
-            first = row.next_fire_at
-            policy = row.policy
-            due, _, _ = due_minutes(spec, first, now, policy.catchup_s, limit=self.batch)
-            facts = await self.schedules.facts(row, days_of(spec, due), first)
-            decided = plan(spec, policy, first, now, facts, limit=self.batch)
-            fired = await self._fire_all(row, decided, result)
-            last = max(fired) if fired else None
-            won = await self.schedules.advance(row.id, first, decided.next_fire_at, last)
-        if won:
-            self._count(row, decided, result)
-        return True
+                moves.append(Advance(row.id, row.next_fire_at, None, None))
+                continue
+            due, _, _ = due_minutes(spec, row.next_fire_at, now, row.catchup_s, limit=self.batch)
+            work.append((row, spec, due))
+        plans = await self._plan(work, now)
+        fires: list[tuple[ScheduleRow, NewRun]] = []
+        for (row, _spec, _due), decided in zip(work, plans, strict=True):
+            minutes = decided.fires
+            fires += [(row, scheduled_run(row, m, partitions=self.partitions)) for m in minutes]
+            assert row.next_fire_at is not None
+            moves.append(
+                Advance(row.id, row.next_fire_at, decided.next_fire_at, max(minutes, default=None))
+            )
+        created: list[tuple[ScheduleRow, NewRun, Fired]] = []
+        for i in range(0, len(fires), INSERT_CHUNK):
+            chunk = fires[i : i + INSERT_CHUNK]
+            outcomes = await fire_many(self.runs, self.publisher, [new for _, new in chunk])
+            for (row, new), outcome in zip(chunk, outcomes, strict=True):
+                if outcome is None:
+                    result.conflicts += 1
+                    metrics.SCHEDULE_FIRE_CONFLICTS.inc()
+                else:
+                    result.fired += 1
+                    metrics.SCHEDULE_FIRES.inc()
+                    created.append((row, new, outcome))
+        won = await self.schedules.advance_many(moves)
+        for (row, _spec, _due), decided in zip(work, plans, strict=True):
+            if row.id in won:
+                self._count(row, decided, result)
+        await self._settle(created, result)
+        return bool(won) or bool(created)
 
-    async def _fire_all(
-        self, row: ScheduleRow, decided: Plan, result: PassResult
-    ) -> list[datetime]:
-        """Create each fire's run oldest first (publishing as it goes), then await the acks."""
-        created: list[tuple[datetime, Fired]] = []
-        minutes = decided.fires
-        for minute in minutes:
-            outcome = await fire(self.runs, self.publisher, row, minute, partitions=self.partitions)
-            if outcome.delivery is None:
-                metrics.SCHEDULE_FIRE_CONFLICTS.inc()
-                result.conflicts += 1
-            else:
-                metrics.SCHEDULE_FIRES.inc()
-                result.fired += 1
-                created.append((minute, outcome))
+    async def _plan(
+        self, work: list[tuple[ScheduleRow, CronSpec, list[datetime]]], now: datetime
+    ) -> list[Plan]:
+        """Each schedule's plan, with its facts read from Postgres in two statements.
+
+        One user's schedules are planned one after another, each seeing the fires of the
+        ones before it: the daily cap counts the user's runs across schedules."""
+        spans: list[tuple[str, datetime, datetime]] = []
+        span_of: list[list[tuple[date, int]]] = []
+        for row, spec, due in work:
+            mine = []
+            for day in days_of(spec, due):
+                start, end = spec.day_bounds(day)
+                mine.append((day, len(spans)))
+                spans.append((row.user_id, start, end))
+            span_of.append(mine)
+        counts = await self.schedules.scheduled_counts(spans)
+        skip = [i for i, (row, _, due) in enumerate(work) if due and row.overlap == "skip"]
+        active_list = await self.schedules.latest_active(
+            [(work[i][0].id, work[i][2][0]) for i in skip]
+        )
+        active = dict(zip(skip, active_list, strict=True))
+        fired_by_user: dict[str, list[datetime]] = {}
+        plans: list[Plan] = []
+        for i, (row, spec, _due) in enumerate(work):
+            assert row.next_fire_at is not None
+            earlier = fired_by_user.setdefault(row.user_id, [])
+            per_day = {}
+            for day, index in span_of[i]:
+                _user, start, end = spans[index]
+                per_day[day] = counts[index] + sum(1 for m in earlier if start <= m < end)
+            facts = Facts(runs_per_day=per_day, previous_active=active.get(i, False))
+            decided = plan(spec, row.policy, row.next_fire_at, now, facts, limit=self.batch)
+            earlier += decided.fires
+            plans.append(decided)
+        return plans
+
+    async def _settle(
+        self, created: list[tuple[ScheduleRow, NewRun, Fired]], result: PassResult
+    ) -> None:
+        """Await every created run's ack: the lag metric, a log line, ``published_at``."""
         delivered: list[str] = []
-        for minute, outcome in created:
-            assert outcome.delivery is not None
+        for row, new, outcome in created:
+            assert outcome.delivery is not None and new.scheduled_for is not None
             try:
                 delivery: Delivery = await outcome.delivery
             except KodaError as exc:
@@ -181,7 +209,7 @@ class Scheduler:
                     exc,
                 )
                 continue
-            lag = time.time() + self._skew_s - minute.timestamp()
+            lag = time.time() + self._skew_s - new.scheduled_for.timestamp()
             metrics.SCHEDULE_FIRE_LAG_SECONDS.observe(lag)
             result.lags.append(lag)
             delivered.append(outcome.run.run_id)
@@ -191,17 +219,16 @@ class Scheduler:
                 row.id,
                 outcome.run.run_id,
                 row.user_id,
-                minute.isoformat(),
+                new.scheduled_for.isoformat(),
                 delivery.partition,
                 delivery.offset,
                 lag,
             )
-        if delivered:
+        for i in range(0, len(delivered), INSERT_CHUNK):
             try:
-                await self.runs.mark_published(delivered)
+                await self.runs.mark_published(delivered[i : i + INSERT_CHUNK])
             except DatabaseError as exc:  # harmless: the sweeper may publish them again
                 log.warning("event=mark_published_failed runs=%d error=%s", len(delivered), exc)
-        return minutes
 
     def _count(self, row: ScheduleRow, decided: Plan, result: PassResult) -> None:
         for d in decided.decisions:

@@ -60,7 +60,6 @@ class SchedulerProcess:
             KODA_SWEEP_AFTER="3",
             KODA_SWEEP_INTERVAL="1",
             KODA_SCHEDULER_POLL="1",
-            KODA_SCHEDULER_CONCURRENCY="4",
             **self.extra,
         )
         self.proc = subprocess.Popen(  # noqa: S603

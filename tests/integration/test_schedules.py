@@ -327,7 +327,6 @@ class Harness:
             self.publisher,
             partitions=8,
             batch=40,
-            concurrency=4,
             replica=name,
         )
 

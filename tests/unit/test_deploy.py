@@ -78,10 +78,11 @@ def pool_sizes() -> tuple[int, int]:
     return worker, gateway
 
 
-def scheduler_pool(concurrency: str) -> int:
-    """A scheduler replica's pool size for KODA_SCHEDULER_CONCURRENCY, as serve() builds it."""
-    settings = Settings.from_env({"APP_ENV": "dev", "KODA_SCHEDULER_CONCURRENCY": concurrency})
-    engine = async_engine(settings, pool_size=settings.scheduler_concurrency + 2)
+def scheduler_pool() -> int:
+    """A scheduler replica's pool size, as scheduler/app.py builds it."""
+    from scheduler.app import POOL_SIZE
+
+    engine = async_engine(DEFAULTS, pool_size=POOL_SIZE)
     return engine.pool.size() + engine.pool._max_overflow  # type: ignore[attr-defined]
 
 
@@ -193,8 +194,7 @@ def test_compose_connections_fit_postgres(compose) -> None:
     needed = (
         services["worker"]["deploy"]["replicas"] * worker_pool
         + gateways * gateway_pool
-        + scheduler["deploy"]["replicas"]
-        * scheduler_pool(scheduler["environment"]["KODA_SCHEDULER_CONCURRENCY"])
+        + scheduler["deploy"]["replicas"] * scheduler_pool()
         + MIGRATE_CONNECTIONS
     )
     assert needed <= max_connections - PG_RESERVED, (needed, max_connections)
@@ -317,7 +317,7 @@ def test_k8s_connections_fit_postgres(k8s) -> None:
     needed = (
         worker_pods * worker_pool
         + gateway_pods * gateway_pool
-        + scheduler_pods * scheduler_pool(config["data"]["KODA_SCHEDULER_CONCURRENCY"])
+        + scheduler_pods * scheduler_pool()
         + MIGRATE_CONNECTIONS
     )
     assert needed <= max_connections - PG_RESERVED, (needed, max_connections)
