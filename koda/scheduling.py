@@ -124,7 +124,15 @@ class CronSpec:
 
     @classmethod
     def parse(cls, expression: object, timezone: object) -> CronSpec:
-        """Validate both; ScheduleInvalid names ``cron`` or ``timezone`` with an example."""
+        """Validate both; ScheduleInvalid names ``cron`` or ``timezone`` with an example.
+
+        Valid pairs are remembered (a scheduler parses the same few crons all day)."""
+        if isinstance(expression, str) and isinstance(timezone, str):
+            return _parse(expression, timezone)
+        return cls._parse(expression, timezone)
+
+    @classmethod
+    def _parse(cls, expression: object, timezone: object) -> CronSpec:
         if not isinstance(expression, str) or len(expression.split()) != 5:
             raise ScheduleInvalid(
                 "cron",
@@ -222,6 +230,16 @@ class CronSpec:
         start = datetime.combine(day, time(0), tzinfo=tz).astimezone(UTC)
         end = datetime.combine(day + timedelta(days=1), time(0), tzinfo=tz).astimezone(UTC)
         return start, end
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(expression: str, timezone: str) -> CronSpec:
+    return CronSpec._parse(expression, timezone)
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_after(spec: CronSpec, after: datetime) -> datetime | None:
+    return next(spec.fires_after(after), None)
 
 
 def minute_floor(instant: datetime) -> datetime:
@@ -326,7 +344,17 @@ def due_minutes(
     spec: CronSpec, first: datetime, now: datetime, catchup_s: int, *, limit: int
 ) -> tuple[list[datetime], int, bool]:
     """Due minutes from ``first`` (a fire time) to ``now`` inside the catch-up window (at most
-    ``limit``), and how many before it were missed (bounded by MISSED_COUNT_LIMIT)."""
+    ``limit``), and how many before it were missed (bounded by MISSED_COUNT_LIMIT).
+
+    Remembered per arguments: the schedules of one pass often share all of them."""
+    due, missed, truncated = _due_minutes(spec, first, now, catchup_s, limit)
+    return list(due), missed, truncated
+
+
+@functools.lru_cache(maxsize=1024)
+def _due_minutes(
+    spec: CronSpec, first: datetime, now: datetime, catchup_s: int, limit: int
+) -> tuple[tuple[datetime, ...], int, bool]:
     window_start = now - timedelta(seconds=catchup_s)
     missed, truncated = 0, False
     current: datetime | None = first
@@ -345,7 +373,7 @@ def due_minutes(
     while current is not None and current <= now and len(due) < limit:
         due.append(current)
         current = next(fires, None)
-    return due, missed, truncated
+    return tuple(due), missed, truncated
 
 
 def plan(
@@ -389,7 +417,7 @@ def plan(
         active = True
     # A plan cut at ``limit`` goes on after its last minute; otherwise after ``now``.
     after = due[-1] if len(due) >= limit else now
-    next_fire = next(spec.fires_after(after), None)
+    next_fire = _first_after(spec, after)
     return Plan(tuple(decisions), missed, truncated, next_fire)
 
 
