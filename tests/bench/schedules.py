@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
 from datetime import UTC, datetime, timedelta
@@ -41,6 +42,9 @@ from topics.catalogue import RUNS
 GOAL_S = 10.0
 LEAD_S = 25.0  # schedulers are up and idle this long before M
 _LAG = re.compile(r"event=schedule_fired .*scheduled_for=(\S+) .*lag_s=([0-9.]+)")
+_BATCH = re.compile(
+    r"ts=(\S+ \S+) .*event=scheduler_batch .*plan_ms=(\d+) insert_ms=(\d+) advance_ms=(\d+)"
+)
 _PASS = re.compile(r"event=scheduler_pass schedules=\d+ fired=(\d+) conflicts=(\d+)")
 
 
@@ -66,10 +70,10 @@ def insert(settings: Settings, count: int, minute: datetime) -> None:
     engine.dispose()
 
 
-def scheduler(settings: Settings, name: str) -> ChildProcess:
+def scheduler(settings: Settings, name: str, batch: int) -> ChildProcess:
     import sys
 
-    env = settings_env(settings)
+    env = settings_env(settings, KODA_SCHEDULER_BATCH=str(batch))
     return ChildProcess(name, [sys.executable, "-m", "koda", "scheduler"], env=env).start()
 
 
@@ -90,13 +94,13 @@ def count_runs(settings: Settings, minute: datetime) -> tuple[int, int, int]:
     return int(row[0]), int(row[1]), int(row[2])
 
 
-def measure(settings: Settings, count: int) -> Table:
+def measure(settings: Settings, count: int, batch: int) -> Table:
     now = datetime.now(UTC)
     minute = now.replace(second=0, microsecond=0) + timedelta(minutes=1)
     if (minute - now).total_seconds() < LEAD_S:
         minute += timedelta(minutes=1)
     insert(settings, count, minute)
-    procs = [scheduler(settings, "scheduler-a"), scheduler(settings, "scheduler-b")]
+    procs = [scheduler(settings, "scheduler-a", batch), scheduler(settings, "scheduler-b", batch)]
     try:
         while datetime.now(UTC) < minute - timedelta(seconds=2):
             for p in procs:
@@ -131,7 +135,8 @@ def measure(settings: Settings, count: int) -> Table:
         per_run[run_id] = per_run.get(run_id, 0) + 1
     last_ts = max((r.timestamp()[1] for r in records), default=0) / 1000
     table = Table(
-        f"{count:,} schedules due at {minute:%H:%M} UTC, two `koda scheduler` processes",
+        f"{count:,} schedules due at {minute:%H:%M} UTC, two `koda scheduler` processes"
+        f" (KODA_SCHEDULER_BATCH={batch})",
         ["measure", "value"],
     )
     table.add("runs created for the minute", f"{runs:,} of {count:,} (published {published:,})")
@@ -141,6 +146,22 @@ def measure(settings: Settings, count: int) -> Table:
     table.add("fire lag p99 (s)", f"{percentile(lags, 0.99):.2f}")
     table.add("fire lag max (s)", f"{max(lags, default=float('nan')):.2f}")
     table.add("last record's broker timestamp - M (s)", f"{last_ts - minute.timestamp():.2f}")
+    for name, log in zip(("a", "b"), logs, strict=True):
+        batches = [
+            m
+            for m in _BATCH.finditer(log)
+            if datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=UTC) >= minute
+        ]
+        if batches:
+            first = datetime.strptime(batches[0][1], "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=UTC)
+            plan_s, insert_s, advance_s = (
+                sum(int(m[i]) for m in batches) / 1000 for i in (2, 3, 4)
+            )
+            table.add(
+                f"scheduler {name}: batches / first ends at M+ / plan, insert, advance s",
+                f"{len(batches)} / {(first - minute).total_seconds():.2f} s / "
+                f"{plan_s:.2f}, {insert_s:.2f}, {advance_s:.2f}",
+            )
     for name, before, after, made, lost in zip(
         ("a", "b"), cpu_before, cpu_after, created, conflicts, strict=True
     ):
@@ -163,9 +184,11 @@ def measure(settings: Settings, count: int) -> Table:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedules", type=int, default=10_000)
+    parser.add_argument("--batch", type=int, default=Settings.scheduler_batch)
     args = parser.parse_args()
     with services() as stack, namespace(stack, partitions=32) as settings:
-        print(measure(settings, args.schedules).render())
+        print(measure(settings, args.schedules, args.batch).render())
+        print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

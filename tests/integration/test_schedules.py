@@ -24,7 +24,7 @@ from sqlalchemy import text
 
 from gateway import create_app
 from gateway.publisher import RunPublisher
-from gateway.scheduled import ScheduleStore, fire_key
+from gateway.scheduled import ScheduleStore, fire_key, scheduled_run
 from gateway.store import RunStore
 from koda.db import async_engine
 from koda.lifecycle.ids import uuid7
@@ -399,6 +399,15 @@ async def test_two_replicas_at_once_create_each_due_minute_exactly_once(harness:
     assert all(sorted(v) == sorted(minutes) for v in got.values()) and len(got) == 60
     assert ra.fired + rb.fired == len(rows) == 300
     assert ra.fired > 0 and rb.fired > 0  # both did real work, neither waited on a lock
+    # A losing insert keeps nothing: not even the new session it brought.
+    users = [
+        r.user_id
+        for r in await harness.rows("SELECT user_id FROM schedules WHERE id = ANY(:ids)", ids=ids)
+    ]
+    sessions = await harness.rows(
+        "SELECT count(*) AS n FROM sessions WHERE user_id = ANY(:u)", u=users
+    )
+    assert sessions[0].n == 300
     nxt = await harness.rows(
         "SELECT DISTINCT next_fire_at FROM schedules WHERE id = ANY(:ids)", ids=ids
     )
@@ -545,3 +554,20 @@ def test_migration_0005_downgrades_and_upgrades_again(stack) -> None:  # type: i
         assert "schedules" in tables
     finally:
         drop_schema(settings)
+
+
+async def test_admit_many_keeps_nothing_of_a_run_whose_key_exists(harness: Harness) -> None:
+    """The batch insert's failure mode: a losing run leaving its new session behind, or
+    a duplicate. The same keys twice: the second batch creates nothing, adds no session."""
+    who = user()
+    sid = await harness.add(who, _ago(1))
+    (row,) = [r for r in await harness.store.owned(who, 10) if r.id == sid]
+    minutes = [_ago(3), _ago(2), _ago(1)]
+    runs = RunStore(harness.engine)
+    first = await runs.admit_many([scheduled_run(row, m, partitions=8) for m in minutes])
+    again = await runs.admit_many([scheduled_run(row, m, partitions=8) for m in reversed(minutes)])
+    assert all(r is not None for r in first) and again == [None, None, None]
+    (n,) = await harness.rows("SELECT count(*) AS n FROM sessions WHERE user_id = :u", u=who)
+    assert n.n == 3
+    keys = await harness.rows("SELECT idempotency_key FROM runs WHERE schedule_id = :s", s=sid)
+    assert sorted(k.idempotency_key for k in keys) == sorted(fire_key(sid, m) for m in minutes)
