@@ -21,11 +21,14 @@ import httpx
 import pytest
 from confluent_kafka import KafkaException
 from sqlalchemy import text
+from typer.testing import CliRunner
 
 from gateway import create_app
 from gateway.publisher import RunPublisher
 from gateway.scheduled import ScheduleStore, fire_key, scheduled_run
+from gateway.schedules_cli import schedules_app
 from gateway.store import RunStore
+from koda import metrics
 from koda.db import async_engine
 from koda.lifecycle.ids import uuid7
 from koda.scheduling import CronSpec
@@ -454,10 +457,16 @@ async def test_overlap_skip_waits_for_the_previous_run_to_end(harness: Harness) 
     assert len(await harness.rows("SELECT id FROM runs WHERE schedule_id = :s", s=sid)) == 2
 
 
+def sample(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 async def test_a_paused_schedule_fires_nothing_and_moves_on(harness: Harness) -> None:
     sid = await harness.add(user(), _ago(3), enabled=False)
+    before = sample("koda_schedule_skips_total", reason="paused")
     result = await harness.replica("p").run_pass()
     assert result.skipped == 4 and result.fired == 0
+    assert sample("koda_schedule_skips_total", reason="paused") == before + 4
     assert await harness.rows("SELECT id FROM runs WHERE schedule_id = :s", s=sid) == []
     (row,) = await harness.rows("SELECT next_fire_at FROM schedules WHERE id = :s", s=sid)
     assert row.next_fire_at > datetime.now(UTC)
@@ -465,7 +474,12 @@ async def test_a_paused_schedule_fires_nothing_and_moves_on(harness: Harness) ->
 
 async def test_minutes_outside_the_catch_up_window_are_missed_not_run(harness: Harness) -> None:
     sid = await harness.add(user(), _ago(10), catchup_s=150)
+    missed, fires = sample("koda_schedule_missed_total"), sample("koda_schedule_fires_total")
+    lags = sample("koda_schedule_fire_lag_seconds_count")
     result = await harness.replica("m").run_pass()
+    assert sample("koda_schedule_missed_total") == missed + result.missed > missed
+    assert sample("koda_schedule_fires_total") == fires + result.fired
+    assert sample("koda_schedule_fire_lag_seconds_count") == lags + result.fired
     rows = await harness.rows("SELECT scheduled_for FROM runs WHERE schedule_id = :s", s=sid)
     fired = sorted(r.scheduled_for for r in rows)
     assert fired and min(fired) >= datetime.now(UTC) - timedelta(seconds=151)
@@ -571,3 +585,28 @@ async def test_admit_many_keeps_nothing_of_a_run_whose_key_exists(harness: Harne
     assert n.n == 3
     keys = await harness.rows("SELECT idempotency_key FROM runs WHERE schedule_id = :s", s=sid)
     assert sorted(k.idempotency_key for k in keys) == sorted(fire_key(sid, m) for m in minutes)
+
+
+def test_the_schedules_cli_creates_lists_pauses_resumes_and_deletes(url: str) -> None:
+    who = user()
+    runner = CliRunner()
+
+    def koda(*args: str) -> str:
+        result = runner.invoke(schedules_app, [*args, "--user", who, "--gateway", url])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    made = koda(
+        "create", "30 2 * * *", "nightly", "--timezone", "Europe/Berlin", "--quiet", "22:00-07:00"
+    )
+    sid = made.split()[0]
+    assert "'30 2 * * *' Europe/Berlin" in made and "quiet=22:00-07:00" in made
+    assert sid in koda("list")
+    assert "paused" in koda("pause", sid)
+    assert "enabled" in koda("resume", sid)
+    assert sid in koda("delete", sid)
+    assert koda("list") == ""
+    bad = runner.invoke(
+        schedules_app, ["create", "61 * * * *", "x", "--user", who, "--gateway", url]
+    )
+    assert bad.exit_code == 2 and "(cron)" in bad.output and "30 2 * * 1-5" in bad.output
