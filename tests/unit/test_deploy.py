@@ -326,3 +326,13 @@ def test_k8s_connections_fit_postgres(k8s) -> None:
 def test_readme_states_the_connection_budget() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "max_connections" in readme and "KODA_MAX_INFLIGHT + 2" in readme
+
+
+def test_the_image_copies_every_package_pyproject_installs() -> None:
+    """A package left out of the Dockerfile installs nothing and its role dies at import."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = [p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]]
+    copied = re.findall(r"^COPY (\w+) \./\1$", (DEPLOY / "Dockerfile").read_text(), re.M)
+    assert sorted(packages) == sorted(copied)

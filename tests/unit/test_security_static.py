@@ -18,7 +18,7 @@ from koda.settings import Settings
 from processors.app import faust_settings
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("koda", "gateway", "processors", "topics", "schemas")
+PACKAGES = ("koda", "gateway", "processors", "scheduler", "topics", "schemas")
 SQL = re.compile(
     r"\b(SELECT\b.*\bFROM|INSERT\s+INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|TRUNCATE\s+\w"
     r"|(CREATE|ALTER|DROP)\s+(TABLE|SCHEMA|DATABASE|INDEX|VIEW|ROLE))\b",
