@@ -6,6 +6,8 @@ run with :meth:`RunStore.admit`, the very insert ``POST /v1/runs`` makes, under 
 idempotency key ``sched:<schedule_id>:<UTC minute>``: ``ON CONFLICT DO NOTHING`` is the
 arbiter, so any number of schedulers firing the same minute create one run, and only
 the one that created it publishes it (keyed by user, like the gateway).
+:func:`fire_many` does the same for a scheduler's batch with :meth:`RunStore.admit_many`,
+the same statement for many rows in one transaction.
 """
 
 from __future__ import annotations
