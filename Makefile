@@ -9,9 +9,9 @@ PYTEST_ARGS ?=
 # (a UserWarning, nothing to fix); filtered by its message so real warnings still show.
 PIP_QUIET := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay bench-chunk-repair bench-control chaos
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay bench-chunk-repair bench-control bench-schedules chaos
 
-## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers; Ctrl-C stops all
+## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers + a scheduler; Ctrl-C stops all
 dev: install
 	APP_ENV=$${APP_ENV:-dev} $(BIN)/koda dev
 
@@ -57,6 +57,10 @@ chaos: install
 ## bench-pipeline: 1,000 runs x 20 chunks through the gateway to two workers (prints figures)
 bench-pipeline: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.pipeline $(BENCH_ARGS)
+
+## bench-schedules: 10,000 schedules due in one minute, two schedulers: fire lag, duplicates, CPU
+bench-schedules: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.schedules $(BENCH_ARGS)
 
 ## bench-handoff: planned (SIGTERM) versus crash (kill -9) handoff times
 bench-handoff: install

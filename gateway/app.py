@@ -29,6 +29,7 @@ from gateway.errors import install_error_handlers
 from gateway.publisher import RunPublisher
 from gateway.ratelimit import TokenBuckets
 from gateway.routes import router
+from gateway.schedules import router as schedules_router
 from gateway.sse import install_live_feed
 from gateway.sse import router as sse_router
 from gateway.store import RunStore
@@ -142,6 +143,7 @@ def create_app(
     app.include_router(control_router)
     app.include_router(sse_router)
     app.include_router(admin_router)
+    app.include_router(schedules_router)
     app.add_middleware(RequestMetrics)
     return app
 

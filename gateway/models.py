@@ -63,6 +63,10 @@ class RunDetail(BaseModel):
     finished_at: datetime | None
     error: str | None
     output: str = Field(description="Concatenated chunks emitted after the last reset.")
+    schedule_id: str | None = Field(None, description="The schedule that fired it, if any.")
+    scheduled_for: datetime | None = Field(
+        None, description="The scheduled UTC minute it was fired for, if scheduled."
+    )
 
 
 class ErrorDetail(BaseModel):

@@ -162,6 +162,8 @@ async def get_run(run_id: str, request: Request) -> RunDetail:
         finished_at=view.finished_at,
         error=view.error,
         output=view.output,
+        schedule_id=view.schedule_id,
+        scheduled_for=view.scheduled_for,
     )
 
 

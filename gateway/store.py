@@ -10,11 +10,12 @@ There is no check-then-insert anywhere.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -41,6 +42,9 @@ class NewRun:
     input: dict[str, Any]
     metadata: dict[str, Any] | None
     partition: int
+    # A scheduled run: the schedule and the UTC minute it fired for.
+    schedule_id: str | None = None
+    scheduled_for: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class RunView:
     finished_at: datetime | None
     error: str | None
     output: str
+    schedule_id: str | None = None
+    scheduled_for: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ _EVENTS_AFTER = text(
 _GET_RUN = text(
     """
     SELECT r.id, r.status, r.attempt, r.session_id, r.created_at, r.started_at,
-           r.first_chunk_at, r.finished_at, r.error,
+           r.first_chunk_at, r.finished_at, r.error, r.schedule_id, r.scheduled_for,
            COALESCE((
                SELECT string_agg(m.content, '' ORDER BY m.seq)
                  FROM messages m
@@ -162,6 +168,35 @@ _CLAIM_UNPUBLISHED = text(
 )
 
 
+# admit_many: the batch form of admit's insert, for runs whose sessions need no owner
+# check (a new session each, or a fixed session the owner's since the schedule began).
+_ADMIT_SESSIONS = text(
+    """
+    INSERT INTO sessions (id, user_id)
+    SELECT * FROM unnest(CAST(:sids AS text[]), CAST(:uids AS text[]))
+    ON CONFLICT (id) DO NOTHING
+    """
+)
+_ADMIT_RUNS = text(
+    """
+    INSERT INTO runs (id, session_id, user_id, idempotency_key, input, metadata, partition,
+                      schedule_id, scheduled_for)
+    SELECT q.id, q.sid, q.uid, q.key, CAST(q.input AS jsonb), CAST(q.meta AS jsonb), q.part,
+           q.sched, q.at
+      FROM unnest(CAST(:ids AS text[]), CAST(:sids AS text[]), CAST(:uids AS text[]),
+                  CAST(:keys AS text[]), CAST(:inputs AS text[]), CAST(:metas AS text[]),
+                  CAST(:parts AS int[]), CAST(:scheds AS text[]), CAST(:ats AS timestamptz[]))
+           AS q(id, sid, uid, key, input, meta, part, sched, at)
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING id, status, created_at
+    """
+)
+# One array parameter: an IN list of hundreds of bound values costs more to build and
+# bind than the update itself.
+_MARK_PUBLISHED = text("UPDATE runs SET published_at = now() WHERE id = ANY(CAST(:ids AS text[]))")
+_DROP_SESSIONS = text("DELETE FROM sessions WHERE id = ANY(CAST(:sids AS text[]))")
+
+
 class RunStore:
     """Every read and write the gateway makes; no other gateway module speaks SQL."""
 
@@ -194,6 +229,49 @@ class RunStore:
         raise DatabaseError(
             f"idempotency key conflicted but no run was found after {_ADMIT_ATTEMPTS} tries"
         )
+
+    async def admit_many(self, batch: list[NewRun]) -> list[AdmittedRun | None]:
+        """Insert each run of ``batch`` unless its idempotency key exists, in one transaction.
+
+        The same insert as :meth:`admit` (``ON CONFLICT (idempotency_key) DO NOTHING``),
+        for many runs at once: the i-th answer is the created run, or None when its key
+        already had one (nothing of it is kept, not even its new session). Sessions are
+        not owner-checked here: each run's is either new (``create_session``) or one the
+        caller verified belongs to the user.
+        """
+        if not batch:
+            return []
+        # In key order: two callers inserting overlapping batches then wait on each
+        # other's keys in one order, never in a cycle (a deadlock would abort one).
+        ordered = sorted(batch, key=lambda r: r.idempotency_key)
+        params = {
+            "ids": [r.run_id for r in ordered],
+            "sids": [r.session_id for r in ordered],
+            "uids": [r.user_id for r in ordered],
+            "keys": [r.idempotency_key for r in ordered],
+            "inputs": [json.dumps(r.input) for r in ordered],
+            "metas": [None if r.metadata is None else json.dumps(r.metadata) for r in ordered],
+            "parts": [r.partition for r in ordered],
+            "scheds": [r.schedule_id for r in ordered],
+            "ats": [r.scheduled_for for r in ordered],
+        }
+        try:
+            async with self.engine.begin() as conn:
+                await conn.execute(
+                    _ADMIT_SESSIONS, {"sids": params["sids"], "uids": params["uids"]}
+                )
+                rows = {r.id: r for r in (await conn.execute(_ADMIT_RUNS, params)).all()}
+                lost = [r.session_id for r in batch if r.create_session and r.run_id not in rows]
+                if lost:
+                    await conn.execute(_DROP_SESSIONS, {"sids": lost})
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"admitting runs failed: {type(exc).__name__}") from exc
+        return [
+            None
+            if (row := rows.get(r.run_id)) is None
+            else AdmittedRun(r.run_id, r.user_id, r.session_id, row.status, row.created_at, True)
+            for r in batch
+        ]
 
     async def _insert(self, run: NewRun) -> AdmittedRun | None:
         async with self.engine.connect() as conn:
@@ -230,6 +308,8 @@ class RunStore:
                             input=run.input,
                             metadata=run.metadata,
                             partition=run.partition,
+                            schedule_id=run.schedule_id,
+                            scheduled_for=run.scheduled_for,
                         )
                         .on_conflict_do_nothing(index_elements=[runs.c.idempotency_key])
                         .returning(runs.c.status, runs.c.created_at)
@@ -298,6 +378,8 @@ class RunStore:
             finished_at=row.finished_at,
             error=row.error,
             output=row.output,
+            schedule_id=row.schedule_id,
+            scheduled_for=row.scheduled_for,
         )
 
     async def mark_published(self, run_ids: list[str]) -> None:
@@ -306,9 +388,7 @@ class RunStore:
             return
         try:
             async with self.engine.begin() as conn:
-                await conn.execute(
-                    runs.update().where(runs.c.id.in_(run_ids)).values(published_at=func.now())
-                )
+                await conn.execute(_MARK_PUBLISHED, {"ids": run_ids})
         except SQLAlchemyError as exc:
             raise DatabaseError(f"marking runs published failed: {type(exc).__name__}") from exc
 

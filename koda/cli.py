@@ -391,7 +391,9 @@ def worker_command() -> None:
 @friendly
 def entrypoint_command(
     ctx: typer.Context,
-    role: str = typer.Option(..., "--role", envvar="ROLE", help="gateway|worker|migrate|topics"),
+    role: str = typer.Option(
+        ..., "--role", envvar="ROLE", help="gateway|worker|scheduler|migrate|topics"
+    ),
 ) -> None:
     """The container entrypoint: exec the ROLE's command in this process (stays PID 1)."""
     import os
@@ -399,6 +401,7 @@ def entrypoint_command(
     commands = {
         "gateway": ["gateway"],
         "worker": ["worker"],
+        "scheduler": ["scheduler"],
         "migrate": ["db", "upgrade"],
         "topics": ["topics", "apply"],
     }
@@ -408,6 +411,17 @@ def entrypoint_command(
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)  # noqa: S606 - replaces this process, keeps the PID
+
+
+@app.command("scheduler")
+@friendly
+def scheduler_command() -> None:
+    """Run one scheduler replica in the foreground: due schedules become runs (SIGTERM stops)."""
+    from koda.logs import configure_logging
+    from scheduler.app import run_scheduler
+
+    configure_logging()
+    run_scheduler(load_settings())
 
 
 @app.command("gateway")
@@ -438,10 +452,12 @@ def dev_command(
 
 def _add_optional_apps() -> None:
     from gateway.cli import runs_app
+    from gateway.schedules_cli import schedules_app
     from koda.localstack.cli import services_app
 
     app.add_typer(services_app, name="services")
     app.add_typer(runs_app, name="runs")
+    app.add_typer(schedules_app, name="schedules")
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """``koda dev``: the whole system on the local stack, in the foreground.
 
 Starts Kafka and PostgreSQL (``koda services up``), applies migrations and
-topics, then runs one gateway and two workers with the demo handler as child
-processes. Ctrl-C (or SIGTERM) stops the children gracefully, then the services.
+topics, then runs one gateway, two workers with the demo handler and one scheduler
+as child processes. Ctrl-C (or SIGTERM) stops the children gracefully, then the services.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def run_dev(state_dir: Path, environ: Mapping[str, str], *, workers: int = 2) ->
         return 1
     koda = [sys.executable, "-m", "koda"]
     env.setdefault("KODA_EXPECTED_WORKERS", str(workers))
-    children = [_spawn([*koda, "gateway"], env)]
+    children = [_spawn([*koda, "gateway"], env), _spawn([*koda, "scheduler"], env)]
     base_port = settings.worker_port or DEV_WORKER_PORT
     for i in range(workers):
         children.append(
@@ -68,7 +68,10 @@ def run_dev(state_dir: Path, environ: Mapping[str, str], *, workers: int = 2) ->
         [f"127.0.0.1:{base_port + i}" for i in range(workers)],
     )
     print("\n".join(env_lines(info)))
-    print(f"koda dev: gateway on http://127.0.0.1:{port}, {workers} workers; Ctrl-C stops all")
+    print(
+        f"koda dev: gateway on http://127.0.0.1:{port}, {workers} workers, a scheduler;"
+        " Ctrl-C stops all"
+    )
     print(
         f"workers: http://127.0.0.1:{base_port}..{base_port + workers - 1}/metrics"
         f" (/livez, /readyz); heartbeats: http://127.0.0.1:{port}/admin/workers"

@@ -26,6 +26,9 @@ never from user ids, run ids or free text.
                   koda_live_feed_records_total, koda_live_feed_errors_total,
                   koda_workers{state}, koda_workers_expected
     chunk topic   koda_chunk_runs_compacted_total, koda_chunks_republished_total{by}
+    scheduler     koda_schedule_fires_total, koda_schedule_fire_conflicts_total,
+                  koda_schedule_skips_total{reason}, koda_schedule_missed_total,
+                  koda_schedule_fire_lag_seconds, koda_schedules_due
 """
 
 from __future__ import annotations
@@ -80,6 +83,12 @@ __all__ = [
     "WORKERS_EXPECTED",
     "WORKER_ID_CONFLICTS",
     "WORKER_ID_TWIN_BEATS",
+    "SCHEDULES_DUE",
+    "SCHEDULE_FIRES",
+    "SCHEDULE_FIRE_CONFLICTS",
+    "SCHEDULE_FIRE_LAG_SECONDS",
+    "SCHEDULE_MISSED",
+    "SCHEDULE_SKIPS",
     "render",
     "start_metrics_server",
 ]
@@ -308,6 +317,41 @@ WORKERS_EXPECTED = Gauge(
 CHUNK_RUNS_COMPACTED = Counter(
     "koda_chunk_runs_compacted_total",
     "Terminal runs whose per-chunk records were replaced by one final record.",
+    registry=REGISTRY,
+)
+
+# --- scheduler ------------------------------------------------------------------
+
+SCHEDULE_FIRES = Counter(
+    "koda_schedule_fires_total",
+    "Scheduled minutes this scheduler turned into a run (it inserted the run).",
+    registry=REGISTRY,
+)
+SCHEDULE_FIRE_CONFLICTS = Counter(
+    "koda_schedule_fire_conflicts_total",
+    "Scheduled minutes whose run already existed (another scheduler replica fired it).",
+    registry=REGISTRY,
+)
+SCHEDULE_SKIPS = Counter(
+    "koda_schedule_skips_total",
+    "Scheduled minutes not run, by reason: paused, quiet_hours, overlap, daily_cap.",
+    ["reason"],
+    registry=REGISTRY,
+)
+SCHEDULE_MISSED = Counter(
+    "koda_schedule_missed_total",
+    "Scheduled minutes older than their schedule's catch-up window when seen: never run.",
+    registry=REGISTRY,
+)
+SCHEDULE_FIRE_LAG_SECONDS = Histogram(
+    "koda_schedule_fire_lag_seconds",
+    "Time from a scheduled minute to the broker's ack of its run's record.",
+    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 900),
+    registry=REGISTRY,
+)
+SCHEDULES_DUE = Gauge(
+    "koda_schedules_due",
+    "Schedules due (next fire not after now) at this scheduler's last pass.",
     registry=REGISTRY,
 )
 

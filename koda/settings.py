@@ -242,6 +242,10 @@ class Settings:
     repair_after_s: float = 30.0
     # a fault point only tests switch on (one of TEST_FAULTS), None in normal operation
     test_fault: str | None = None
+    # koda scheduler
+    scheduler_port: int = 0
+    scheduler_poll_s: float = 5.0
+    scheduler_batch: int = 500
 
     def __post_init__(self) -> None:
         if self.partitions & (self.partitions - 1):
@@ -421,4 +425,7 @@ class Settings:
             origins=origins,
             repair_after_s=_float(env, "KODA_REPAIR_AFTER", 30.0, lo=0, hi=7 * 86400),
             test_fault=env.get("KODA_TEST_FAULT") or None,
+            scheduler_port=_int(env, "KODA_SCHEDULER_PORT", 0, lo=0, hi=65535),
+            scheduler_poll_s=_float(env, "KODA_SCHEDULER_POLL", 5.0, lo=0.05, hi=60),
+            scheduler_batch=_int(env, "KODA_SCHEDULER_BATCH", 500, lo=1, hi=100_000),
         )

@@ -54,6 +54,22 @@ RUN_REQUESTED = RecordSpec(
             required=False,
             checked=False,
         ),
+        Field(
+            "schedule_id",
+            "string",
+            "The schedule that fired the run; absent when a person submitted it.",
+            required=False,
+            min_length=1,
+            max_length=200,
+        ),
+        Field(
+            "scheduled_for",
+            "string",
+            "The scheduled UTC minute the run was fired for (ISO 8601); absent when a "
+            "person submitted it.",
+            required=False,
+            format="date-time",
+        ),
     ),
 )
 

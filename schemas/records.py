@@ -67,10 +67,23 @@ class RunRequested:
     user_id: str
     session_id: str
     created_at: str
+    # Set on a scheduled run only (the fields are absent otherwise).
+    schedule_id: str | None = None
+    scheduled_for: str | None = None
 
     def encode(self) -> bytes:
-        values = (self.run_id, self.user_id, self.session_id, self.created_at)
-        return dumps(dict(zip(spec.RUN_REQUESTED.names, values, strict=True)))
+        values = (
+            self.run_id,
+            self.user_id,
+            self.session_id,
+            self.created_at,
+            self.schedule_id,
+            self.scheduled_for,
+        )
+        names = spec.RUN_REQUESTED.names
+        return dumps(
+            {k: v for k, v in zip(names, values, strict=True) if v is not None or k in names[:4]}
+        )
 
 
 def decode_run_requested(key: bytes | None, value: bytes | None, headers: Any) -> RunRequested:
@@ -96,6 +109,8 @@ def decode_run_requested(key: bytes | None, value: bytes | None, headers: Any) -
         user_id=obj["user_id"],
         session_id=obj["session_id"],
         created_at=str(obj.get("created_at") or ""),
+        schedule_id=obj.get("schedule_id"),
+        scheduled_for=obj.get("scheduled_for"),
     )
     if key.decode("utf-8", "replace") != record.user_id:
         raise RecordError("key_mismatch", "record key is not the run's user_id")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -72,6 +73,10 @@ runs = Table(
     Column("cancel_requested_at", DateTime(timezone=True), nullable=True),
     Column("cancel_reason", Text, nullable=True),
     Column("input_version", Integer, nullable=True),
+    # The schedule and the scheduled UTC minute a run was fired for (0005); NULL when a
+    # person submitted it.
+    Column("schedule_id", Text, nullable=True),
+    Column("scheduled_for", DateTime(timezone=True), nullable=True),
     UniqueConstraint("idempotency_key", name="uq_runs_idempotency_key"),
     CheckConstraint(f"status IN ({STATUS_VALUES})", name="ck_runs_status"),
     Index("ix_runs_user_id_created_at", "user_id", "created_at"),
@@ -92,6 +97,20 @@ runs = Table(
         postgresql_where=text(
             "published_seq IS NULL AND compacted_at IS NULL AND finished_at IS NOT NULL"
         ),
+    ),
+    # The scheduler's reads: a schedule's latest run (overlap), a user's scheduled runs
+    # of a day (daily cap).
+    Index(
+        "ix_runs_schedule_scheduled_for",
+        "schedule_id",
+        "scheduled_for",
+        postgresql_where=text("schedule_id IS NOT NULL"),
+    ),
+    Index(
+        "ix_runs_user_scheduled_for",
+        "user_id",
+        "scheduled_for",
+        postgresql_where=text("schedule_id IS NOT NULL"),
     ),
 )
 
@@ -154,4 +173,45 @@ partition_epochs = Table(
     Column("worker_id", Text, nullable=False),
     Column("assigned_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     PrimaryKeyConstraint("topic", "partition", name="pk_partition_epochs"),
+)
+
+OVERLAP_VALUES = "'skip', 'allow'"
+
+# Scheduled runs (0005): a cron on a time zone's wall clock, fired by `koda scheduler`.
+# Quiet hours are minutes of the local day, [quiet_start, quiet_end), crossing midnight
+# when start > end. ``session_id`` NULL: a new session per fire.
+schedules = Table(
+    "schedules",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("user_id", Text, nullable=False),
+    Column("session_id", Text, ForeignKey("sessions.id"), nullable=True),
+    Column("cron", Text, nullable=False),
+    Column("timezone", Text, nullable=False),
+    Column("input", JSONB, nullable=False),
+    Column("enabled", Boolean, nullable=False, server_default=text("true")),
+    Column("quiet_start", Integer, nullable=True),
+    Column("quiet_end", Integer, nullable=True),
+    Column("daily_cap", Integer, nullable=False, server_default=text("1440")),
+    Column("overlap", Text, nullable=False, server_default=text("'skip'")),
+    Column("catchup_s", Integer, nullable=False, server_default=text("900")),
+    Column("next_fire_at", DateTime(timezone=True), nullable=True),
+    Column("last_fire_at", DateTime(timezone=True), nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint(f"overlap IN ({OVERLAP_VALUES})", name="ck_schedules_overlap"),
+    CheckConstraint("daily_cap >= 1", name="ck_schedules_daily_cap"),
+    CheckConstraint("catchup_s >= 0", name="ck_schedules_catchup_s"),
+    CheckConstraint(
+        "(quiet_start IS NULL) = (quiet_end IS NULL)"
+        " AND (quiet_start IS NULL OR (quiet_start BETWEEN 0 AND 1439"
+        " AND quiet_end BETWEEN 0 AND 1439 AND quiet_start <> quiet_end))",
+        name="ck_schedules_quiet_hours",
+    ),
+    Index("ix_schedules_user_id_created_at", "user_id", "created_at"),
+    Index(
+        "ix_schedules_next_fire_at",
+        "next_fire_at",
+        postgresql_where=text("next_fire_at IS NOT NULL"),
+    ),
 )

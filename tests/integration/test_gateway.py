@@ -594,8 +594,11 @@ def test_get_run_shows_output_after_the_last_reset(gw: Shared, client: httpx.Cli
         "finished_at",
         "error",
         "output",
+        "schedule_id",
+        "scheduled_for",
     }
     assert all(view[k] for k in ("created_at", "started_at", "first_chunk_at", "finished_at"))
+    assert view["schedule_id"] is None and view["scheduled_for"] is None  # a person's run
 
 
 def test_another_users_run_is_404_like_an_unknown_run(client: httpx.Client) -> None:

@@ -78,6 +78,14 @@ def pool_sizes() -> tuple[int, int]:
     return worker, gateway
 
 
+def scheduler_pool() -> int:
+    """A scheduler replica's pool size, as scheduler/app.py builds it."""
+    from scheduler.app import POOL_SIZE
+
+    engine = async_engine(DEFAULTS, pool_size=POOL_SIZE)
+    return engine.pool.size() + engine.pool._max_overflow  # type: ignore[attr-defined]
+
+
 def health_path(test: list[str]) -> str:
     """The URL path a Python urllib healthcheck command requests."""
     match = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", " ".join(test))
@@ -190,9 +198,12 @@ def test_compose_connections_fit_postgres(compose) -> None:
     worker_pool, gateway_pool = pool_sizes()
     assert services["gateway"]["environment"].get("KODA_MAX_INFLIGHT", "8") == "8"
     gateways = services["gateway"].get("deploy", {}).get("replicas", 1)
+    scheduler = services["scheduler"]
+    assert scheduler["environment"]["ROLE"] == "scheduler"
     needed = (
         services["worker"]["deploy"]["replicas"] * worker_pool
         + gateways * gateway_pool
+        + scheduler["deploy"]["replicas"] * scheduler_pool()
         + MIGRATE_CONNECTIONS
     )
     assert needed <= max_connections - PG_RESERVED, (needed, max_connections)
@@ -316,10 +327,29 @@ def test_k8s_connections_fit_postgres(k8s) -> None:
     # During a rolling update maxSurge pods exist beside the old ones.
     worker_pods = workers["replicas"] + workers["strategy"]["rollingUpdate"]["maxSurge"]
     gateway_pods = gateways["replicas"] + gateways["strategy"]["rollingUpdate"]["maxSurge"]
-    needed = worker_pods * worker_pool + gateway_pods * gateway_pool + MIGRATE_CONNECTIONS
+    schedulers = k8s[("Deployment", "koda-scheduler")]["spec"]
+    assert container(k8s[("Deployment", "koda-scheduler")])["env"][0]["value"] == "scheduler"
+    assert 1 <= schedulers["replicas"] <= 2
+    scheduler_pods = schedulers["replicas"] + schedulers["strategy"]["rollingUpdate"]["maxSurge"]
+    needed = (
+        worker_pods * worker_pool
+        + gateway_pods * gateway_pool
+        + scheduler_pods * scheduler_pool()
+        + MIGRATE_CONNECTIONS
+    )
     assert needed <= max_connections - PG_RESERVED, (needed, max_connections)
 
 
 def test_readme_states_the_connection_budget() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "max_connections" in readme and "KODA_MAX_INFLIGHT + 2" in readme
+
+
+def test_the_image_copies_every_package_pyproject_installs() -> None:
+    """A package left out of the Dockerfile installs nothing and its role dies at import."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = [p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]]
+    copied = re.findall(r"^COPY (\w+) \./\1$", (DEPLOY / "Dockerfile").read_text(), re.M)
+    assert sorted(packages) == sorted(copied)

@@ -143,7 +143,9 @@ state = st.tuples(
 
 def runs_row(s: tuple[Any, ...]) -> tuple[Any, ...]:
     status, order, worker, claim, when, user = s
-    return (RUN, date(2025, 1, 1), user, None, None, status, 1, when, when, worker, order, claim)
+    schedule = None if user is None else f"sched-{user}"
+    row = (RUN, date(2025, 1, 1), user, None, None, status, 1, when, when, worker, order, claim)
+    return (*row, schedule, when)
 
 
 @settings(max_examples=60, deadline=None)

@@ -18,7 +18,7 @@ from koda.settings import Settings
 from processors.app import faust_settings
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("koda", "gateway", "processors", "topics", "schemas")
+PACKAGES = ("koda", "gateway", "processors", "scheduler", "topics", "schemas")
 SQL = re.compile(
     r"\b(SELECT\b.*\bFROM|INSERT\s+INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|TRUNCATE\s+\w"
     r"|(CREATE|ALTER|DROP)\s+(TABLE|SCHEMA|DATABASE|INDEX|VIEW|ROLE))\b",
@@ -40,6 +40,7 @@ ALLOWED = {
     ("topics/replay/sql.py", "CREATE TABLE IF NOT EXISTS {table.name} ({cols}"),
     ("topics/replay/sql.py", "ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {c.name}"),
     ("topics/replay/sql.py", "INSERT INTO {table.name} AS cur ({cols}) SELECT {cols}"),
+    ("topics/replay/sql.py", "ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {c.name}"),
     ("topics/replay/sql.py", "SELECT count(*) FROM {table.name}"),
     ("topics/replay/sql.py", "INSERT INTO _dirty SELECT DISTINCT '{table.name}'"),
     ("topics/replay/sql.py", "SELECT {cols} FROM {table.name} WHERE day = ?"),

@@ -134,9 +134,13 @@ class RecordDecoder:
             created = parse_instant(req.created_at) if req.created_at else None
         except ValueError:
             created = None
+        try:
+            scheduled = parse_instant(req.scheduled_for) if req.scheduled_for else None
+        except ValueError:
+            scheduled = None
         day = self._day(req.run_id, ts)
         row = (req.run_id, day, req.user_id, req.session_id, created, "pending", 0)
-        batch.add(t.RUNS, (*row, None, None, None, -1, None))
+        batch.add(t.RUNS, (*row, None, None, None, -1, None, req.schedule_id, scheduled))
 
     def _run_event(self, msg: Message, ts: int, batch: RowBatch) -> None:
         self._expect(msg, RUN_EVENT)
@@ -185,6 +189,8 @@ class RecordDecoder:
                 event.worker_id if claim else None,
                 offset + (TERMINAL_RANK if terminal else 0),
                 offset if claim else None,
+                None,
+                None,
             ),
         )
 

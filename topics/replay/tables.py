@@ -137,6 +137,9 @@ RUNS = Table(
         Column("worker_id", "text", Merge.NEWER, "claim_order"),
         Column("state_order", "bigint", Merge.MAX),
         Column("claim_order", "bigint", Merge.MAX),
+        # From run.requested: the schedule and scheduled UTC minute of a scheduled run.
+        Column("schedule_id", "text", Merge.FIRST),
+        Column("scheduled_for", "timestamp", Merge.FIRST),
     ),
 )
 RUN_TRANSITIONS = Table(

@@ -12,7 +12,7 @@ Backward compatible: a nullable column and a partial index; workers of the previ
 release neither read nor write it (their runs are completed by the pass).
 
 Revision ID: 0006
-Revises: 0003
+Revises: 0005
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0006"
-down_revision = "0003"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,363 @@
+"""Schedules in Postgres, and firing one scheduled minute as a run through the gateway's path.
+
+:class:`ScheduleStore` is every read and write of the ``schedules`` table (the HTTP
+routes and ``koda scheduler`` share it). :func:`fire` turns a (schedule, minute) into a
+run with :meth:`RunStore.admit`, the very insert ``POST /v1/runs`` makes, under the
+idempotency key ``sched:<schedule_id>:<UTC minute>``: ``ON CONFLICT DO NOTHING`` is the
+arbiter, so any number of schedulers firing the same minute create one run, and only
+the one that created it publishes it (keyed by user, like the gateway).
+:func:`fire_many` does the same for a scheduler's batch with :meth:`RunStore.admit_many`,
+the same statement for many rows in one transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.errors import NotFound
+from gateway.publisher import Delivery, RunPublisher
+from gateway.store import AdmittedRun, NewRun, RunStore
+from koda.errors import DatabaseError
+from koda.lifecycle.ids import uuid7
+from koda.lifecycle.states import RunStatus
+from koda.scheduling import CronSpec, Overlap, Policy, QuietHours
+from schemas.records import RunRequested
+from schemas.tables import schedules, sessions
+from topics.catalogue import partition_for_key
+
+_TERMINAL = [s.value for s in RunStatus if s.terminal]
+_COLUMNS = (
+    "id",
+    "user_id",
+    "session_id",
+    "cron",
+    "timezone",
+    "input",
+    "enabled",
+    "quiet_start",
+    "quiet_end",
+    "daily_cap",
+    "overlap",
+    "catchup_s",
+    "next_fire_at",
+    "last_fire_at",
+    "created_at",
+)
+_SELECTED = [schedules.c[name] for name in _COLUMNS]
+
+
+def fire_key(schedule_id: str, minute: datetime) -> str:
+    """The idempotency key of a scheduled minute: ``sched:<id>:<YYYY-MM-DDTHH:MMZ>``."""
+    return f"sched:{schedule_id}:{minute.astimezone(UTC).strftime('%Y-%m-%dT%H:%MZ')}"
+
+
+@dataclass(frozen=True)
+class ScheduleRow:
+    """One ``schedules`` row."""
+
+    id: str
+    user_id: str
+    session_id: str | None
+    cron: str
+    timezone: str
+    input: dict[str, Any]
+    enabled: bool
+    quiet_start: int | None
+    quiet_end: int | None
+    daily_cap: int
+    overlap: str
+    catchup_s: int
+    next_fire_at: datetime | None
+    last_fire_at: datetime | None
+    created_at: datetime
+
+    @property
+    def spec(self) -> CronSpec:
+        return CronSpec.parse(self.cron, self.timezone)
+
+    @property
+    def quiet_hours(self) -> QuietHours | None:
+        if self.quiet_start is None or self.quiet_end is None:
+            return None
+        return QuietHours(self.quiet_start, self.quiet_end)
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(
+            enabled=self.enabled,
+            quiet_hours=self.quiet_hours,
+            daily_cap=self.daily_cap,
+            overlap=Overlap(self.overlap),
+            catchup_s=self.catchup_s,
+        )
+
+
+def _row(r: Any) -> ScheduleRow:
+    return ScheduleRow(**{k: getattr(r, k) for k in ScheduleRow.__dataclass_fields__})
+
+
+_COUNTS = text(
+    """
+    SELECT q.i, (SELECT count(*) FROM runs r
+                  WHERE r.user_id = q.u AND r.schedule_id IS NOT NULL
+                    AND r.scheduled_for >= q.s AND r.scheduled_for < q.e) AS n
+      FROM unnest(CAST(:users AS text[]), CAST(:starts AS timestamptz[]),
+                  CAST(:ends AS timestamptz[])) WITH ORDINALITY AS q(u, s, e, i)
+    """
+)
+_LATEST = text(
+    """
+    SELECT q.i, (SELECT r.status FROM runs r
+                  WHERE r.schedule_id = q.id AND r.scheduled_for < q.b
+                  ORDER BY r.scheduled_for DESC LIMIT 1) AS status
+      FROM unnest(CAST(:ids AS text[]), CAST(:befores AS timestamptz[]))
+           WITH ORDINALITY AS q(id, b, i)
+    """
+)
+_ADVANCE_MANY = text(
+    """
+    UPDATE schedules s
+       SET next_fire_at = q.n, last_fire_at = COALESCE(q.l, s.last_fire_at), updated_at = now()
+      FROM unnest(CAST(:ids AS text[]), CAST(:expected AS timestamptz[]),
+                  CAST(:nexts AS timestamptz[]), CAST(:lasts AS timestamptz[])) AS q(id, e, n, l)
+     WHERE s.id = q.id AND s.next_fire_at = q.e
+    RETURNING s.id
+    """
+)
+
+
+@dataclass(frozen=True)
+class Advance:
+    """Move ``schedule_id``'s next fire from ``expected`` to ``next_fire_at``."""
+
+    schedule_id: str
+    expected: datetime
+    next_fire_at: datetime | None
+    last_fire_at: datetime | None
+
+
+class ScheduleStore:
+    """Every read and write of ``schedules``; owner-scoped where a user asks."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def _fetch(self, sql: Any, params: dict[str, Any]) -> list[Any]:
+        try:
+            async with self.engine.begin() as conn:
+                return list((await conn.execute(sql, params)).all())
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"a schedules query failed: {type(exc).__name__}") from exc
+
+    async def now(self) -> datetime:
+        """Postgres's clock: every scheduler replica reads the same one."""
+        rows = await self._fetch(select(func.now().label("now")), {})
+        now: datetime = rows[0].now
+        return now
+
+    async def create(self, values: dict[str, Any]) -> ScheduleRow:
+        """Insert a schedule; a fixed session must be the owner's (else NotFound)."""
+        try:
+            async with self.engine.begin() as conn:
+                if values.get("session_id") is not None:
+                    await conn.execute(
+                        pg_insert(sessions)
+                        .values(id=values["session_id"], user_id=values["user_id"])
+                        .on_conflict_do_nothing(index_elements=[sessions.c.id])
+                    )
+                    owner = (
+                        await conn.execute(
+                            select(sessions.c.user_id).where(sessions.c.id == values["session_id"])
+                        )
+                    ).scalar_one()
+                    if owner != values["user_id"]:
+                        raise NotFound(
+                            "session not found: omit session_id for a new session per fire",
+                            field="session_id",
+                        )
+                row = (
+                    await conn.execute(schedules.insert().values(**values).returning(*_SELECTED))
+                ).one()
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"creating a schedule failed: {type(exc).__name__}") from exc
+        return _row(row)
+
+    def _owned(self, schedule_id: str, user_id: str) -> Any:
+        return (schedules.c.id == schedule_id) & (schedules.c.user_id == user_id)
+
+    async def get(self, schedule_id: str, user_id: str) -> ScheduleRow | None:
+        rows = await self._fetch(select(*_SELECTED).where(self._owned(schedule_id, user_id)), {})
+        return _row(rows[0]) if rows else None
+
+    async def owned(self, user_id: str, limit: int) -> list[ScheduleRow]:
+        rows = await self._fetch(
+            select(*_SELECTED)
+            .where(schedules.c.user_id == user_id)
+            .order_by(schedules.c.created_at, schedules.c.id)
+            .limit(limit),
+            {},
+        )
+        return [_row(r) for r in rows]
+
+    async def update(
+        self, schedule_id: str, user_id: str, changes: dict[str, Any]
+    ) -> ScheduleRow | None:
+        """Set ``changes`` (column -> value) on the owner's schedule; None if not theirs."""
+        rows = await self._fetch(
+            schedules.update()
+            .where(self._owned(schedule_id, user_id))
+            .values(**changes, updated_at=func.now())
+            .returning(*_SELECTED),
+            {},
+        )
+        return _row(rows[0]) if rows else None
+
+    async def delete(self, schedule_id: str, user_id: str) -> bool:
+        rows = await self._fetch(
+            schedules.delete().where(self._owned(schedule_id, user_id)).returning(schedules.c.id),
+            {},
+        )
+        return bool(rows)
+
+    async def due(self, limit: int, salt: str) -> tuple[datetime, list[ScheduleRow]]:
+        """Postgres's now and up to ``limit`` schedules whose next fire is not after it.
+
+        Each replica walks the due rows in its own order (``salt``), so two schedulers
+        mostly work on different schedules; correctness never depends on it."""
+        rows = await self._fetch(
+            select(func.now().label("db_now"), *_SELECTED)
+            .where(schedules.c.next_fire_at <= func.now())
+            .order_by(func.md5(schedules.c.id.concat(salt)))
+            .limit(limit),
+            {},
+        )
+        if not rows:
+            return await self.now(), []
+        return rows[0].db_now, [_row(r) for r in rows]
+
+    async def scheduled_counts(self, spans: list[tuple[str, datetime, datetime]]) -> list[int]:
+        """For each (user, start, end): the user's scheduled runs with a minute in [start, end)."""
+        if not spans:
+            return []
+        rows = await self._fetch(
+            _COUNTS,
+            {
+                "users": [u for u, _, _ in spans],
+                "starts": [a for _, a, _ in spans],
+                "ends": [b for _, _, b in spans],
+            },
+        )
+        by_index = {int(r.i): int(r.n) for r in rows}
+        return [by_index[i + 1] for i in range(len(spans))]
+
+    async def latest_active(self, items: list[tuple[str, datetime]]) -> list[bool]:
+        """For each (schedule, before): its latest run before that minute is not terminal."""
+        if not items:
+            return []
+        rows = await self._fetch(
+            _LATEST, {"ids": [i for i, _ in items], "befores": [b for _, b in items]}
+        )
+        by_index = {int(r.i): r.status for r in rows}
+        return [
+            (status := by_index[i + 1]) is not None and status not in _TERMINAL
+            for i in range(len(items))
+        ]
+
+    async def advance_many(self, moves: list[Advance]) -> set[str]:
+        """Apply every move whose ``expected`` still holds; the ids of those applied."""
+        if not moves:
+            return set()
+        rows = await self._fetch(
+            _ADVANCE_MANY,
+            {
+                "ids": [m.schedule_id for m in moves],
+                "expected": [m.expected for m in moves],
+                "nexts": [m.next_fire_at for m in moves],
+                "lasts": [m.last_fire_at for m in moves],
+            },
+        )
+        return {r.id for r in rows}
+
+
+@dataclass(frozen=True)
+class Fired:
+    """A fire's run; ``delivery`` is set when this call created and published it."""
+
+    run: AdmittedRun
+    delivery: asyncio.Future[Delivery] | None
+
+
+def scheduled_run(
+    schedule: ScheduleRow, minute: datetime, *, partitions: int, key: str | None = None
+) -> NewRun:
+    """The run a (schedule, minute) fires: the schedule's owner, input and session policy."""
+    return NewRun(
+        run_id=uuid7(),
+        user_id=schedule.user_id,
+        session_id=schedule.session_id or uuid7(),
+        create_session=schedule.session_id is None,
+        idempotency_key=key or fire_key(schedule.id, minute),
+        input=schedule.input,
+        metadata=None,
+        partition=partition_for_key(schedule.user_id.encode(), partitions),
+        schedule_id=schedule.id,
+        scheduled_for=minute,
+    )
+
+
+def publish_scheduled(
+    publisher: RunPublisher, run: AdmittedRun, new: NewRun
+) -> asyncio.Future[Delivery]:
+    """Produce the run's ``run.requested`` record, keyed by user, with its schedule fields."""
+    assert new.scheduled_for is not None
+    return publisher.publish(
+        RunRequested(
+            run_id=run.run_id,
+            user_id=run.user_id,
+            session_id=run.session_id,
+            created_at=run.created_at.isoformat(),
+            schedule_id=new.schedule_id,
+            scheduled_for=new.scheduled_for.astimezone(UTC).isoformat(),
+        )
+    )
+
+
+async def fire_many(
+    store: RunStore, publisher: RunPublisher, batch: list[NewRun]
+) -> list[Fired | None]:
+    """:func:`fire` for many runs: one insert transaction, then a publish per created run
+    in ``batch`` order (a user's minutes oldest first); None where the key had a run."""
+    admitted = await store.admit_many(batch)
+    return [
+        None if run is None else Fired(run, publish_scheduled(publisher, run, new))
+        for run, new in zip(admitted, batch, strict=True)
+    ]
+
+
+async def fire(
+    store: RunStore,
+    publisher: RunPublisher,
+    schedule: ScheduleRow,
+    minute: datetime,
+    *,
+    partitions: int,
+    key: str | None = None,
+) -> Fired:
+    """Create the run of ``schedule`` for ``minute`` (once, whoever else tries) and publish it.
+
+    ``key`` defaults to :func:`fire_key`. Raises DatabaseError when Postgres fails (then
+    nothing was written); a failed publish leaves the run pending for the sweeper.
+    """
+    new = scheduled_run(schedule, minute, partitions=partitions, key=key)
+    run = await store.admit(new)
+    if not run.created:
+        return Fired(run, None)
+    return Fired(run, publish_scheduled(publisher, run, new))

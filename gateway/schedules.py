@@ -1,0 +1,427 @@
+"""``/v1/schedules``: create, read, change, pause, resume, fire now and delete schedules.
+
+Owner-only: a schedule of another user answers 404 exactly like one that does not exist.
+Bodies are checked like ``POST /v1/runs`` (content type 415, size 413, UTF-8 and JSON
+400) and every field is validated before anything is written (422 naming the field;
+a bad cron or time zone shows a valid example). ``koda scheduler`` does the firing;
+these routes only keep the row and its ``next_fire_at`` right (computed from
+Postgres's clock, which the scheduler reads too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from datetime import datetime
+from typing import Any
+
+from fastapi import APIRouter, Query, Request, Response, Security
+from fastapi.security import HTTPBearer
+from pydantic import BaseModel, Field
+
+from gateway.components import Components, components_of
+from gateway.errors import InvalidField, NotFound
+from gateway.intake import SESSION_ID, check_content_type, decode_json, parse_run_request, read_body
+from gateway.models import ErrorBody
+from gateway.scheduled import ScheduleRow, ScheduleStore, fire
+from koda.errors import KodaError
+from koda.lifecycle.ids import uuid7
+from koda.scheduling import (
+    EXAMPLE_CRON,
+    EXAMPLE_TIMEZONE,
+    CronSpec,
+    Overlap,
+    Policy,
+    QuietHours,
+    ScheduleInvalid,
+    minute_floor,
+)
+
+_bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
+
+DEFAULTS = Policy()
+MAX_DAILY_CAP = 100_000
+MAX_CATCHUP_S = 7 * 86400
+MAX_ID_CHARS = 128
+RUN_NOW_WAIT_S = 2.0
+FIELDS = (
+    "cron",
+    "timezone",
+    "input",
+    "enabled",
+    "quiet_hours",
+    "daily_cap",
+    "overlap",
+    "catchup_s",
+    "session_id",
+)
+_HHMM = re.compile(r"([01][0-9]|2[0-3]):([0-5][0-9])")
+_QUIET_EXAMPLE = '{"start": "22:00", "end": "07:00"}'
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": description}
+    for status, description in {
+        400: "Undecodable body",
+        401: "Missing or invalid bearer token",
+        404: "Unknown schedule or session (or another user's)",
+        413: "Body larger than the limit",
+        415: "Body is not application/json",
+        422: "A field is missing or invalid",
+        503: "Postgres is unavailable; see Retry-After",
+    }.items()
+}
+
+
+class QuietHoursBody(BaseModel):
+    start: str = Field(description="Local time HH:MM the quiet window starts (inclusive).")
+    end: str = Field(
+        description="Local time HH:MM it ends (exclusive); before start: crosses midnight."
+    )
+
+
+class ScheduleBody(BaseModel):
+    """A schedule as the API shows it."""
+
+    id: str
+    cron: str = Field(description=f'5-field cron on the zone\'s wall clock, e.g. "{EXAMPLE_CRON}".')
+    timezone: str = Field(description=f'IANA time zone, e.g. "{EXAMPLE_TIMEZONE}".')
+    input: dict[str, Any] = Field(description="Each fire's run input.")
+    enabled: bool = Field(description="False: paused; due minutes are skipped (reason paused).")
+    quiet_hours: QuietHoursBody | None = Field(
+        description="Fires in this local window are skipped."
+    )
+    daily_cap: int = Field(
+        description="Fires skipped once the owner has this many scheduled runs that local day."
+    )
+    overlap: str = Field(
+        description="skip: skip a fire while the previous run is not terminal; allow."
+    )
+    catchup_s: int = Field(
+        description="After downtime, minutes at most this old still fire; older are missed."
+    )
+    next_fire_at: datetime | None
+    last_fire_at: datetime | None
+    session_id: str | None = Field(
+        description="null: a new session per fire; else every run joins it."
+    )
+
+
+class ScheduleList(BaseModel):
+    schedules: list[ScheduleBody]
+
+
+class ScheduledRun(BaseModel):
+    run_id: str
+    status: str
+    events_url: str
+    schedule_id: str
+    scheduled_for: datetime
+
+
+def _body(row: ScheduleRow) -> ScheduleBody:
+    quiet = row.quiet_hours
+    return ScheduleBody(
+        id=row.id,
+        cron=row.cron,
+        timezone=row.timezone,
+        input=row.input,
+        enabled=row.enabled,
+        quiet_hours=None
+        if quiet is None
+        else QuietHoursBody(start=QuietHours.text(quiet.start), end=QuietHours.text(quiet.end)),
+        daily_cap=row.daily_cap,
+        overlap=row.overlap,
+        catchup_s=row.catchup_s,
+        next_fire_at=row.next_fire_at,
+        last_fire_at=row.last_fire_at,
+        session_id=row.session_id,
+    )
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return "null"
+
+
+def _integer(obj: dict[str, Any], name: str, lo: int, hi: int, example: int) -> int:
+    value = obj[name]
+    if type(value) is not int or not lo <= value <= hi:
+        got = value if type(value) is int else _json_type(value)
+        raise InvalidField(
+            f"{name} must be an integer {lo}..{hi}, e.g. {example} (got {got})", field=name
+        )
+    return value
+
+
+def _minute_of_day(value: Any, name: str) -> int:
+    if not isinstance(value, str) or not _HHMM.fullmatch(value):
+        raise InvalidField(
+            f"quiet_hours.{name} must be a local time HH:MM (00:00-23:59); e.g. {_QUIET_EXAMPLE}",
+            field=f"quiet_hours.{name}",
+        )
+    hours, minutes = value.split(":")
+    return int(hours) * 60 + int(minutes)
+
+
+def _quiet(value: Any) -> tuple[int | None, int | None]:
+    if value is None:
+        return None, None
+    if not isinstance(value, dict) or set(value) != {"start", "end"}:
+        raise InvalidField(
+            f'quiet_hours must be null or an object with "start" and "end"; e.g. {_QUIET_EXAMPLE}',
+            field="quiet_hours",
+        )
+    start, end = _minute_of_day(value["start"], "start"), _minute_of_day(value["end"], "end")
+    try:
+        QuietHours(start, end)
+    except ScheduleInvalid as exc:
+        raise InvalidField(exc.message, field="quiet_hours") from None
+    return start, end
+
+
+def parse_fields(obj: Any, *, creating: bool) -> dict[str, Any]:
+    """The body's fields as ``schedules`` columns; InvalidField names the first bad one.
+
+    ``cron`` and ``timezone`` are returned as given (checked together by the caller,
+    which knows the stored one of a partial update)."""
+    if not isinstance(obj, dict):
+        raise InvalidField(f"the body must be a JSON object, got {_json_type(obj)}", field="body")
+    for name in obj:
+        if name not in FIELDS:
+            raise InvalidField(
+                f"unknown field {name[:64]!r}: accepted fields are {', '.join(FIELDS)}",
+                field=name[:64],
+            )
+    if creating:
+        for name in ("cron", "timezone", "input"):
+            if obj.get(name) is None:
+                example = {"cron": f'"{EXAMPLE_CRON}"', "timezone": f'"{EXAMPLE_TIMEZONE}"'}
+                raise InvalidField(
+                    f"{name} is required" + (f", e.g. {example[name]}" if name in example else ""),
+                    field=name,
+                )
+    elif not obj:
+        raise InvalidField(f"send at least one of {', '.join(FIELDS)}", field="body")
+    out: dict[str, Any] = {}
+    for name in ("cron", "timezone"):
+        if name in obj:
+            out[name] = obj[name]
+    if "input" in obj:
+        out["input"] = parse_run_request({"input": obj["input"]}).input
+    if "enabled" in obj:
+        if not isinstance(obj["enabled"], bool):
+            raise InvalidField(
+                f"enabled must be true or false, got {_json_type(obj['enabled'])}", field="enabled"
+            )
+        out["enabled"] = obj["enabled"]
+    if "quiet_hours" in obj:
+        out["quiet_start"], out["quiet_end"] = _quiet(obj["quiet_hours"])
+    if "daily_cap" in obj:
+        out["daily_cap"] = _integer(obj, "daily_cap", 1, MAX_DAILY_CAP, DEFAULTS.daily_cap)
+    if "catchup_s" in obj:
+        out["catchup_s"] = _integer(obj, "catchup_s", 0, MAX_CATCHUP_S, DEFAULTS.catchup_s)
+    if "overlap" in obj:
+        if obj["overlap"] not in [o.value for o in Overlap]:
+            raise InvalidField('overlap must be "skip" or "allow"', field="overlap")
+        out["overlap"] = obj["overlap"]
+    if "session_id" in obj:
+        session = obj["session_id"]
+        if session is not None and (
+            not isinstance(session, str) or not SESSION_ID.fullmatch(session)
+        ):
+            raise InvalidField(
+                "session_id must be null (a new session per fire) or 1-128 chars of "
+                "A-Z a-z 0-9 . _ : @ -",
+                field="session_id",
+            )
+        if not creating:
+            raise InvalidField(
+                "session_id is fixed at creation: create a new schedule to change it",
+                field="session_id",
+            )
+        out["session_id"] = session
+    return out
+
+
+def _spec(cron: Any, timezone: Any) -> CronSpec:
+    try:
+        return CronSpec.parse(cron, timezone)
+    except ScheduleInvalid as exc:
+        raise InvalidField(exc.message, field=exc.field) from None
+
+
+async def _next_fire(store: ScheduleStore, spec: CronSpec) -> datetime | None:
+    return next(spec.fires_after(await store.now()), None)
+
+
+async def _read_json(request: Request, gw: Components) -> Any:
+    check_content_type(request.headers.get("content-type"))
+    body = await read_body(
+        request.headers.get("content-length"), request.stream(), gw.settings.body_limit_bytes
+    )
+    return decode_json(body)
+
+
+def _owner(request: Request) -> tuple[Components, ScheduleStore, str]:
+    gw = components_of(request)
+    user_id = gw.auth.authenticate(request.headers.get("authorization"))
+    request.state.user_id = user_id
+    return gw, ScheduleStore(gw.store.engine), user_id
+
+
+def _not_found() -> NotFound:
+    return NotFound("schedule not found: check the id and the token's user", field="schedule_id")
+
+
+async def _owned(store: ScheduleStore, schedule_id: str, user_id: str) -> ScheduleRow:
+    row = None
+    if len(schedule_id) <= MAX_ID_CHARS and "\x00" not in schedule_id:
+        row = await store.get(schedule_id, user_id)
+    if row is None:
+        raise _not_found()
+    return row
+
+
+router = APIRouter(dependencies=[Security(_bearer)], responses=_ERRORS, tags=["schedules"])
+
+
+@router.post(
+    "/v1/schedules", status_code=201, response_model=ScheduleBody, summary="Create a schedule"
+)
+async def create_schedule(request: Request) -> ScheduleBody:
+    gw, store, user_id = _owner(request)
+    fields = parse_fields(await _read_json(request, gw), creating=True)
+    spec = _spec(fields["cron"], fields["timezone"])
+    values = {
+        "id": uuid7(),
+        "user_id": user_id,
+        "session_id": None,
+        "enabled": DEFAULTS.enabled,
+        "quiet_start": None,
+        "quiet_end": None,
+        "daily_cap": DEFAULTS.daily_cap,
+        "overlap": DEFAULTS.overlap.value,
+        "catchup_s": DEFAULTS.catchup_s,
+        **fields,
+        "cron": spec.expression,
+        "timezone": spec.timezone,
+        "next_fire_at": await _next_fire(store, spec),
+    }
+    return _body(await store.create(values))
+
+
+@router.get("/v1/schedules", response_model=ScheduleList, summary="Your schedules")
+async def list_schedules(
+    request: Request, limit: int = Query(100, ge=1, le=1000, description="At most this many.")
+) -> ScheduleList:
+    _gw, store, user_id = _owner(request)
+    return ScheduleList(schedules=[_body(r) for r in await store.owned(user_id, limit)])
+
+
+@router.get("/v1/schedules/{schedule_id}", response_model=ScheduleBody, summary="Read a schedule")
+async def get_schedule(schedule_id: str, request: Request) -> ScheduleBody:
+    _gw, store, user_id = _owner(request)
+    return _body(await _owned(store, schedule_id, user_id))
+
+
+@router.patch(
+    "/v1/schedules/{schedule_id}",
+    response_model=ScheduleBody,
+    summary="Change a schedule (a new cron or zone recomputes the next fire from now)",
+)
+async def update_schedule(schedule_id: str, request: Request) -> ScheduleBody:
+    gw, store, user_id = _owner(request)
+    current = await _owned(store, schedule_id, user_id)
+    changes = parse_fields(await _read_json(request, gw), creating=False)
+    if "cron" in changes or "timezone" in changes:
+        spec = _spec(changes.get("cron", current.cron), changes.get("timezone", current.timezone))
+        changes.update(
+            cron=spec.expression, timezone=spec.timezone, next_fire_at=await _next_fire(store, spec)
+        )
+    row = await store.update(schedule_id, user_id, changes)
+    if row is None:
+        raise _not_found()
+    return _body(row)
+
+
+@router.delete("/v1/schedules/{schedule_id}", status_code=204, summary="Delete a schedule")
+async def delete_schedule(schedule_id: str, request: Request) -> Response:
+    _gw, store, user_id = _owner(request)
+    await _owned(store, schedule_id, user_id)
+    if not await store.delete(schedule_id, user_id):
+        raise _not_found()
+    return Response(status_code=204)
+
+
+@router.post(
+    "/v1/schedules/{schedule_id}/pause",
+    response_model=ScheduleBody,
+    summary="Pause: due minutes are skipped (reason paused) until resumed",
+)
+async def pause_schedule(schedule_id: str, request: Request) -> ScheduleBody:
+    _gw, store, user_id = _owner(request)
+    await _owned(store, schedule_id, user_id)
+    row = await store.update(schedule_id, user_id, {"enabled": False})
+    if row is None:
+        raise _not_found()
+    return _body(row)
+
+
+@router.post(
+    "/v1/schedules/{schedule_id}/resume",
+    response_model=ScheduleBody,
+    summary="Resume from the next fire after now (paused minutes are not replayed)",
+)
+async def resume_schedule(schedule_id: str, request: Request) -> ScheduleBody:
+    _gw, store, user_id = _owner(request)
+    current = await _owned(store, schedule_id, user_id)
+    changes: dict[str, Any] = {"enabled": True}
+    if not current.enabled:
+        changes["next_fire_at"] = await _next_fire(store, _spec(current.cron, current.timezone))
+    row = await store.update(schedule_id, user_id, changes)
+    if row is None:
+        raise _not_found()
+    return _body(row)
+
+
+@router.post(
+    "/v1/schedules/{schedule_id}/run-now",
+    status_code=202,
+    response_model=ScheduledRun,
+    summary="Fire once now, whatever the cron, quiet hours or pause (counts toward the cap)",
+)
+async def run_schedule_now(schedule_id: str, request: Request) -> ScheduledRun:
+    gw, store, user_id = _owner(request)
+    row = await _owned(store, schedule_id, user_id)
+    minute = minute_floor(await store.now())
+    fired = await fire(
+        gw.store,
+        gw.publisher,
+        row,
+        minute,
+        partitions=gw.settings.partitions,
+        key=f"sched:{row.id}:now:{uuid7()}",
+    )
+    if fired.delivery is not None:
+        # As POST /v1/runs: wait briefly for the ack; a slow or failed publish is the
+        # sweeper's to repeat, the run is durable already.
+        with contextlib.suppress(TimeoutError, KodaError):
+            await asyncio.wait_for(asyncio.shield(fired.delivery), RUN_NOW_WAIT_S)
+            await gw.store.mark_published([fired.run.run_id])
+    return ScheduledRun(
+        run_id=fired.run.run_id,
+        status=fired.run.status,
+        events_url=f"/v1/runs/{fired.run.run_id}/events",
+        schedule_id=row.id,
+        scheduled_for=minute,
+    )

@@ -1,0 +1,1 @@
+"""``koda scheduler``: the central scheduler that turns due schedules into runs."""
