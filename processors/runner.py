@@ -158,7 +158,7 @@ class RunExecutor:
             log.info("skip terminal run_id=%s status=%s %s", run.id, run.status.value, _kv(ctx_log))
             await self.repair.terminal(run, fence.partition)
             return
-        for pred in await self.store.pending_predecessors(run) if run.older_pending else []:
+        for pred in await self.store.unfinished_predecessors(run) if run.older_unfinished else []:
             log.info("predecessor first run_id=%s before=%s", pred.id, run.id)
             trigger = Record(
                 record.topic,

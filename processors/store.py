@@ -33,6 +33,10 @@ class Fence:
     epoch: int
 
 
+# Statuses a run can still leave: its successors in the user's order must wait for it.
+_OPEN_STATUSES = [s.value for s in RunStatus if not s.terminal]
+
+
 @dataclass(frozen=True)
 class RunRow:
     id: str
@@ -42,8 +46,8 @@ class RunRow:
     input: dict[str, Any]
     attempt: int
     fence: int
-    # Whether the user has an older run still pending (see pending_predecessors).
-    older_pending: bool = True
+    # Whether the user has an older run not yet terminal (see unfinished_predecessors).
+    older_unfinished: bool = True
     # The terminal seq once every message is known to be on the chunk topic, else None.
     published_seq: int | None = None
 
@@ -266,10 +270,11 @@ class RunStore:
                         "SELECT r.id, r.user_id, r.session_id, r.status, r.input, r.attempt,"
                         " r.fence, r.published_seq,"
                         " EXISTS (SELECT 1 FROM runs p WHERE p.user_id = r.user_id"
-                        " AND p.status = 'pending' AND (p.created_at, p.id) < (r.created_at, r.id)"
-                        ") AS older_pending FROM runs r WHERE r.id = :id"
+                        " AND p.status = ANY(:open)"
+                        " AND (p.created_at, p.id) < (r.created_at, r.id)"
+                        ") AS older_unfinished FROM runs r WHERE r.id = :id"
                     ),
-                    {"id": run_id},
+                    {"id": run_id, "open": _OPEN_STATUSES},
                 )
             ).first()
         if row is None:
@@ -282,15 +287,19 @@ class RunStore:
             row.input,
             row.attempt,
             row.fence,
-            bool(row.older_pending),
+            bool(row.older_unfinished),
             row.published_seq,
         )
 
-    async def pending_predecessors(self, run: RunRow, limit: int = 50) -> list[RunRow]:
-        """The user's runs created before ``run`` that are still pending, oldest first.
+    async def unfinished_predecessors(self, run: RunRow, limit: int = 50) -> list[RunRow]:
+        """The user's runs created before ``run`` that are not terminal, oldest first.
 
         Their trigger may be late (a lost publish swept later, or two gateways racing),
-        yet the user's order is the order of creation: they run first.
+        yet the user's order is the order of creation: they run first. Not only pending
+        ones: a worker that ran such a run as a predecessor and died left it ``running``
+        with its trigger still not on the topic, and the partition's next owner must
+        resume it before the later run, not after the late trigger finally arrives.
+        The caller owns the user's partition, so no live owner runs them meanwhile.
         """
         async with self.reader.connect() as conn:
             rows = (
@@ -300,13 +309,13 @@ class RunStore:
                         SELECT p.id, p.user_id, p.session_id, p.status, p.input, p.attempt,
                                p.fence
                           FROM runs r JOIN runs p ON p.user_id = r.user_id
-                         WHERE r.id = :id AND p.status = 'pending'
+                         WHERE r.id = :id AND p.status = ANY(:open)
                            AND (p.created_at, p.id) < (r.created_at, r.id)
                          ORDER BY p.created_at, p.id
                          LIMIT :limit
                         """
                     ),
-                    {"id": run.id, "limit": limit},
+                    {"id": run.id, "limit": limit, "open": _OPEN_STATUSES},
                 )
             ).all()
         return [

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from decimal import Decimal
 
 import pytest
+from sqlalchemy import text
 
 from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
@@ -294,3 +295,39 @@ def test_a_run_whose_trigger_is_late_still_runs_before_the_users_later_runs(
     after = submitter.submit(user, {"text": "after", "demo": {"tokens": 1, "delay_ms": 1}})
     wait_terminal(submitter, [after], 60, w)
     assert submitter.query("SELECT attempt FROM runs WHERE id = :r", r=first)[0].attempt == 1
+
+
+def test_an_older_run_a_dead_worker_left_running_runs_before_the_users_later_run(
+    env, submitter, workers
+) -> None:
+    """A worker ran a user's older run as a predecessor (its trigger was late), then died
+    mid-run: the run is ``running`` and its trigger is still not on the topic. The
+    partition's next owner, handed the user's later run, resumes the older one first;
+    waiting for the late trigger would run the two out of order."""
+    user = "orphaned-predecessor-user"
+    first = submitter.submit(
+        user, {"text": "first", "demo": {"tokens": 3, "delay_ms": 1}}, publish=False
+    )
+    with submitter.engine.begin() as conn:  # what the dead owner's claim left behind
+        conn.execute(
+            text(
+                "UPDATE runs SET status = 'running', attempt = 1, started_at = now(),"
+                " worker_id = 'dead-worker' WHERE id = :r"
+            ),
+            {"r": first},
+        )
+    second = submitter.submit(user, {"text": "second", "demo": {"tokens": 2, "delay_ms": 1}})
+    w = start(env, workers, "w1")
+    wait_terminal(submitter, [first, second], 60, w)
+    rows = {
+        r.id: r
+        for r in submitter.query(
+            "SELECT id, status, attempt, started_at, finished_at FROM runs WHERE id = ANY(:ids)",
+            ids=[first, second],
+        )
+    }
+    assert rows[first].status == "done" and rows[first].attempt == 2  # resumed, not rerun anew
+    assert rows[first].finished_at <= rows[second].started_at
+    assert output_of(submitter, first) == "".join(
+        demo_tokens({"text": "first", "demo": {"tokens": 3, "delay_ms": 1}})
+    )
