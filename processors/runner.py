@@ -21,6 +21,7 @@ from typing import Any
 from koda.errors import HandlerError, KodaError, RecordError
 from koda.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
 from koda.lifecycle.handler import CancelToken, Handler, RunContext, Usage
+from koda.lifecycle.ledger import Outcome, calls_of
 from koda.lifecycle.retry import RetryPolicy
 from koda.lifecycle.states import RunStatus
 from koda.metrics import (
@@ -60,6 +61,25 @@ class Record:
 
 
 _END = object()
+
+
+@dataclass
+class CallTally:
+    """An attempt's billable calls so far, and the chunks streamed since the last one.
+
+    Chunks after the last usage record belong to a call whose usage has not come (yet):
+    when the attempt ends there, they are counted as an estimated call.
+    """
+
+    usage: list[Usage]
+    unreported_chunks: int = 0
+
+    def settled(self, model: str) -> list[Usage]:
+        """The calls, with an estimated one for chunks no usage record covered."""
+        if self.unreported_chunks == 0:
+            return list(self.usage)
+        tail = Usage(model, 0, self.unreported_chunks, estimated=True)
+        return [*self.usage, tail]
 
 
 class ChunkBatcher:
@@ -222,11 +242,15 @@ class RunExecutor:
                 record.offset,
             )
             ctx = RunContext(run_id, user_id, inp, attempt, cancel)
+            tally = CallTally([])
             try:
-                usage = await self._stream(ctx, batcher, started)
+                await self._stream(ctx, batcher, started, tally)
             except HandlerError as exc:
                 # Keep what this attempt already said, so seq stays contiguous.
                 await batcher.flush()
+                # The failed attempt's calls are billed: into the ledger before anything
+                # else of the failure (whoever owns the run by now).
+                futures += await self._record_attempt(fence, ctx, tally, Outcome.FAILED)
                 error = str(exc)
                 RETRIES.inc()
                 failures = await self.store.record_failure(fence, run_id)
@@ -245,43 +269,125 @@ class RunExecutor:
                 # Output already written stays; the next attempt starts with `reset`.
                 await asyncio.sleep(self.policy.backoff_s(failures))
                 continue
+            except (FencedOut, asyncio.CancelledError):
+                await self._record_cut(fence, ctx, tally)
+                raise
+            usage = tally.settled(self._model)
             batcher.add(ChunkKind.DONE, json.dumps({"status": "done"}))
             final = batcher.pending
             batcher.pending = []
             first = not batcher.streaming and any(c.kind is ChunkKind.CHUNK for c in final)
-            finished = await self.writer.finish(
-                FinishWrite(fence, run_id, RunStatus.DONE, final, usage, first_output=first)
-            )
-            if finished is None:
-                raise FencedOut(f"run {run_id}: finish fenced out")
+            try:
+                finished = await self.writer.finish(
+                    FinishWrite(
+                        fence,
+                        run_id,
+                        RunStatus.DONE,
+                        final,
+                        usage,
+                        first_output=first,
+                        ledger=calls_of(user_id, run_id, attempt, usage, Outcome.OK),
+                    )
+                )
+                if finished is None:
+                    raise FencedOut(f"run {run_id}: finish fenced out")
+            except (FencedOut, asyncio.CancelledError):
+                # Rows the finish committed stay as written (ok); the others are cancelled.
+                await self._record_cut(fence, ctx, tally)
+                raise
             futures += await self.emitter.chunks(fence.partition, _only(final, finished.inserted))
             futures.append(
                 await self.emitter.event(
                     fence.partition, run_id, "transition", to="done", attempt=attempt
                 )
             )
-            for i, u in enumerate(usage):
-                futures.append(
-                    await self.emitter.event(
-                        fence.partition,
-                        run_id,
-                        "usage",
-                        call_index=i,
-                        model=u.model,
-                        prompt_tokens=u.prompt_tokens,
-                        completion_tokens=u.completion_tokens,
-                        **_cost(finished.costs.get(i)),
-                    )
-                )
+            futures += await self._usage_events(fence, ctx, usage, Outcome.OK, finished.ledger)
             await asyncio.gather(*futures)
             RUNS.labels(outcome="done").inc()
             RUN_DURATION_SECONDS.labels(outcome="done").observe(time.monotonic() - started)
             log.info("run done run_id=%s attempt=%d", run_id, attempt)
             return
 
-    async def _stream(self, ctx: RunContext, batcher: ChunkBatcher, started: float) -> list[Usage]:
-        """Pump the handler into the batcher; flush by size or after ``chunk_batch_ms``."""
-        usage: list[Usage] = []
+    @property
+    def _model(self) -> str:
+        """The model an estimated call is priced as: the handler's, else its name."""
+        return str(getattr(self.handler, "model", self.handler.name))
+
+    async def _record_attempt(
+        self, fence: Fence, ctx: RunContext, tally: CallTally, outcome: Outcome
+    ) -> list[asyncio.Future[Any]]:
+        """Write an attempt's calls to the ledger with ``outcome``; its usage events."""
+        usage = tally.settled(self._model)
+        if not usage:
+            return []
+        calls = calls_of(ctx.user_id, ctx.run_id, ctx.attempt, usage, outcome)
+        priced = await self.store.record_calls(calls)
+        return await self._usage_events(fence, ctx, usage, outcome, priced)
+
+    async def _record_cut(self, fence: Fence, ctx: RunContext, tally: CallTally) -> None:
+        """An attempt cut off (handoff ceiling, fenced out): its calls were billed all the
+        same, so they go to the ledger as ``cancelled``, shielded from the cancellation.
+        A failure here is logged, never raised over the cut itself."""
+        if not tally.settled(self._model):
+            return
+        try:
+            await asyncio.shield(self._record_attempt(fence, ctx, tally, Outcome.CANCELLED))
+        except Exception as exc:  # noqa: BLE001 - the cut is what the caller must see
+            log.warning(
+                "ledger write of a cut attempt failed run_id=%s attempt=%d error=%s",
+                ctx.run_id,
+                ctx.attempt,
+                type(exc).__name__,
+            )
+        except asyncio.CancelledError:
+            log.warning(
+                "ledger write of a cut attempt interrupted run_id=%s attempt=%d",
+                ctx.run_id,
+                ctx.attempt,
+            )
+
+    async def _usage_events(
+        self,
+        fence: Fence,
+        ctx: RunContext,
+        usage: list[Usage],
+        outcome: Outcome,
+        priced: list[Any],
+    ) -> list[asyncio.Future[Any]]:
+        """One ``usage`` event per ledger row written, with the row's cost and price id."""
+        by_index = {p.call_index: p for p in priced}
+        futures = []
+        for i, u in enumerate(usage):
+            row = by_index.get(i)
+            if row is None:
+                continue  # written before (a redelivery): its event went out then
+            futures.append(
+                await self.emitter.event(
+                    fence.partition,
+                    ctx.run_id,
+                    "usage",
+                    call_index=i,
+                    model=u.model,
+                    prompt_tokens=u.prompt_tokens,
+                    completion_tokens=u.completion_tokens,
+                    **_cost(row.cost_usd),
+                    user_id=ctx.user_id,
+                    attempt=ctx.attempt,
+                    kind=u.kind,
+                    outcome=outcome.value,
+                    estimated=u.estimated,
+                    price_id=row.price_id,
+                )
+            )
+        return futures
+
+    async def _stream(
+        self, ctx: RunContext, batcher: ChunkBatcher, started: float, tally: CallTally
+    ) -> None:
+        """Pump the handler into the batcher; flush by size or after ``chunk_batch_ms``.
+
+        Usage records go to ``tally`` as they come, so a failed or cut attempt still
+        knows its calls."""
         queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=4 * batcher.max_size)
         pump = asyncio.create_task(_pump(self.handler.stream(ctx), queue))
         window = self.settings.chunk_batch_ms / 1000.0
@@ -309,12 +415,14 @@ class RunExecutor:
                         raise item
                     raise HandlerError(f"{type(item).__name__}: {item}") from item
                 if isinstance(item, Usage):
-                    usage.append(item)
+                    tally.usage.append(item)
+                    tally.unreported_chunks = 0
                     continue
                 if first:
                     TIME_TO_FIRST_CHUNK_SECONDS.observe(time.monotonic() - started)
                     first = False
                 batcher.add(ChunkKind.CHUNK, str(item))
+                tally.unreported_chunks += 1
                 if batcher.full or window == 0:
                     await batcher.flush()
                     deadline = None
@@ -323,7 +431,6 @@ class RunExecutor:
             # The last batch is not flushed here: ``finish`` writes it with the terminal
             # event in one transaction. A short run then costs one commit (and its
             # fsync) fewer, and the batch is produced no later than before.
-            return usage
         finally:
             if not pump.done():
                 pump.cancel()
