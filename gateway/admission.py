@@ -12,13 +12,15 @@ import asyncio
 import contextlib
 import logging
 
-from gateway.errors import PublishError
+from gateway.errors import PaymentRequired, PublishError
 from gateway.intake import RunRequest
 from gateway.publisher import RunPublisher
-from gateway.store import AdmittedRun, NewRun, RunStore
+from gateway.store import AdmittedRun, NewRun, OverBudget, RunStore
 from koda import metrics
 from koda.errors import DatabaseError
 from koda.lifecycle.ids import derived_idempotency_key, scoped_idempotency_key, uuid7
+from koda.lifecycle.ledger import Period
+from schemas.ledger import money
 from schemas.records import RunRequested
 from topics.catalogue import partition_for_key
 
@@ -91,8 +93,10 @@ class Admissions:
         *,
         partitions: int,
         publish_wait_s: float = PUBLISH_WAIT_S,
+        budgets: bool = True,
     ) -> None:
         self.store = store
+        self.budgets = budgets
         self.publisher = publisher
         self.partitions = partitions
         self.publish_wait_s = publish_wait_s
@@ -104,8 +108,9 @@ class Admissions:
     ) -> AdmittedRun:
         """Persist the run for this key (or find the existing one) and publish a new one.
 
-        Raises NotFound when the session belongs to another user, DatabaseError
-        when Postgres fails. Nothing is written in either case.
+        Raises NotFound when the session belongs to another user, PaymentRequired when
+        the user has spent a budget, DatabaseError when Postgres fails. Nothing is
+        written in any of these cases.
         """
         new = NewRun(
             run_id=uuid7(),
@@ -117,7 +122,23 @@ class Admissions:
             metadata=request.metadata,
             partition=partition_for_key(user_id.encode(), self.partitions),
         )
-        run = await self.store.admit(new)
+        try:
+            run = await self.store.admit(new, budgets=self.budgets)
+        except OverBudget as exc:
+            over = exc.over
+            raise PaymentRequired(
+                f"the {over.period.value}ly budget of {money(over.limit_usd)} USD is spent "
+                f"({money(over.spend_usd)} USD so far); it resets at "
+                f"{over.resets_at.isoformat()}",
+                {
+                    "period": over.period.value,
+                    "limit_usd": money(over.limit_usd) or "",
+                    "spend_usd": money(over.spend_usd) or "",
+                    "resets_at": over.resets_at.isoformat(),
+                },
+            ) from None
+        for period in run.soft_alerts:
+            await self._soft_alert(user_id, period)
         if not run.created:
             metrics.ADMISSIONS.labels(outcome="replayed").inc()
             log.info(
@@ -137,6 +158,17 @@ class Admissions:
         )
         await self._publish(run)
         return run
+
+    async def _soft_alert(self, user_id: str, period: Period) -> None:
+        """One log line and one count per user and period, whichever gateway sees it first."""
+        try:
+            first = await self.store.mark_soft_alert(user_id, period)
+        except DatabaseError as exc:
+            log.warning("event=budget_alert_failed user_id=%s error=%s", user_id, exc)
+            return
+        if first:
+            metrics.BUDGET_SOFT_ALERTS.labels(period=period.value).inc()
+            log.warning("event=budget_soft_threshold user_id=%s period=%s", user_id, period.value)
 
     async def _publish(self, run: AdmittedRun) -> None:
         task = asyncio.create_task(self._deliver(run), name=f"publish-{run.run_id}")

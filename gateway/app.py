@@ -31,6 +31,7 @@ from gateway.sse import install_live_feed
 from gateway.sse import router as sse_router
 from gateway.store import RunStore
 from gateway.sweeper import Sweeper
+from gateway.usage import router as usage_router
 from gateway.workers import WorkerDirectory
 from koda import metrics
 from koda.db import async_engine
@@ -81,7 +82,9 @@ def create_app(
             await feed.start()  # before serving: streams must not miss a record
             store = RunStore(db)
             await _probe(store, pub)
-            admissions = Admissions(store, pub, partitions=settings.partitions)
+            admissions = Admissions(
+                store, pub, partitions=settings.partitions, budgets=settings.budgets_enabled
+            )
             sweeper = Sweeper(
                 store, pub, after_s=settings.sweep_after_s, interval_s=settings.sweep_interval_s
             )
@@ -129,6 +132,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(sse_router)
+    app.include_router(usage_router)
     app.include_router(admin_router)
     app.add_middleware(RequestMetrics)
     return app

@@ -11,7 +11,7 @@ There is no check-then-insert anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import func, select, text
@@ -20,8 +20,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.errors import NotFound
-from koda.errors import DatabaseError
+from koda.errors import DatabaseError, KodaError
+from koda.lifecycle.ledger import Exceeded, Period, exceeded, soft_crossed
 from koda.lifecycle.states import RunStatus
+from schemas import ledger
 from schemas.tables import runs, sessions
 
 # A conflicting row vanished between the conflict and the read (deleted by hand):
@@ -53,6 +55,16 @@ class AdmittedRun:
     status: str
     created_at: datetime
     created: bool
+    # Budget periods past their soft threshold whose alert nobody has recorded yet.
+    soft_alerts: tuple[Period, ...] = ()
+
+
+class OverBudget(KodaError):
+    """A new run refused: ``exceeded`` is the budget it would break. Nothing was written."""
+
+    def __init__(self, user_id: str, over: Exceeded) -> None:
+        super().__init__(f"user {user_id} is over the {over.period.value}ly budget")
+        self.over = over
 
 
 @dataclass(frozen=True)
@@ -175,14 +187,22 @@ class RunStore:
         except (SQLAlchemyError, OSError) as exc:
             raise DatabaseError(f"postgres is unreachable: {type(exc).__name__}") from exc
 
-    async def admit(self, run: NewRun) -> AdmittedRun:
+    async def admit(self, run: NewRun, *, budgets: bool = True) -> AdmittedRun:
         """Insert ``run`` unless its idempotency key exists; either way return the key's run.
 
-        Raises NotFound when ``run.session_id`` belongs to another user.
+        Raises NotFound when ``run.session_id`` belongs to another user, and OverBudget
+        (nothing written) when the user has spent a budget and the key is new: a replay
+        of an admitted run still answers with that run. ``budgets=False`` skips the read.
         """
         for _ in range(_ADMIT_ATTEMPTS):
             try:
-                inserted = await self._insert(run)
+                try:
+                    inserted = await self._insert(run, budgets)
+                except OverBudget:
+                    existing = await self._by_key(run.idempotency_key)
+                    if existing is None:
+                        raise
+                    return existing
                 if inserted is not None:
                     return inserted
                 existing = await self._by_key(run.idempotency_key)
@@ -194,10 +214,20 @@ class RunStore:
             f"idempotency key conflicted but no run was found after {_ADMIT_ATTEMPTS} tries"
         )
 
-    async def _insert(self, run: NewRun) -> AdmittedRun | None:
+    async def _insert(self, run: NewRun, budgets: bool) -> AdmittedRun | None:
         async with self.engine.connect() as conn:
             trans = await conn.begin()
+            soft: tuple[Period, ...] = ()
             try:
+                # One row: the user's budgets and the current periods' spend, kept by the
+                # workers' ledger writes. Not locked: runs admitted concurrently all see
+                # the same spend, so the overshoot is at most what they then spend.
+                budget = await ledger.read_budget(conn, run.user_id) if budgets else None
+                if budget is not None:
+                    over = exceeded(budget.state, datetime.now(UTC))
+                    if over is not None:
+                        raise OverBudget(run.user_id, over)
+                    soft = tuple(p for p in soft_crossed(budget.state) if p not in budget.alerted)
                 if run.create_session:
                     await conn.execute(
                         sessions.insert().values(id=run.session_id, user_id=run.user_id)
@@ -249,7 +279,16 @@ class RunStore:
             status=row.status,
             created_at=row.created_at,
             created=True,
+            soft_alerts=soft,
         )
+
+    async def mark_soft_alert(self, user_id: str, period: Period) -> bool:
+        """Record the period's soft-threshold alert; True only for the first to record it."""
+        try:
+            async with self.engine.begin() as conn:
+                return await ledger.mark_soft_alert(conn, user_id, period)
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"recording a budget alert failed: {type(exc).__name__}") from exc
 
     async def _by_key(self, idempotency_key: str) -> AdmittedRun | None:
         async with self.engine.connect() as conn:
