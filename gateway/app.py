@@ -83,7 +83,7 @@ def create_app(
             store = RunStore(db)
             await _probe(store, pub)
             admissions = Admissions(
-                store, pub, partitions=settings.partitions, budgets=settings.budgets_enabled
+                store, pub, partitions=settings.partitions, budgets=settings.cost_ledger
             )
             sweeper = Sweeper(
                 store, pub, after_s=settings.sweep_after_s, interval_s=settings.sweep_interval_s

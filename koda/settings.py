@@ -149,8 +149,9 @@ class Settings:
     admin_token: str | None = field(default=None, repr=False)
     loop_stall_s: float = 10.0
     lag_interval_s: float = 10.0
-    # cost ledger: off skips admission's budget read (benchmarks compare the two)
-    budgets_enabled: bool = True
+    # The cost ledger and budgets. Off only to measure their cost (benchmarks): no ledger
+    # rows, no budget checks, as before the ledger existed.
+    cost_ledger: bool = True
 
     def __post_init__(self) -> None:
         if self.partitions & (self.partitions - 1):
@@ -270,5 +271,5 @@ class Settings:
             admin_token=env.get("KODA_ADMIN_TOKEN") or None,
             loop_stall_s=_float(env, "KODA_LOOP_STALL", 10.0, lo=0.1, hi=600),
             lag_interval_s=_float(env, "KODA_LAG_INTERVAL", 10.0, lo=0.1, hi=3600),
-            budgets_enabled=_bool(env, "KODA_BUDGETS", True),
+            cost_ledger=_bool(env, "KODA_COST_LEDGER", True),
         )

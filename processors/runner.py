@@ -25,6 +25,7 @@ from koda.lifecycle.ledger import Outcome, calls_of
 from koda.lifecycle.retry import RetryPolicy
 from koda.lifecycle.states import RunStatus
 from koda.metrics import (
+    LEDGER_CALLS,
     QUEUE_AGE_SECONDS,
     RETRIES,
     RUN_DURATION_SECONDS,
@@ -35,6 +36,7 @@ from koda.settings import Settings
 from processors.emitter import Emitter
 from processors.groupcommit import GroupWriter
 from processors.store import ChunkWrite, ClaimWrite, Fence, FinishWrite, RunStore
+from schemas.ledger import PricedCall
 from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, headers_for
 
 log = logging.getLogger("koda.worker")
@@ -286,7 +288,11 @@ class RunExecutor:
                         final,
                         usage,
                         first_output=first,
-                        ledger=calls_of(user_id, run_id, attempt, usage, Outcome.OK),
+                        ledger=(
+                            calls_of(user_id, run_id, attempt, usage, Outcome.OK)
+                            if self.settings.cost_ledger
+                            else ()
+                        ),
                     )
                 )
                 if finished is None:
@@ -301,7 +307,12 @@ class RunExecutor:
                     fence.partition, run_id, "transition", to="done", attempt=attempt
                 )
             )
-            futures += await self._usage_events(fence, ctx, usage, Outcome.OK, finished.ledger)
+            written = finished.ledger
+            if not self.settings.cost_ledger:  # the usage table's costs, as before the ledger
+                written = [
+                    PricedCall(run_id, attempt, i, cost, None) for i, cost in finished.costs.items()
+                ]
+            futures += await self._usage_events(fence, ctx, usage, Outcome.OK, written)
             await asyncio.gather(*futures)
             RUNS.labels(outcome="done").inc()
             RUN_DURATION_SECONDS.labels(outcome="done").observe(time.monotonic() - started)
@@ -318,7 +329,7 @@ class RunExecutor:
     ) -> list[asyncio.Future[Any]]:
         """Write an attempt's calls to the ledger with ``outcome``; its usage events."""
         usage = tally.settled(self._model)
-        if not usage:
+        if not usage or not self.settings.cost_ledger:
             return []
         calls = calls_of(ctx.user_id, ctx.run_id, ctx.attempt, usage, outcome)
         priced = await self.store.record_calls(calls)
@@ -328,7 +339,7 @@ class RunExecutor:
         """An attempt cut off (handoff ceiling, fenced out): its calls were billed all the
         same, so they go to the ledger as ``cancelled``, shielded from the cancellation.
         A failure here is logged, never raised over the cut itself."""
-        if not tally.settled(self._model):
+        if not tally.settled(self._model) or not self.settings.cost_ledger:
             return
         try:
             await asyncio.shield(self._record_attempt(fence, ctx, tally, Outcome.CANCELLED))
@@ -352,7 +363,7 @@ class RunExecutor:
         ctx: RunContext,
         usage: list[Usage],
         outcome: Outcome,
-        priced: list[Any],
+        priced: list[PricedCall],
     ) -> list[asyncio.Future[Any]]:
         """One ``usage`` event per ledger row written, with the row's cost and price id."""
         by_index = {p.call_index: p for p in priced}
@@ -361,6 +372,8 @@ class RunExecutor:
             row = by_index.get(i)
             if row is None:
                 continue  # written before (a redelivery): its event went out then
+            if self.settings.cost_ledger:
+                LEDGER_CALLS.labels(outcome=outcome.value, estimated=str(u.estimated).lower()).inc()
             futures.append(
                 await self.emitter.event(
                     fence.partition,
