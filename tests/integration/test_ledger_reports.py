@@ -426,3 +426,25 @@ def test_the_migration_copies_existing_usage_rows_into_the_ledger(stack) -> None
         assert db_rows(settings, "SELECT id FROM prices WHERE model = 'old-way'")[0].id > 0
     finally:
         drop_schema(settings)
+
+
+def test_admin_usage_and_budgets_need_the_admin_token_when_one_is_set(shared: Settings) -> None:
+    with running(create_app(shared.with_(admin_token="s3cret-admin"))) as base:
+        with httpx.Client(base_url=base, timeout=30) as c:
+            for method, path in (
+                ("GET", "/admin/usage?group_by=user"),
+                ("GET", "/admin/budgets"),
+                ("PUT", "/admin/budgets/someone"),
+                ("DELETE", "/admin/budgets/someone"),
+            ):
+                # A user token never opens /admin.
+                for headers in ({}, bearer("someone")):
+                    resp = c.request(method, path, headers=headers, json={"monthly_usd": "1"})
+                    assert resp.status_code == 401, (method, path, resp.text)
+            ok = c.get(
+                "/admin/usage",
+                params={"group_by": "model"},
+                headers={"Authorization": "Bearer s3cret-admin"},
+            )
+            assert ok.status_code == 200 and "totals" in ok.json()
+    assert db_rows(shared, "SELECT 1 FROM budgets WHERE user_id = 'someone'") == []
