@@ -147,7 +147,7 @@ ledger = Table(
         "prompt_tokens >= 0 AND completion_tokens >= 0 AND attempt >= 0 AND call_index >= 0",
         name="ck_ledger_counts",
     ),
-    Index("ix_ledger_created_at", "created_at"),
+    Index("ix_ledger_created_at", "created_at", postgresql_using="brin"),
     Index("ix_ledger_user_id_created_at", "user_id", "created_at"),
 )
 
