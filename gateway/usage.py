@@ -22,10 +22,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gateway.admin import require_admin
 from gateway.components import components_of
-from gateway.errors import BadRequest, InvalidField, NotFound, UnsupportedMediaType
+from gateway.errors import BadRequest, InvalidField, NotFound
 from gateway.intake import check_content_type
 from gateway.models import ErrorBody
-from gateway.routes import MAX_RUN_ID_CHARS
 from koda.errors import DatabaseError
 from koda.lifecycle.ledger import check_window, parse_time, parse_usd
 from schemas import ledger
@@ -37,6 +36,7 @@ _admin_bearer = HTTPBearer(
 )
 USER_GROUPS = ("day", "model", "kind")
 BUDGET_FIELDS = ("monthly_usd", "daily_usd", "soft_ratio")
+MAX_USER_ID_CHARS = 128
 MAX_BUDGET_BODY = 4096
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -120,8 +120,8 @@ async def all_usage(request: Request) -> JSONResponse:
     require_admin(request)
     group_by, since, until = _params(request, ledger.GROUPS)
     user_id = request.query_params.get("user_id")
-    if user_id is not None and not 0 < len(user_id) <= MAX_RUN_ID_CHARS:
-        raise InvalidField(f"user_id must be 1-{MAX_RUN_ID_CHARS} chars", field="user_id")
+    if user_id is not None and not 0 < len(user_id) <= MAX_USER_ID_CHARS:
+        raise InvalidField(f"user_id must be 1-{MAX_USER_ID_CHARS} chars", field="user_id")
     report = await _db(
         request,
         lambda c: ledger.usage_report(c, group_by, user_id=user_id, since=since, until=until),
@@ -130,16 +130,15 @@ async def all_usage(request: Request) -> JSONResponse:
 
 
 def _user(user_id: str) -> str:
-    if not 0 < len(user_id) <= MAX_RUN_ID_CHARS or not user_id.isprintable():
-        raise InvalidField(f"user_id must be 1-{MAX_RUN_ID_CHARS} printable chars", field="user_id")
+    if not 0 < len(user_id) <= MAX_USER_ID_CHARS or not user_id.isprintable():
+        raise InvalidField(
+            f"user_id must be 1-{MAX_USER_ID_CHARS} printable chars", field="user_id"
+        )
     return user_id
 
 
 async def _budget_body(request: Request) -> tuple[Decimal | None, Decimal | None, Decimal]:
-    try:
-        check_content_type(request.headers.get("content-type"))
-    except UnsupportedMediaType:
-        raise
+    check_content_type(request.headers.get("content-type"))
     body = await request.body()
     if len(body) > MAX_BUDGET_BODY:
         raise BadRequest(f"the body is larger than {MAX_BUDGET_BODY} bytes", field="body")
