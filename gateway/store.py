@@ -219,15 +219,6 @@ class RunStore:
             trans = await conn.begin()
             soft: tuple[Period, ...] = ()
             try:
-                # One row: the user's budgets and the current periods' spend, kept by the
-                # workers' ledger writes. Not locked: runs admitted concurrently all see
-                # the same spend, so the overshoot is at most what they then spend.
-                budget = await ledger.read_budget(conn, run.user_id) if budgets else None
-                if budget is not None:
-                    over = exceeded(budget.state, datetime.now(UTC))
-                    if over is not None:
-                        raise OverBudget(run.user_id, over)
-                    soft = tuple(p for p in soft_crossed(budget.state) if p not in budget.alerted)
                 if run.create_session:
                     await conn.execute(
                         sessions.insert().values(id=run.session_id, user_id=run.user_id)
@@ -248,23 +239,31 @@ class RunStore:
                             "session not found: omit session_id to start a new session",
                             field="session_id",
                         )
-                row = (
-                    await conn.execute(
-                        pg_insert(runs)
-                        .values(
-                            id=run.run_id,
-                            session_id=run.session_id,
-                            user_id=run.user_id,
-                            idempotency_key=run.idempotency_key,
-                            input=run.input,
-                            metadata=run.metadata,
-                            partition=run.partition,
-                        )
-                        .on_conflict_do_nothing(index_elements=[runs.c.idempotency_key])
-                        .returning(runs.c.status, runs.c.created_at)
+                # The same statement reads the user's budgets and the current periods'
+                # spend (kept by the workers' ledger writes) and inserts only if none is
+                # spent. Not locked: runs admitted concurrently all see the same spend, so
+                # the overshoot is at most what they then spend.
+                done = await ledger.insert_run(
+                    conn,
+                    {
+                        "id": run.run_id,
+                        "session_id": run.session_id,
+                        "user_id": run.user_id,
+                        "key": run.idempotency_key,
+                        "input": run.input,
+                        "metadata": run.metadata,
+                        "partition": run.partition,
+                    },
+                    budgets=budgets,
+                )
+                if done.budget is not None:
+                    over = exceeded(done.budget.state, datetime.now(UTC))
+                    if done.status is None and over is not None:
+                        raise OverBudget(run.user_id, over)
+                    soft = tuple(
+                        p for p in soft_crossed(done.budget.state) if p not in done.budget.alerted
                     )
-                ).first()
-                if row is None:
+                if done.status is None or done.created_at is None:
                     await trans.rollback()
                     return None
                 await trans.commit()
@@ -276,8 +275,8 @@ class RunStore:
             run_id=run.run_id,
             user_id=run.user_id,
             session_id=run.session_id,
-            status=row.status,
-            created_at=row.created_at,
+            status=done.status,
+            created_at=done.created_at,
             created=True,
             soft_alerts=soft,
         )

@@ -22,7 +22,8 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import bindparam, text
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from koda.lifecycle.ledger import BudgetState, LedgerCall, Period
@@ -111,20 +112,6 @@ async def insert_calls(conn: AsyncConnection, calls: Sequence[LedgerCall]) -> li
 
 # -- budgets -------------------------------------------------------------------------
 
-_BUDGET_STATE = text(
-    """
-    SELECT b.monthly_usd, b.daily_usd, b.soft_ratio,
-           COALESCE(m.spend_usd, 0) AS month_spend, COALESCE(d.spend_usd, 0) AS day_spend,
-           m.soft_alerted_at AS month_alerted, d.soft_alerted_at AS day_alerted
-      FROM budgets b
-      LEFT JOIN spend_periods m ON m.user_id = b.user_id AND m.period = 'month'
-       AND m.starts_at = date_trunc('month', now(), 'UTC')
-      LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
-       AND d.starts_at = date_trunc('day', now(), 'UTC')
-     WHERE b.user_id = :user_id
-    """
-)
-
 
 @dataclass(frozen=True)
 class BudgetRead:
@@ -134,10 +121,9 @@ class BudgetRead:
     alerted: frozenset[Period]
 
 
-async def read_budget(conn: AsyncConnection, user_id: str) -> BudgetRead | None:
-    """The user's budgets and current spend in one row; None when no budget is set."""
-    row = (await conn.execute(_BUDGET_STATE, {"user_id": user_id})).first()
-    if row is None:
+def _budget_of(row: Any) -> BudgetRead | None:
+    """The budget columns of a row (None when the user has no budget)."""
+    if row.soft_ratio is None:
         return None
     alerted = set()
     if row.month_alerted is not None:
@@ -154,6 +140,54 @@ async def read_budget(conn: AsyncConnection, user_id: str) -> BudgetRead | None:
         ),
         frozenset(alerted),
     )
+
+
+_ADMIT_RUN = text(
+    """
+    WITH b AS (
+        SELECT b.monthly_usd, b.daily_usd, b.soft_ratio,
+               COALESCE(m.spend_usd, 0) AS month_spend, COALESCE(d.spend_usd, 0) AS day_spend,
+               m.soft_alerted_at AS month_alerted, d.soft_alerted_at AS day_alerted
+          FROM budgets b
+          LEFT JOIN spend_periods m ON m.user_id = b.user_id AND m.period = 'month'
+           AND m.starts_at = date_trunc('month', now(), 'UTC')
+          LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
+           AND d.starts_at = date_trunc('day', now(), 'UTC')
+         WHERE b.user_id = :user_id AND :budgets
+    ), ins AS (
+        -- The rule of koda.lifecycle.ledger.exceeded: a budget is spent at its limit.
+        INSERT INTO runs (id, session_id, user_id, idempotency_key, input, metadata, partition)
+        SELECT :id, :session_id, :user_id, :key, :input, :metadata, :partition
+         WHERE NOT EXISTS (SELECT 1 FROM b
+                            WHERE (b.monthly_usd IS NOT NULL AND b.month_spend >= b.monthly_usd)
+                               OR (b.daily_usd IS NOT NULL AND b.day_spend >= b.daily_usd))
+        ON CONFLICT (idempotency_key) DO NOTHING
+        RETURNING status, created_at
+    )
+    SELECT ins.status, ins.created_at, b.*
+      FROM (SELECT 1) AS one LEFT JOIN ins ON true LEFT JOIN b ON true
+    """
+).bindparams(bindparam("input", type_=JSONB), bindparam("metadata", type_=JSONB))
+
+
+@dataclass(frozen=True)
+class RunInsert:
+    """What :func:`insert_run` did: the new run's status and time (None when it was not
+    inserted: its key exists, or a budget is spent), and the budget row read."""
+
+    status: str | None
+    created_at: datetime | None
+    budget: BudgetRead | None
+
+
+async def insert_run(conn: AsyncConnection, values: dict[str, Any], *, budgets: bool) -> RunInsert:
+    """Insert a run (``values``: id, session_id, user_id, key, input, metadata, partition)
+    unless its idempotency key exists or, with ``budgets``, one of the user's budgets is
+    spent; the budget row is read by the same statement (admission costs no extra round
+    trip)."""
+    row = (await conn.execute(_ADMIT_RUN, {**values, "budgets": budgets})).one()
+    budget = _budget_of(row)
+    return RunInsert(row.status, row.created_at, budget)
 
 
 _MARK_SOFT = text(
