@@ -5,8 +5,8 @@ schema), the processes started and their group stable, a warm-up of one run per
 partition, then the measured runs. Throughput is runs (or chunk rows) divided by
 the time from the first submission to the last ``finished_at`` in Postgres.
 
-Contenders (the repetitions are interleaved so drift in the machine's load hits
-every contender alike):
+Contenders (the repetitions are interleaved, every other one in reverse order, so
+drift in the machine's load hits every contender alike):
 
 * ``koda e2e``: submitted through the gateway (POST /v1/runs), N workers.
 * ``koda worker``: runs inserted and their records produced straight to the
@@ -211,7 +211,9 @@ def run_w1(stack: StackInfo, args: argparse.Namespace) -> Table:
     results: dict[tuple[str, int], list[dict[str, float]]] = defaultdict(list)
     timeout = max(600.0, args.runs / 5)
     for rep in range(args.repeat):
-        for kind, n in plan:
+        # Every other repetition in reverse (ABBA): a contender is never always the one
+        # that runs first, right after another's load.
+        for kind, n in plan if rep % 2 == 0 else plan[::-1]:
             t = time.monotonic()
             runs = (
                 args.runs if kind != "naive" else max(PARTITIONS, int(args.runs * args.naive_share))
