@@ -13,15 +13,17 @@ import contextlib
 import logging
 
 from gateway.control_store import ControlStore
-from gateway.errors import PublishError
+from gateway.errors import PaymentRequired, PublishError
 from gateway.intake import RunRequest
 from gateway.publisher import RunPublisher
-from gateway.store import AdmittedRun, NewRun, RunStore
+from gateway.store import AdmittedRun, NewRun, OverBudget, RunStore
 from koda import metrics
 from koda.errors import DatabaseError
 from koda.lifecycle.control import MERGE, ControlRecord
 from koda.lifecycle.ids import derived_idempotency_key, scoped_idempotency_key, uuid7
+from koda.lifecycle.ledger import Period
 from koda.naming import Names
+from schemas.ledger import money
 from schemas.records import RunRequested
 from topics.catalogue import RUN_CONTROL, partition_for_key
 
@@ -97,11 +99,13 @@ class Admissions:
         control: ControlStore | None = None,
         merge_window_s: float = 30.0,
         names: Names | None = None,
+        budgets: bool = True,
     ) -> None:
         self.control = control
         self.merge_window_s = merge_window_s
         self.control_topic = None if names is None else names.topic(RUN_CONTROL)
         self.store = store
+        self.budgets = budgets
         self.publisher = publisher
         self.partitions = partitions
         self.publish_wait_s = publish_wait_s
@@ -113,13 +117,15 @@ class Admissions:
     ) -> AdmittedRun:
         """Persist the run for this key (or find the existing one) and publish a new one.
 
-        Raises NotFound when the session belongs to another user, DatabaseError
-        when Postgres fails. Nothing is written in either case.
+        Raises NotFound when the session belongs to another user, PaymentRequired when
+        the user has spent a budget, DatabaseError when Postgres fails. Nothing is
+        written in any of these cases.
 
         Into a session whose latest run is running or streaming and younger than
         ``merge_window_s``, the message is merged into that run instead (the answer
         names that run, ``merged``); the worker executing it is signalled to start
-        over on the merged input.
+        over on the merged input. A merge is not a new run, so no budget refuses it:
+        like a run already running, it may take the user past the budget.
         """
         key = idempotency_key_for(user_id, request, client_key)
         if request.session_id is not None and self.control is not None:
@@ -159,7 +165,23 @@ class Admissions:
             metadata=request.metadata,
             partition=partition_for_key(user_id.encode(), self.partitions),
         )
-        run = await self.store.admit(new)
+        try:
+            run = await self.store.admit(new, budgets=self.budgets)
+        except OverBudget as exc:
+            over = exc.over
+            raise PaymentRequired(
+                f"the {over.period.value}ly budget of {money(over.limit_usd)} USD is spent "
+                f"({money(over.spend_usd)} USD so far); it resets at "
+                f"{over.resets_at.isoformat()}",
+                {
+                    "period": over.period.value,
+                    "limit_usd": money(over.limit_usd) or "",
+                    "spend_usd": money(over.spend_usd) or "",
+                    "resets_at": over.resets_at.isoformat(),
+                },
+            ) from None
+        for period in run.soft_alerts:
+            await self._soft_alert(user_id, period)
         if not run.created:
             metrics.ADMISSIONS.labels(outcome="replayed").inc()
             log.info(
@@ -202,6 +224,17 @@ class Admissions:
                 record.action,
                 exc,
             )
+
+    async def _soft_alert(self, user_id: str, period: Period) -> None:
+        """One log line and one count per user and period, whichever gateway sees it first."""
+        try:
+            first = await self.store.mark_soft_alert(user_id, period)
+        except DatabaseError as exc:
+            log.warning("event=budget_alert_failed user_id=%s error=%s", user_id, exc)
+            return
+        if first:
+            metrics.BUDGET_SOFT_ALERTS.labels(period=period.value).inc()
+            log.warning("event=budget_soft_threshold user_id=%s period=%s", user_id, period.value)
 
     async def _publish(self, run: AdmittedRun) -> None:
         task = asyncio.create_task(self._deliver(run), name=f"publish-{run.run_id}")

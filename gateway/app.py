@@ -34,6 +34,7 @@ from gateway.sse import install_live_feed
 from gateway.sse import router as sse_router
 from gateway.store import RunStore
 from gateway.sweeper import Sweeper
+from gateway.usage import router as usage_router
 from gateway.workers import WorkerDirectory
 from koda import metrics
 from koda.db import async_engine
@@ -92,6 +93,7 @@ def create_app(
                 control=control,
                 merge_window_s=settings.merge_window_s,
                 names=settings.names,
+                budgets=settings.cost_ledger,
             )
             sweeper = Sweeper(
                 store, pub, after_s=settings.sweep_after_s, interval_s=settings.sweep_interval_s
@@ -142,6 +144,7 @@ def create_app(
     app.include_router(router)
     app.include_router(control_router)
     app.include_router(sse_router)
+    app.include_router(usage_router)
     app.include_router(admin_router)
     app.include_router(schedules_router)
     app.add_middleware(RequestMetrics)

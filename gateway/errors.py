@@ -10,6 +10,7 @@
     │   ├── UnsupportedMediaType   415 body is not application/json
     │   ├── BadRequest             400 undecodable body or bad header
     │   ├── InvalidField           422 a field of the body is missing or wrong
+    │   ├── PaymentRequired        402 over a budget; names the budget, spend and reset
     │   ├── RateLimited            429 over the per-user quota; carries Retry-After
     │   └── Unavailable            503 Postgres could not answer; carries Retry-After
     └── PublishError               the broker did not acknowledge a record (the sweeper
@@ -97,6 +98,23 @@ class BadRequest(GatewayError):
 class InvalidField(GatewayError):
     status = 422
     code = "invalid_field"
+
+
+class PaymentRequired(GatewayError):
+    """A new run over the user's budget: the body's ``error.budget`` names the period,
+    the limit, the spend so far and when the period resets (money as decimal strings)."""
+
+    status = 402
+    code = "budget_exceeded"
+
+    def __init__(self, message: str, budget: dict[str, str]) -> None:
+        super().__init__(message)
+        self.budget = budget
+
+    def body(self) -> dict[str, Any]:
+        out = super().body()
+        out["error"]["budget"] = self.budget
+        return out
 
 
 class RateLimited(GatewayError):

@@ -46,6 +46,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     for status, description in {
         400: "Undecodable body or bad header",
         401: "Missing or invalid bearer token",
+        402: "Over the user's budget: names the budget, the spend and when it resets",
         404: "Unknown run or session (or another user's)",
         413: "Body larger than the limit",
         415: "Body is not application/json",

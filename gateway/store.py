@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import select, text
@@ -21,8 +21,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.errors import NotFound
-from koda.errors import DatabaseError
+from koda.errors import DatabaseError, KodaError
+from koda.lifecycle.ledger import Exceeded, Period, exceeded, soft_crossed
 from koda.lifecycle.states import RunStatus
+from schemas import ledger
 from schemas.tables import runs, sessions
 
 # A conflicting row vanished between the conflict and the read (deleted by hand):
@@ -58,6 +60,16 @@ class AdmittedRun:
     created_at: datetime
     created: bool
     merged: bool = False  # the request was merged into this (running) run
+    # Budget periods past their soft threshold whose alert nobody has recorded yet.
+    soft_alerts: tuple[Period, ...] = ()
+
+
+class OverBudget(KodaError):
+    """A new run refused: ``exceeded`` is the budget it would break. Nothing was written."""
+
+    def __init__(self, user_id: str, over: Exceeded) -> None:
+        super().__init__(f"user {user_id} is over the {over.period.value}ly budget")
+        self.over = over
 
 
 @dataclass(frozen=True)
@@ -211,14 +223,22 @@ class RunStore:
         except (SQLAlchemyError, OSError) as exc:
             raise DatabaseError(f"postgres is unreachable: {type(exc).__name__}") from exc
 
-    async def admit(self, run: NewRun) -> AdmittedRun:
+    async def admit(self, run: NewRun, *, budgets: bool = True) -> AdmittedRun:
         """Insert ``run`` unless its idempotency key exists; either way return the key's run.
 
-        Raises NotFound when ``run.session_id`` belongs to another user.
+        Raises NotFound when ``run.session_id`` belongs to another user, and OverBudget
+        (nothing written) when the user has spent a budget and the key is new: a replay
+        of an admitted run still answers with that run. ``budgets=False`` skips the read.
         """
         for _ in range(_ADMIT_ATTEMPTS):
             try:
-                inserted = await self._insert(run)
+                try:
+                    inserted = await self._insert(run, budgets)
+                except OverBudget:
+                    existing = await self._by_key(run.idempotency_key)
+                    if existing is None:
+                        raise
+                    return existing
                 if inserted is not None:
                     return inserted
                 existing = await self._by_key(run.idempotency_key)
@@ -273,9 +293,10 @@ class RunStore:
             for r in batch
         ]
 
-    async def _insert(self, run: NewRun) -> AdmittedRun | None:
+    async def _insert(self, run: NewRun, budgets: bool) -> AdmittedRun | None:
         async with self.engine.connect() as conn:
             trans = await conn.begin()
+            soft: tuple[Period, ...] = ()
             try:
                 if run.create_session:
                     await conn.execute(
@@ -297,25 +318,33 @@ class RunStore:
                             "session not found: omit session_id to start a new session",
                             field="session_id",
                         )
-                row = (
-                    await conn.execute(
-                        pg_insert(runs)
-                        .values(
-                            id=run.run_id,
-                            session_id=run.session_id,
-                            user_id=run.user_id,
-                            idempotency_key=run.idempotency_key,
-                            input=run.input,
-                            metadata=run.metadata,
-                            partition=run.partition,
-                            schedule_id=run.schedule_id,
-                            scheduled_for=run.scheduled_for,
-                        )
-                        .on_conflict_do_nothing(index_elements=[runs.c.idempotency_key])
-                        .returning(runs.c.status, runs.c.created_at)
+                # The same statement reads the user's budgets and the current periods'
+                # spend (kept by the workers' ledger writes) and inserts only if none is
+                # spent. Not locked: runs admitted concurrently all see the same spend, so
+                # the overshoot is at most what they then spend.
+                done = await ledger.insert_run(
+                    conn,
+                    {
+                        "id": run.run_id,
+                        "session_id": run.session_id,
+                        "user_id": run.user_id,
+                        "key": run.idempotency_key,
+                        "input": run.input,
+                        "metadata": run.metadata,
+                        "partition": run.partition,
+                        "schedule_id": run.schedule_id,
+                        "scheduled_for": run.scheduled_for,
+                    },
+                    budgets=budgets,
+                )
+                if done.budget is not None:
+                    over = exceeded(done.budget.state, datetime.now(UTC))
+                    if done.status is None and over is not None:
+                        raise OverBudget(run.user_id, over)
+                    soft = tuple(
+                        p for p in soft_crossed(done.budget.state) if p not in done.budget.alerted
                     )
-                ).first()
-                if row is None:
+                if done.status is None or done.created_at is None:
                     await trans.rollback()
                     return None
                 await trans.commit()
@@ -327,10 +356,19 @@ class RunStore:
             run_id=run.run_id,
             user_id=run.user_id,
             session_id=run.session_id,
-            status=row.status,
-            created_at=row.created_at,
+            status=done.status,
+            created_at=done.created_at,
             created=True,
+            soft_alerts=soft,
         )
+
+    async def mark_soft_alert(self, user_id: str, period: Period) -> bool:
+        """Record the period's soft-threshold alert; True only for the first to record it."""
+        try:
+            async with self.engine.begin() as conn:
+                return await ledger.mark_soft_alert(conn, user_id, period)
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"recording a budget alert failed: {type(exc).__name__}") from exc
 
     async def _by_key(self, idempotency_key: str) -> AdmittedRun | None:
         async with self.engine.connect() as conn:

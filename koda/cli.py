@@ -460,6 +460,16 @@ def _add_optional_apps() -> None:
     app.add_typer(schedules_app, name="schedules")
 
 
+def _add_ledger_apps() -> None:
+    from koda.ledgercli import register
+
+    register(app, friendly)
+
+
+# At import, like the commands above: they need nothing beyond koda and schemas.
+_add_ledger_apps()
+
+
 def main() -> None:
     _add_optional_apps()
     try:

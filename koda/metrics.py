@@ -48,6 +48,8 @@ from prometheus_client import (
 __all__ = [
     "ADMISSIONS",
     "ADMISSIONS_REJECTED",
+    "BUDGET_SOFT_ALERTS",
+    "LEDGER_CALLS",
     "CONSUMER_LAG",
     "CONTENT_TYPE",
     "DEAD_LETTERS",
@@ -309,6 +311,22 @@ WORKER_ID_TWIN_BEATS = Counter(
 WORKERS_EXPECTED = Gauge(
     "koda_workers_expected",
     "Workers this deployment expects to be alive (KODA_EXPECTED_WORKERS).",
+    registry=REGISTRY,
+)
+
+# --- cost ledger and budgets -----------------------------------------------------
+
+LEDGER_CALLS = Counter(
+    "koda_ledger_calls_total",
+    "Billable calls written to the ledger, by the outcome of their attempt and whether "
+    "their counts were estimated (a stream cut before the model reported usage).",
+    ["outcome", "estimated"],
+    registry=REGISTRY,
+)
+BUDGET_SOFT_ALERTS = Counter(
+    "koda_budget_soft_alerts_total",
+    "Users whose spend reached the soft threshold of a budget (once per user and period).",
+    ["period"],
     registry=REGISTRY,
 )
 

@@ -246,6 +246,9 @@ class Settings:
     scheduler_port: int = 0
     scheduler_poll_s: float = 5.0
     scheduler_batch: int = 500
+    # The cost ledger and budgets. Off only to measure their cost (benchmarks): no ledger
+    # rows, no budget checks, as before the ledger existed.
+    cost_ledger: bool = True
 
     def __post_init__(self) -> None:
         if self.partitions & (self.partitions - 1):
@@ -428,4 +431,5 @@ class Settings:
             scheduler_port=_int(env, "KODA_SCHEDULER_PORT", 0, lo=0, hi=65535),
             scheduler_poll_s=_float(env, "KODA_SCHEDULER_POLL", 5.0, lo=0.05, hi=60),
             scheduler_batch=_int(env, "KODA_SCHEDULER_BATCH", 500, lo=1, hi=100_000),
+            cost_ledger=_bool(env, "KODA_COST_LEDGER", True),
         )

@@ -203,6 +203,7 @@ class GroupWriter:
                     w.error,
                     first_output=w.first_output,
                     input_version=w.input_version,
+                    ledger=w.ledger,
                 )
             else:
                 result = await self.store.write_chunks(

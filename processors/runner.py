@@ -22,9 +22,11 @@ from typing import Any
 from koda.errors import HandlerError, KodaError, RecordError
 from koda.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
 from koda.lifecycle.handler import CancelToken, Handler, RunContext, Usage
+from koda.lifecycle.ledger import LedgerCall, Outcome, calls_of
 from koda.lifecycle.retry import RetryPolicy
 from koda.lifecycle.states import RunStatus
 from koda.metrics import (
+    LEDGER_CALLS,
     QUEUE_AGE_SECONDS,
     RETRIES,
     RUN_DURATION_SECONDS,
@@ -45,6 +47,7 @@ from processors.store import (
     RunStore,
     Superseded,
 )
+from schemas.ledger import PricedCall
 from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, headers_for
 
 log = logging.getLogger("koda.worker")
@@ -72,6 +75,25 @@ class Record:
 
 _END = object()
 _STOP = object()  # a cancel or a merge stopped the attempt
+
+
+@dataclass
+class CallTally:
+    """An attempt's billable calls so far, and the chunks streamed since the last one.
+
+    Chunks after the last usage record belong to a call whose usage has not come (yet):
+    when the attempt ends there, they are counted as an estimated call.
+    """
+
+    usage: list[Usage]
+    unreported_chunks: int = 0
+
+    def settled(self, model: str) -> list[Usage]:
+        """The calls, with an estimated one for chunks no usage record covered."""
+        if self.unreported_chunks == 0:
+            return list(self.usage)
+        tail = Usage(model, 0, self.unreported_chunks, estimated=True)
+        return [*self.usage, tail]
 
 
 class ChunkBatcher:
@@ -200,7 +222,8 @@ class RunExecutor:
         # Every attempt's deliveries are awaited before the ack, retries' included.
         futures: list[asyncio.Future[Any]] = []
         resumed = False
-        # The calls of attempts a merge stopped: made, so billed with the run's ending.
+        # The calls of attempts a merge stopped: in the ledger with their own attempt, and
+        # in the run's usage rows with the run's ending.
         billed: list[Usage] = []
         while True:
             claim = await self.writer.claim(ClaimWrite(fence, run_id, self.worker_id))
@@ -231,9 +254,10 @@ class RunExecutor:
                 self.settings.chunk_batch_size,
                 claim.input_version,
             )
+            ctx = RunContext(run_id, user_id, inp, attempt, token)
             if claim.cancel_requested:
                 # The request is durable: whoever claims next ends the run, never reruns it.
-                await self._cancel(batcher, fence, attempt, claim.cancel_reason, [])
+                await self._cancel(batcher, fence, ctx, claim.cancel_reason, billed, [])
                 return
             futures.append(
                 await self.emitter.event(
@@ -250,13 +274,14 @@ class RunExecutor:
             # dead worker are not the run's fault. Claims still have a (larger) bound, so a
             # run that takes its worker down every time cannot circulate for ever.
             if self.policy.exhausted(claim.failures):
-                await self._give_up(record, batcher, fence, attempt - 1, "attempts exhausted")
+                await self._give_up(record, batcher, fence, ctx, attempt - 1, "attempts exhausted")
                 return
             if attempt > self.settings.max_attempts * MAX_CLAIMS_PER_ATTEMPT:
                 await self._give_up(
                     record,
                     batcher,
                     fence,
+                    ctx,
                     attempt - 1,
                     f"claimed {attempt - 1} times without finishing (cut off or its worker died)",
                 )
@@ -275,15 +300,16 @@ class RunExecutor:
                 record.partition,
                 record.offset,
             )
-            ctx = RunContext(run_id, user_id, inp, attempt, token)
+            tally = CallTally([])
             try:
-                usage = await self._stream(ctx, batcher, started, control)
+                await self._stream(ctx, batcher, started, control, tally)
             except HandlerError as exc:
-                if control.stopping:
-                    usage = []  # stopped on purpose; the handler's complaint is moot
-                else:
+                if not control.stopping:  # stopped on purpose: the handler's complaint is moot
                     # Keep what this attempt already said, so seq stays contiguous.
                     await batcher.flush()
+                    # The failed attempt's calls are billed: into the ledger before
+                    # anything else of the failure (whoever owns the run by now).
+                    futures += await self._record_attempt(fence, ctx, tally, Outcome.FAILED)
                     error = str(exc)
                     RETRIES.inc()
                     failures = await self.store.record_failure(fence, run_id)
@@ -297,36 +323,45 @@ class RunExecutor:
                         error[:200],
                     )
                     if self.policy.exhausted(failures):
-                        await self._give_up(record, batcher, fence, attempt, error)
+                        await self._give_up(record, batcher, fence, ctx, attempt, error)
                         return
                     # Output already written stays; the next attempt starts with `reset`.
                     await asyncio.sleep(self.policy.backoff_s(failures))
                     continue
-            usage = [*billed, *usage]
+            except (FencedOut, asyncio.CancelledError):
+                await self._record_cut(fence, ctx, tally)
+                raise
+            own = tally.settled(self._model)
             if control.cancel_requested:
-                await self._cancel(batcher, fence, attempt, control.cancel_reason, usage)
+                await self._cancel(batcher, fence, ctx, control.cancel_reason, billed, own)
                 return
             if control.stopping:
-                billed = usage
-                await self._merged_stop(batcher, run_id, attempt)
+                futures += await self._merged_stop(batcher, fence, ctx, tally)
+                billed = [*billed, *own]
                 continue
             batcher.add(ChunkKind.DONE, json.dumps({"status": "done"}))
             final = batcher.pending
             batcher.pending = []
             first = not batcher.streaming and any(c.kind is ChunkKind.CHUNK for c in final)
-            finished = await self.writer.finish(
-                FinishWrite(
-                    fence,
-                    run_id,
-                    RunStatus.DONE,
-                    final,
-                    usage,
-                    first_output=first,
-                    input_version=claim.input_version,
+            try:
+                finished = await self.writer.finish(
+                    FinishWrite(
+                        fence,
+                        run_id,
+                        RunStatus.DONE,
+                        final,
+                        [*billed, *own],
+                        first_output=first,
+                        input_version=claim.input_version,
+                        ledger=self._calls(ctx, own, Outcome.OK),
+                    )
                 )
-            )
-            if finished is None:
-                raise FencedOut(f"run {run_id}: finish fenced out")
+                if finished is None:
+                    raise FencedOut(f"run {run_id}: finish fenced out")
+            except (FencedOut, asyncio.CancelledError):
+                # Rows the finish committed stay as written (ok); the others are cancelled.
+                await self._record_cut(fence, ctx, tally)
+                raise
             if isinstance(finished, Superseded):
                 # The row changed under this attempt and no signal said so: the finish
                 # refused to write. Give the done event's seq back and act on the row.
@@ -334,11 +369,11 @@ class RunExecutor:
                 seq.give_back(final[-1].seq)
                 if finished.cancelled:
                     control.cancel(finished.cancel_reason)
-                    await self._cancel(batcher, fence, attempt, finished.cancel_reason, usage)
+                    await self._cancel(batcher, fence, ctx, finished.cancel_reason, billed, own)
                     return
                 control.merged(finished.input_version)
-                billed = usage
-                await self._merged_stop(batcher, run_id, attempt)
+                futures += await self._merged_stop(batcher, fence, ctx, tally)
+                billed = [*billed, *own]
                 continue
             futures += await self.emitter.chunks(fence.partition, final)
             futures.append(
@@ -346,7 +381,7 @@ class RunExecutor:
                     fence.partition, run_id, "transition", to="done", attempt=attempt
                 )
             )
-            futures += await self._usage_events(fence, run_id, usage, finished)
+            futures += await self._finish_events(fence, ctx, billed, own, Outcome.OK, finished)
             await asyncio.gather(*futures)
             self.repair.published(run_id, final[-1].seq)
             RUNS.labels(outcome="done").inc()
@@ -354,49 +389,145 @@ class RunExecutor:
             log.info("run done run_id=%s attempt=%d", run_id, attempt)
             return
 
-    async def _usage_events(
-        self, fence: Fence, run_id: str, usage: list[Usage], finished: Finished
+    @property
+    def _model(self) -> str:
+        """The model an estimated call is priced as: the handler's, else its name."""
+        return str(getattr(self.handler, "model", self.handler.name))
+
+    def _calls(self, ctx: RunContext, usage: list[Usage], outcome: Outcome) -> list[LedgerCall]:
+        """The ledger rows of ``ctx``'s attempt (none with the ledger switched off)."""
+        if not self.settings.cost_ledger:
+            return []
+        return calls_of(ctx.user_id, ctx.run_id, ctx.attempt, usage, outcome)
+
+    async def _record_attempt(
+        self, fence: Fence, ctx: RunContext, tally: CallTally, outcome: Outcome
     ) -> list[asyncio.Future[Any]]:
+        """Write an attempt's calls to the ledger with ``outcome``; its usage events."""
+        usage = tally.settled(self._model)
+        if not usage or not self.settings.cost_ledger:
+            return []
+        priced = await self.store.record_calls(self._calls(ctx, usage, outcome))
+        return await self._usage_events(fence, ctx, usage, outcome, priced)
+
+    async def _record_cut(self, fence: Fence, ctx: RunContext, tally: CallTally) -> None:
+        """An attempt cut off (handoff ceiling, fenced out): its calls were billed all the
+        same, so they go to the ledger as ``cancelled``, shielded from the cancellation.
+        A failure here is logged, never raised over the cut itself."""
+        if not tally.settled(self._model) or not self.settings.cost_ledger:
+            return
+        try:
+            await asyncio.shield(self._record_attempt(fence, ctx, tally, Outcome.CANCELLED))
+        except Exception as exc:  # noqa: BLE001 - the cut is what the caller must see
+            log.warning(
+                "ledger write of a cut attempt failed run_id=%s attempt=%d error=%s",
+                ctx.run_id,
+                ctx.attempt,
+                type(exc).__name__,
+            )
+        except asyncio.CancelledError:
+            log.warning(
+                "ledger write of a cut attempt interrupted run_id=%s attempt=%d",
+                ctx.run_id,
+                ctx.attempt,
+            )
+
+    async def _finish_events(
+        self,
+        fence: Fence,
+        ctx: RunContext,
+        billed: list[Usage],
+        own: list[Usage],
+        outcome: Outcome,
+        finished: Finished,
+    ) -> list[asyncio.Future[Any]]:
+        """The usage events of a finish: one per ledger row it wrote (the finishing
+        attempt's calls; a stopped attempt's went out when it stopped), or, with the
+        ledger switched off, one per usage row, priced as the usage table was."""
+        if self.settings.cost_ledger:
+            return await self._usage_events(fence, ctx, own, outcome, finished.ledger)
+        priced = [
+            PricedCall(ctx.run_id, ctx.attempt, i, cost, None) for i, cost in finished.costs.items()
+        ]
+        return await self._usage_events(fence, ctx, [*billed, *own], outcome, priced)
+
+    async def _usage_events(
+        self,
+        fence: Fence,
+        ctx: RunContext,
+        usage: list[Usage],
+        outcome: Outcome,
+        priced: list[PricedCall],
+    ) -> list[asyncio.Future[Any]]:
+        """One ``usage`` event per ledger row written, with the row's cost and price id."""
+        by_index = {p.call_index: p for p in priced}
         futures = []
         for i, u in enumerate(usage):
+            row = by_index.get(i)
+            if row is None:
+                continue  # written before (a redelivery): its event went out then
+            if self.settings.cost_ledger:
+                LEDGER_CALLS.labels(outcome=outcome.value, estimated=str(u.estimated).lower()).inc()
             futures.append(
                 await self.emitter.event(
                     fence.partition,
-                    run_id,
+                    ctx.run_id,
                     "usage",
                     call_index=i,
                     model=u.model,
                     prompt_tokens=u.prompt_tokens,
                     completion_tokens=u.completion_tokens,
-                    **_cost(finished.costs.get(i)),
+                    **_cost(row.cost_usd),
+                    user_id=ctx.user_id,
+                    attempt=ctx.attempt,
+                    kind=u.kind,
+                    outcome=outcome.value,
+                    estimated=u.estimated,
+                    price_id=row.price_id,
                 )
             )
         return futures
 
-    async def _merged_stop(self, batcher: ChunkBatcher, run_id: str, attempt: int) -> None:
-        """A merge stopped this attempt: keep what it said (seq stays contiguous); the
-        next claim reads the merged input and starts with ``reset``."""
+    async def _merged_stop(
+        self, batcher: ChunkBatcher, fence: Fence, ctx: RunContext, tally: CallTally
+    ) -> list[asyncio.Future[Any]]:
+        """A merge stopped this attempt: keep what it said (seq stays contiguous) and bill
+        its calls (``cancelled``: its answer was dropped); the next claim reads the merged
+        input and starts with ``reset``. Returns the usage events' deliveries."""
         await batcher.flush()
         await asyncio.gather(*batcher.futures)
-        log.info("run merged run_id=%s attempt=%d: running again", run_id, attempt)
+        futures = await self._record_attempt(fence, ctx, tally, Outcome.CANCELLED)
+        log.info("run merged run_id=%s attempt=%d: running again", ctx.run_id, ctx.attempt)
+        return futures
 
     async def _cancel(
         self,
         batcher: ChunkBatcher,
         fence: Fence,
-        attempt: int,
+        ctx: RunContext,
         reason: str | None,
-        usage: list[Usage],
+        billed: list[Usage],
+        own: list[Usage],
     ) -> None:
-        """End the run ``cancelled``: partial output stays, usage so far is recorded,
-        a terminal ``cancelled`` event (with the reason) ends every viewer's stream."""
+        """End the run ``cancelled``: partial output stays, the calls so far are billed
+        (``own``, this attempt's, go to the ledger as ``cancelled``, an estimated one for
+        output no usage record covered), a terminal ``cancelled`` event (with the reason)
+        ends every viewer's stream."""
         run_id = batcher.run_id
         batcher.add(ChunkKind.CANCELLED, json.dumps({"status": "cancelled", "reason": reason}))
         final = batcher.pending
         batcher.pending = []
         first = not batcher.streaming and any(c.kind is ChunkKind.CHUNK for c in final)
         finished = await self.writer.finish(
-            FinishWrite(fence, run_id, RunStatus.CANCELLED, final, usage, first_output=first)
+            FinishWrite(
+                fence,
+                run_id,
+                RunStatus.CANCELLED,
+                final,
+                [*billed, *own],
+                first_output=first,
+                ledger=self._calls(ctx, own, Outcome.CANCELLED),
+            )
         )
         if not isinstance(finished, Finished):
             raise FencedOut(f"run {run_id}: cancel fenced out")
@@ -407,25 +538,30 @@ class RunExecutor:
                 run_id,
                 "transition",
                 to="cancelled",
-                attempt=attempt,
+                attempt=ctx.attempt,
                 **({"reason": reason} if reason else {}),
             )
         )
-        futures += await self._usage_events(fence, run_id, usage, finished)
+        futures += await self._finish_events(fence, ctx, billed, own, Outcome.CANCELLED, finished)
         await asyncio.gather(*futures, *batcher.futures)
         self.repair.published(run_id, final[-1].seq)
         RUNS.labels(outcome="cancelled").inc()
-        log.info("run cancelled run_id=%s attempt=%d", run_id, attempt)
+        log.info("run cancelled run_id=%s attempt=%d", run_id, ctx.attempt)
 
     async def _stream(
-        self, ctx: RunContext, batcher: ChunkBatcher, started: float, control: RunControl
-    ) -> list[Usage]:
+        self,
+        ctx: RunContext,
+        batcher: ChunkBatcher,
+        started: float,
+        control: RunControl,
+        tally: CallTally,
+    ) -> None:
         """Pump the handler into the batcher; flush by size or after ``chunk_batch_ms``.
 
         A cancel or a merge (``control``) stops the attempt at once: the handler's task
-        is cancelled and what it said so far stays in the batcher.
+        is cancelled and what it said so far stays in the batcher. Usage records go to
+        ``tally`` as they come, so a failed, stopped or cut attempt still knows its calls.
         """
-        usage: list[Usage] = []
         queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=4 * batcher.max_size)
         pump = asyncio.create_task(_pump(self.handler.stream(ctx), queue))
 
@@ -456,19 +592,22 @@ class RunExecutor:
                         continue
                 if item is _END or item is _STOP or control.stopping:
                     if control.stopping:
-                        usage += _usage_queued(queue)
+                        held = [item] if isinstance(item, Usage) else []
+                        tally.usage += [*held, *_usage_queued(queue)]
                     break
                 if isinstance(item, BaseException):
                     if isinstance(item, HandlerError):
                         raise item
                     raise HandlerError(f"{type(item).__name__}: {item}") from item
                 if isinstance(item, Usage):
-                    usage.append(item)
+                    tally.usage.append(item)
+                    tally.unreported_chunks = 0
                     continue
                 if first:
                     TIME_TO_FIRST_CHUNK_SECONDS.observe(time.monotonic() - started)
                     first = False
                 batcher.add(ChunkKind.CHUNK, str(item))
+                tally.unreported_chunks += 1
                 if batcher.full or window == 0:
                     await batcher.flush()
                     deadline = None
@@ -477,14 +616,19 @@ class RunExecutor:
             # The last batch is not flushed here: ``finish`` writes it with the terminal
             # event in one transaction. A short run then costs one commit (and its
             # fsync) fewer, and the batch is produced no later than before.
-            return usage
         finally:
             if not pump.done():
                 pump.cancel()
                 await asyncio.gather(pump, return_exceptions=True)
 
     async def _give_up(
-        self, record: Record, batcher: ChunkBatcher, fence: Fence, attempts: int, error: str
+        self,
+        record: Record,
+        batcher: ChunkBatcher,
+        fence: Fence,
+        ctx: RunContext,
+        attempts: int,
+        error: str,
     ) -> None:
         """Retries exhausted: DLQ record, ``failed``, an ``error`` event, then ack."""
         await self._dead_letter(record, attempts, "handler_failed", error)
@@ -499,7 +643,7 @@ class RunExecutor:
         if isinstance(finished, Superseded):  # a cancel request wins over the failure
             batcher.pending = final[:-1]
             batcher.seq.give_back(final[-1].seq)
-            await self._cancel(batcher, fence, attempts, finished.cancel_reason, [])
+            await self._cancel(batcher, fence, ctx, finished.cancel_reason, [], [])
             return
         futures = await self.emitter.chunks(fence.partition, final)
         futures.append(

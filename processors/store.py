@@ -21,7 +21,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from koda.lifecycle.chunks import Chunk, ChunkKind
 from koda.lifecycle.handler import Usage
+from koda.lifecycle.ledger import LedgerCall
 from koda.lifecycle.states import ACTIVE, RunStatus, sources_of
+from schemas.ledger import PricedCall, insert_calls
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,8 @@ class FinishWrite:
     # A ``done`` finish on this input version only: when a merge changed the version
     # it is refused (Superseded), so a run never finishes on stale input.
     input_version: int | None = None
+    # The finishing attempt's billable calls, written to the ledger in the same transaction.
+    ledger: Sequence[LedgerCall] = ()
 
     def __post_init__(self) -> None:
         if not self.status.terminal:
@@ -123,10 +127,12 @@ class FinishWrite:
 
 @dataclass(frozen=True)
 class Finished:
-    """What ``finish`` wrote: the chunk seqs inserted, and each usage row's cost (USD)."""
+    """What ``finish`` wrote: the chunk seqs inserted, each usage row's cost (USD), and
+    the ledger rows inserted (priced)."""
 
     inserted: list[int]
     costs: dict[int, Decimal] = field(default_factory=dict)
+    ledger: list[PricedCall] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -430,12 +436,13 @@ class RunStore:
     async def write_group(self, writes: Sequence[GroupWrite]) -> list[GroupResult]:
         """Several runs' claims, chunk batches and finishes in one transaction.
 
-        At most eight statements however many runs: the published marks (unfenced, see
+        At most nine statements however many runs: the published marks (unfenced, see
         :class:`PublishedWrite`), the claims and their next seqs, the ownership check, the
-        chunks, the usage rows, the first-output and the terminal transitions. Per write,
-        the same rule and result as :meth:`claim` (a :class:`Claim`), :meth:`write_chunks`
-        (the seqs inserted) or :meth:`finish` (a :class:`Finished`), None for a mark, or
-        None when that run could not be claimed or is fenced out:
+        chunks, the usage and the ledger rows, the first-output and the terminal
+        transitions. Per write, the same rule and result as :meth:`claim` (a
+        :class:`Claim`), :meth:`write_chunks` (the seqs inserted) or :meth:`finish` (a
+        :class:`Finished`), None for a mark, or None when that run could not be claimed
+        or is fenced out:
         its part is not written, the others are. Ownership rows are locked ``FOR SHARE``
         in (partition, run) order, the order in which an epoch bump takes them, so a
         group and a bump cannot deadlock. Raises :class:`koda.errors.TransitionRejected`
@@ -476,6 +483,7 @@ class RunStore:
                     inserted[run_id].append(int(seq))
             finishes = [w for w in mine if isinstance(w, FinishWrite)]
             costs = await _insert_usage_group(conn, finishes)
+            priced = await insert_calls(conn, [c for w in finishes for c in w.ledger])
             first = [w for w in mine if isinstance(w, ChunkWrite) and w.first_output]
             if first:
                 moved = await conn.execute(
@@ -536,7 +544,13 @@ class RunStore:
             elif isinstance(w, PublishedWrite) or w.run_id not in inserted:
                 out.append(None)
             elif isinstance(w, FinishWrite):
-                out.append(Finished(sorted(inserted[w.run_id]), costs.get(w.run_id, {})))
+                out.append(
+                    Finished(
+                        sorted(inserted[w.run_id]),
+                        costs.get(w.run_id, {}),
+                        [p for p in priced if p.run_id == w.run_id],
+                    )
+                )
             else:
                 out.append(sorted(inserted[w.run_id]))
         return out
@@ -552,8 +566,10 @@ class RunStore:
         *,
         first_output: bool = False,
         input_version: int | None = None,
+        ledger: Sequence[LedgerCall] = (),
     ) -> Finished | Superseded | None:
-        """Write the trailing chunks, usage and the terminal transition atomically.
+        """Write the trailing chunks, usage, ledger rows and the terminal transition
+        atomically.
 
         With ``first_output`` (the run's first chunks are among ``final``) the same
         UPDATE sets ``first_chunk_at``: ``streaming`` would be visible to nobody
@@ -564,7 +580,9 @@ class RunStore:
         cancel or a merge committing meanwhile waits for this transaction, then finds
         the run terminal; one committed before it is seen here.
         """
-        write = FinishWrite(fence, run_id, status, final, usage, error, first_output, input_version)
+        write = FinishWrite(
+            fence, run_id, status, final, usage, error, first_output, input_version, ledger
+        )
         async with self.engine.begin() as conn:
             steer = await self._owned(conn, fence, run_id)
             if steer is None:
@@ -602,10 +620,24 @@ class RunStore:
                 row = priced.first()
                 if row is not None:
                     costs[index] = row.cost_usd
+            calls = await insert_calls(conn, ledger)
             await self._transition(
                 conn, fence, run_id, status, error=error, first_output=first_output
             )
-            return Finished(inserted, costs)
+            return Finished(inserted, costs, calls)
+
+    async def record_calls(self, calls: Sequence[LedgerCall]) -> list[PricedCall]:
+        """Write ledger rows outside any run's fence, in a transaction of their own.
+
+        For attempts that end without a finish (the handler failed, the attempt was cut
+        off or fenced out): their calls were made and billed whoever owns the run now,
+        and (run, attempt, call index) is unique to this attempt's claim, so the rows
+        can never collide with a successor's.
+        """
+        if not calls:
+            return []
+        async with self.engine.begin() as conn:
+            return await insert_calls(conn, calls)
 
     async def _owned(self, conn: AsyncConnection, fence: Fence, run_id: str) -> RunSteer | None:
         row = (await conn.execute(text(_OWNED), _fence_params(fence, run_id))).first()

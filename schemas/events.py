@@ -29,7 +29,12 @@ class Transition:
 
 @dataclass(frozen=True)
 class UsageEvent:
-    """One model call's tokens; ``cost_usd`` only when the record carries it."""
+    """One model call's tokens; ``cost_usd`` only when the record carries it.
+
+    The ledger fields are absent from older workers' records: ``attempt`` is then 0
+    (unknown), ``kind`` chat, ``outcome`` ok (they recorded finished runs only),
+    ``estimated`` false, ``user_id`` and ``price_id`` None.
+    """
 
     run_id: str
     call_index: int
@@ -38,6 +43,12 @@ class UsageEvent:
     completion_tokens: int
     cost_usd: Decimal | None
     at: datetime
+    user_id: str | None = None
+    attempt: int = 0
+    kind: str = "chat"
+    outcome: str = "ok"
+    estimated: bool = False
+    price_id: int | None = None
 
 
 def parse_instant(text: str) -> datetime:
@@ -72,5 +83,11 @@ def decode_run_event(value: bytes | None) -> Transition | UsageEvent:
             obj["completion_tokens"],
             money,
             at,
+            user_id=obj.get("user_id"),
+            attempt=obj.get("attempt") or 0,
+            kind=obj.get("kind") or "chat",
+            outcome=obj.get("outcome") or "ok",
+            estimated=bool(obj.get("estimated", False)),
+            price_id=obj.get("price_id"),
         )
     raise RecordError("unknown_event", f"event {obj['event']!r} is not transition or usage")

@@ -8,6 +8,8 @@ here, write it in the encoder, run ``koda schemas write`` and commit the JSON fi
 from __future__ import annotations
 
 from koda.lifecycle.chunks import ChunkKind
+from koda.lifecycle.handler import CALL_KINDS
+from koda.lifecycle.ledger import Outcome
 from koda.lifecycle.states import RunStatus
 from schemas.specs import Field, RecordSpec, Variant
 
@@ -174,7 +176,7 @@ RUN_EVENT = RecordSpec(
             "usage",
             "One model call's token counts and its cost as priced from Postgres `prices`.",
             (
-                _count("call_index", "The call's position in the run, from 0."),
+                _count("call_index", "The call's position in its attempt, from 0."),
                 Field("model", "string", "The model's name (the price table's key)."),
                 _count("prompt_tokens", "Input tokens."),
                 _count("completion_tokens", "Output tokens."),
@@ -185,6 +187,55 @@ RUN_EVENT = RecordSpec(
                     "run's transaction. Absent from records of older workers: price their "
                     "tokens from the price table in force at `at`.",
                     required=False,
+                ),
+                Field(
+                    "user_id",
+                    "string",
+                    "The user whose budget the call counts against (the ledger's `user_id`). "
+                    "Absent from records of older workers.",
+                    required=False,
+                    min_length=1,
+                    max_length=200,
+                ),
+                Field(
+                    "attempt",
+                    "integer",
+                    "The attempt (claim) that made the call, from 1; with `run_id` and "
+                    "`call_index` the ledger row's key. Absent from records of older workers.",
+                    required=False,
+                    minimum=0,
+                ),
+                Field(
+                    "kind",
+                    "string",
+                    "chat or embedding. Absent from records of older workers (chat).",
+                    required=False,
+                    enum=CALL_KINDS,
+                ),
+                Field(
+                    "outcome",
+                    "string",
+                    "How the call's attempt ended: ok, failed (the handler failed) or "
+                    "cancelled (cut off). Absent from records of older workers (ok: they "
+                    "recorded only finished runs' calls).",
+                    required=False,
+                    enum=tuple(o.value for o in Outcome),
+                ),
+                Field(
+                    "estimated",
+                    "boolean",
+                    "The stream was cut before the model reported usage: the counts are "
+                    "what was streamed. Absent from records of older workers (false).",
+                    required=False,
+                ),
+                Field(
+                    "price_id",
+                    "integer",
+                    "The Postgres `prices.id` the cost was computed from; null when the "
+                    "model had no price (cost 0).",
+                    required=False,
+                    nullable=True,
+                    minimum=0,
                 ),
             ),
         ),

@@ -14,6 +14,7 @@ from sqlalchemy import (
     Column,
     DateTime,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     MetaData,
@@ -160,7 +161,69 @@ prices = Table(
     Column("effective_from", DateTime(timezone=True), nullable=False),
     Column("prompt_usd_per_mtok", Numeric(18, 8), nullable=False),
     Column("completion_usd_per_mtok", Numeric(18, 8), nullable=False),
+    # The id a ledger row names (0008); an identity, so inserts without it get one.
+    Column("id", BigInteger, Identity(), nullable=False),
     PrimaryKeyConstraint("model", "effective_from", name="pk_prices"),
+    UniqueConstraint("id", name="uq_prices_id"),
+)
+
+# The cost ledger (0008): one row per billable call of every attempt.
+ledger = Table(
+    "ledger",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("user_id", Text, nullable=False),
+    Column("run_id", Text, ForeignKey("runs.id"), nullable=True),  # NULL: system work
+    Column("attempt", Integer, nullable=False),
+    Column("call_index", Integer, nullable=False),
+    Column("model", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("prompt_tokens", Integer, nullable=False),
+    Column("completion_tokens", Integer, nullable=False),
+    Column("cost_usd", Numeric(18, 8), nullable=False),
+    Column("price_id", BigInteger, ForeignKey("prices.id"), nullable=True),  # NULL: unpriced
+    Column("outcome", Text, nullable=False),
+    Column("estimated", Boolean, nullable=False, server_default=text("false")),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("run_id", "attempt", "call_index", name="uq_ledger_call"),
+    CheckConstraint("kind IN ('chat', 'embedding')", name="ck_ledger_kind"),
+    CheckConstraint("outcome IN ('ok', 'failed', 'cancelled')", name="ck_ledger_outcome"),
+    CheckConstraint(
+        "prompt_tokens >= 0 AND completion_tokens >= 0 AND attempt >= 0 AND call_index >= 0",
+        name="ck_ledger_counts",
+    ),
+    Index("ix_ledger_created_at", "created_at", postgresql_using="brin"),
+    Index("ix_ledger_user_id_created_at", "user_id", "created_at"),
+)
+
+budgets = Table(
+    "budgets",
+    metadata,
+    Column("user_id", Text, primary_key=True),
+    Column("monthly_usd", Numeric(18, 8), nullable=True),
+    Column("daily_usd", Numeric(18, 8), nullable=True),
+    Column("soft_ratio", Numeric(4, 3), nullable=False, server_default=text("0.8")),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint(
+        "(monthly_usd IS NULL OR monthly_usd >= 0) AND (daily_usd IS NULL OR daily_usd >= 0)",
+        name="ck_budgets_amounts",
+    ),
+    CheckConstraint("soft_ratio > 0 AND soft_ratio <= 1", name="ck_budgets_soft_ratio"),
+)
+
+# Month-to-date and day-to-date spend per user (UTC calendar periods), kept by the
+# ledger writes themselves: there is no reset job, a new period is a new row.
+spend_periods = Table(
+    "spend_periods",
+    metadata,
+    Column("user_id", Text, nullable=False),
+    Column("period", Text, nullable=False),
+    Column("starts_at", DateTime(timezone=True), nullable=False),
+    Column("spend_usd", Numeric(18, 8), nullable=False),
+    Column("calls", BigInteger, nullable=False),
+    Column("soft_alerted_at", DateTime(timezone=True), nullable=True),
+    PrimaryKeyConstraint("user_id", "period", "starts_at", name="pk_spend_periods"),
+    CheckConstraint("period IN ('month', 'day')", name="ck_spend_periods_period"),
 )
 
 # Fencing: one row per (runs topic, partition); the epoch grows on every assignment.

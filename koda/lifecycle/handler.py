@@ -35,13 +35,31 @@ class CancelToken:
         await self._event.wait()
 
 
+CALL_KINDS = ("chat", "embedding")
+
+
 @dataclass(frozen=True)
 class Usage:
-    """One model call: token counts; cost is computed at write time from the price table."""
+    """One billable model call: token counts; the cost is priced when its ledger row is
+    written, from the price in force then.
+
+    ``kind`` is ``chat`` or ``embedding``. ``estimated``: the stream was cut before the
+    model reported its usage, so the counts are what the handler saw (chunks streamed,
+    its own guess at the prompt); a handler whose stream breaks yields such a record
+    before it raises.
+    """
 
     model: str
     prompt_tokens: int
     completion_tokens: int
+    kind: str = "chat"
+    estimated: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in CALL_KINDS:
+            raise ValueError(f"usage kind {self.kind!r} is not one of {', '.join(CALL_KINDS)}")
+        if self.prompt_tokens < 0 or self.completion_tokens < 0:
+            raise ValueError("token counts cannot be negative")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Switches, read from ``input["demo"]`` (all optional):
 
     tokens          number of chunks (default 12)
     delay_ms        pause before each chunk (default 20)
-    fail_attempts   attempts 1..N raise after emitting half their chunks (default 0)
+    fail_attempts   attempts 1..N raise after emitting half their chunks, reporting
+                    an estimated usage record for them first (default 0)
     hang            never finish (until cancelled)
     token_bytes     approximate size of each chunk (default 6)
     usage_each      one model call per chunk: a usage record (1 prompt token, 1
@@ -63,6 +64,7 @@ def demo_tokens(inp: dict[str, Any]) -> list[str]:
 
 class DemoHandler:
     name = "demo"
+    model = MODEL
 
     async def stream(self, ctx: RunContext) -> AsyncIterator[str | Usage]:
         opts = _opts(ctx.input.get("demo"))
@@ -83,6 +85,8 @@ class DemoHandler:
                     raise HandlerError("demo downstream outage (outage_until)")
                 await asyncio.sleep(outage_delay)
             if fail_at is not None and i == fail_at:
+                # The cut call was billed for what it streamed: say so, then fail.
+                yield Usage(MODEL, len(prompt_text(ctx.input).split()), i, estimated=True)
                 raise HandlerError(f"demo failure on attempt {ctx.attempt} (fail_attempts)")
             if delay:
                 await asyncio.sleep(delay)

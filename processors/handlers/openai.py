@@ -1,7 +1,10 @@
 """Stream from any OpenAI-compatible ``/v1/chat/completions`` endpoint.
 
 Input: ``{"text": "..."}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}``.
-Usage comes from the final chunk (``stream_options.include_usage``).
+Usage comes from the final chunk (``stream_options.include_usage``). A stream cut
+before it (a broken connection, a stream ending without ``[DONE]``) is still billed:
+the handler yields an estimated usage record (completion tokens = content pieces
+streamed, prompt tokens ~ 4 characters each) and then fails the attempt.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ def request_messages(inp: dict[str, Any]) -> list[dict[str, str]]:
 class OpenAIHandler:
     name = "openai"
 
+    @property
+    def model(self) -> str:
+        return self._model
+
     def __init__(self, *, base_url: str, api_key: str | None, model: str) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"KODA_OPENAI_BASE_URL={base_url!r} must be an http(s) URL")
@@ -50,6 +57,8 @@ class OpenAIHandler:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        streamed = 0
+        reported = False
         try:
             async with self._client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 if resp.status_code != 200:
@@ -57,6 +66,8 @@ class OpenAIHandler:
                     raise HandlerError(f"model endpoint answered {resp.status_code}: {detail}")
                 async for line in resp.aiter_lines():
                     if ctx.cancel.cancelled:
+                        if streamed and not reported:
+                            yield self._estimate(body, streamed)
                         return
                     if not line.startswith("data:"):
                         continue
@@ -64,9 +75,21 @@ class OpenAIHandler:
                     if data == "[DONE]":
                         return
                     for item in parse_event(data, self._model):
+                        if isinstance(item, Usage):
+                            reported = True
+                        else:
+                            streamed += 1
                         yield item
+                cut = "the stream ended before [DONE]"
         except httpx.HTTPError as exc:
-            raise HandlerError(f"model endpoint failed: {type(exc).__name__}: {exc}") from exc
+            cut = f"model endpoint failed: {type(exc).__name__}: {exc}"
+        if streamed and not reported:
+            yield self._estimate(body, streamed)
+        raise HandlerError(cut)
+
+    def _estimate(self, body: dict[str, Any], streamed: int) -> Usage:
+        chars = sum(len(m["content"]) for m in body["messages"])
+        return Usage(self._model, (chars + 3) // 4, streamed, estimated=True)
 
     async def aclose(self) -> None:
         await self._client.aclose()

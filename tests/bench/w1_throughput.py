@@ -5,13 +5,17 @@ schema), the processes started and their group stable, a warm-up of one run per
 partition, then the measured runs. Throughput is runs (or chunk rows) divided by
 the time from the first submission to the last ``finished_at`` in Postgres.
 
-Contenders (the repetitions are interleaved so drift in the machine's load hits
-every contender alike):
+Contenders (the repetitions are interleaved, every other one in reverse order, so
+drift in the machine's load hits every contender alike):
 
 * ``koda e2e``: submitted through the gateway (POST /v1/runs), N workers.
 * ``koda worker``: runs inserted and their records produced straight to the
   runs topic (what Submitter does), N workers.
 * ``ceiling``, ``naive``, ``quix``: the same work without koda (tests/bench/rivals.py).
+* with ``--ledger-off``, ``koda e2e ledger-off`` beside each ``koda e2e``: the same
+  processes with ``KODA_COST_LEDGER=false`` (no ledger rows, no budget checks), for
+  the cost of the ledger. The ``koda e2e`` trial then gives every user a budget, so
+  each admission reads a real budget row.
 
     python -m tests.bench.w1_throughput --runs 2000 --repeat 3
 """
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+from sqlalchemy import text
 
 from koda.localstack import StackInfo
 from koda.settings import Settings
@@ -46,6 +51,19 @@ from tests.workers import GatewayProcess, WorkerProcess
 
 TOKENS = 16
 PARTITIONS = 32
+LEDGER_OFF = "koda e2e ledger-off"
+
+
+def give_budgets(loader: Loader, users: list[str]) -> None:
+    """A budget no run reaches for every user: admission reads a row for each POST."""
+    with loader.engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO budgets (user_id, monthly_usd, daily_usd)"
+                " SELECT u, 1000000, 100000 FROM unnest(CAST(:u AS text[])) AS u"
+            ),
+            {"u": users},
+        )
 
 
 async def post_runs(
@@ -79,9 +97,12 @@ async def post_runs(
 class Trial:
     """One contender's processes in one fresh namespace."""
 
-    def __init__(self, stack: StackInfo, kind: str, procs: int, *, max_inflight: int) -> None:
+    def __init__(
+        self, stack: StackInfo, kind: str, procs: int, *, max_inflight: int, budgets: bool = False
+    ) -> None:
         self.stack, self.kind, self.nprocs = stack, kind, procs
         self.max_inflight = max_inflight
+        self.budgets = budgets
         self.children: list[Any] = []
         self.gateway: GatewayProcess | None = None
 
@@ -95,10 +116,14 @@ class Trial:
     def start(self, settings: Settings) -> None:
         if self.kind.startswith("koda"):
             group = settings.names.group(settings.worker_group)
-            self.children = [WorkerProcess(settings, f"w{i}").start() for i in range(self.nprocs)]
-            if self.kind == "koda e2e":
+            off = {"KODA_COST_LEDGER": "false"} if self.kind == LEDGER_OFF else {}
+            self.children = [
+                WorkerProcess(settings, f"w{i}", dict(off)).start() for i in range(self.nprocs)
+            ]
+            if self.kind in ("koda e2e", LEDGER_OFF):
                 self.gateway = GatewayProcess(
-                    settings, {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000"}
+                    settings,
+                    {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000", **off},
                 ).start()
         else:
             group = settings.names.group(f"bench-{self.kind}")
@@ -128,6 +153,8 @@ class Trial:
                 )
                 loader.publish(warm)
                 loader.wait_terminal(warm.run_ids, 120, "warm-up", self.alive)
+                if self.kind == "koda e2e" and self.budgets:
+                    give_budgets(loader, [f"u-{i}" for i in range(users)])
                 return self._measured(loader, runs, users, timeout)
             finally:
                 self.stop()
@@ -167,11 +194,11 @@ class Trial:
 
 
 def contenders(
-    worker_counts: list[int], rival_procs: int, rivals: list[str]
+    worker_counts: list[int], rival_procs: int, rivals: list[str], ledger_off: bool = False
 ) -> list[tuple[str, int]]:
     out: list[tuple[str, int]] = []
     for n in worker_counts:
-        out += [("koda e2e", n), ("koda worker", n)]
+        out += [("koda e2e", n)] + ([(LEDGER_OFF, n)] if ledger_off else []) + [("koda worker", n)]
     for kind in rivals:
         if kind == "quix" and not QUIX_PYTHON.exists():
             continue
@@ -180,18 +207,20 @@ def contenders(
 
 
 def run_w1(stack: StackInfo, args: argparse.Namespace) -> Table:
-    plan = contenders(args.workers, args.rival_procs, args.rivals)
+    plan = contenders(args.workers, args.rival_procs, args.rivals, args.ledger_off)
     results: dict[tuple[str, int], list[dict[str, float]]] = defaultdict(list)
     timeout = max(600.0, args.runs / 5)
     for rep in range(args.repeat):
-        for kind, n in plan:
+        # Every other repetition in reverse (ABBA): a contender is never always the one
+        # that runs first, right after another's load.
+        for kind, n in plan if rep % 2 == 0 else plan[::-1]:
             t = time.monotonic()
             runs = (
                 args.runs if kind != "naive" else max(PARTITIONS, int(args.runs * args.naive_share))
             )
-            res = Trial(stack, kind, n, max_inflight=args.max_inflight).measure(
-                runs, args.users, timeout
-            )
+            res = Trial(
+                stack, kind, n, max_inflight=args.max_inflight, budgets=args.ledger_off
+            ).measure(runs, args.users, timeout)
             res["runs"] = runs
             results[(kind, n)].append(res)
             print(
@@ -244,6 +273,17 @@ def w1_table(
             f"{cmp} {goal}",
             "yes" if met else "NO",
         )
+    for n in args.workers:
+        on, off = results.get(("koda e2e", n)), results.get((LEDGER_OFF, n))
+        if on and off:
+            vals = [a["runs_s"] / b["runs_s"] for a, b in zip(on, off, strict=False)]
+            med = sorted(vals)[len(vals) // 2]
+            ratios.add(
+                f"koda e2e / {LEDGER_OFF} ({n} procs)",
+                fmt(vals, 3),
+                ">= 0.95",
+                "yes" if med >= 0.95 else "NO",
+            )
     e2e = results.get(("koda e2e", rp))
     if e2e and base:
         vals = [a["runs_s"] / b["runs_s"] for a, b in zip(e2e, base, strict=False)]
@@ -281,6 +321,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rivals", nargs="*", default=["ceiling", "naive", "quix"])
     ap.add_argument("--naive-share", type=float, default=0.25)
     ap.add_argument("--max-inflight", type=int, default=8)
+    ap.add_argument(
+        "--ledger-off",
+        action="store_true",
+        help="also run koda e2e with KODA_COST_LEDGER=false: the ledger's and budgets' cost",
+    )
 
 
 def main() -> None:

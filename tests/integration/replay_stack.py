@@ -200,8 +200,23 @@ def postgres_truth(p: Populated) -> dict[str, Any]:
         )
         for u in p.sub.query("SELECT * FROM usage")
     }
+    ledger = {
+        (c.run_id, c.attempt, c.call_index): (
+            c.user_id,
+            c.model,
+            c.kind,
+            c.prompt_tokens,
+            c.completion_tokens,
+            Decimal(c.cost_usd),
+            c.price_id,
+            c.outcome,
+            c.estimated,
+        )
+        for c in p.sub.query("SELECT * FROM ledger")
+    }
     return {
         "runs": runs,
         "outputs": {r: visible_output(e) for r, e in events.items()},
         "usage": usage,
+        "ledger": ledger,
     }

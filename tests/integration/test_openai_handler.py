@@ -27,6 +27,9 @@ class FakeCompletions(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b'{"error": "boom"}')
             return
+        if body["model"] in ("cut", "cut-clean"):
+            self._cut(clean=body["model"] == "cut-clean")
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -40,6 +43,23 @@ class FakeCompletions(BaseHTTPRequestHandler):
             "usage": {"prompt_tokens": 7, "completion_tokens": 5},
         }
         self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+    def _cut(self, *, clean: bool) -> None:
+        """Stream three pieces, then stop before the usage chunk: a dropped connection
+        (chunked encoding left unfinished), or a clean end without ``[DONE]``."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for piece in PIECES[:3]:
+            event = {"choices": [{"index": 0, "delta": {"content": piece}}], "model": "cut"}
+            data = f"data: {json.dumps(event)}\n\n".encode()
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+        if clean:
+            self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+        self.close_connection = True
 
     def log_message(self, *args: object) -> None:
         return
@@ -83,3 +103,21 @@ async def test_an_unreachable_endpoint_is_a_handler_error() -> None:
     with pytest.raises(HandlerError, match="model endpoint failed"):
         await collect(handler, {"text": "hi"})
     await handler.aclose()
+
+
+@pytest.mark.parametrize("model", ["cut", "cut-clean"])
+async def test_a_stream_cut_before_usage_is_billed_estimated_then_fails(
+    server: str, model: str
+) -> None:
+    """The LiteLLM failure mode: a stream that never reaches its usage chunk must not be
+    free. The handler counts what it streamed, says it is an estimate, then fails."""
+    handler = OpenAIHandler(base_url=server, api_key=None, model=model)
+    ctx = RunContext("r1", "u1", {"text": "count me please"}, 1)
+    items: list = []
+    with pytest.raises(HandlerError, match="model endpoint failed|before \\[DONE\\]"):
+        async for item in handler.stream(ctx):
+            items.append(item)
+    await handler.aclose()
+    assert [i for i in items if isinstance(i, str)] == PIECES[:3]
+    # 15 characters of prompt at ~4 per token; one completion token per piece streamed.
+    assert items[-1] == Usage(model, 4, 3, estimated=True)

@@ -105,6 +105,23 @@ def test_a_replay_into_duckdb_matches_postgres_and_a_second_changes_nothing(
     }
     assert usage == truth["usage"] and len(usage) > 200
     assert all(cost > 0 for *_, cost in usage.values())  # Decimal, priced like Postgres
+    # Every ledger column of every attempt's calls, failed attempts included.
+    ledger = {
+        (c["run_id"], c["attempt"], c["call_index"]): (
+            c["user_id"],
+            c["model"],
+            c["kind"],
+            c["prompt_tokens"],
+            c["completion_tokens"],
+            c["cost_usd"],
+            c["price_id"],
+            c["outcome"],
+            c["estimated"],
+        )
+        for c in as_dicts(reference["ledger"], t.LEDGER)
+    }
+    assert ledger == truth["ledger"] and len(ledger) > len(usage)
+    assert {v[7] for v in ledger.values()} == {"ok", "failed"}
 
     letters = [
         json.loads(m.value()) for m in read_topic(p.settings, p.settings.names.topic(RUNS_DLQ))
@@ -282,7 +299,8 @@ def test_the_replay_never_touched_kodas_groups_or_tables(populated: Populated) -
             s=p.settings.names.pg_schema(),
         )
     }
-    assert not {x.name for x in t.TABLES if x.name not in ("runs", "usage")} & tables
+    # runs, usage and ledger are koda's own tables too (the warehouse mirrors them).
+    assert not {x.name for x in t.TABLES if x.name not in ("runs", "usage", "ledger")} & tables
     workers = committed_offsets(
         p.settings, p.settings.names.group(WORKER_GROUP), p.settings.names.topic(RUNS)
     )

@@ -81,6 +81,67 @@ def test_usage_is_priced_in_decimal_like_postgres() -> None:
     assert rows(decode(usage(1, run, 0, 2, 5, AT), prices=before), t.USAGE)[0]["cost_usd"] == 0
 
 
+def test_usage_records_carry_the_ledger_columns_and_every_attempt() -> None:
+    run = uuid7()
+    ledger = {"user_id": "u1", "kind": "chat", "price_id": 4}
+    batch = decode(
+        usage(
+            1,
+            run,
+            0,
+            3,
+            3,
+            AT,
+            cost_usd="0.1",
+            attempt=1,
+            outcome="failed",
+            estimated=True,
+            **ledger,
+        ),
+        usage(
+            2, run, 0, 3, 6, AT, cost_usd="0.2", attempt=2, outcome="ok", estimated=False, **ledger
+        ),
+        usage(
+            3,
+            run,
+            1,
+            9,
+            0,
+            AT,
+            cost_usd="0",
+            kind="embedding",
+            attempt=2,
+            outcome="ok",
+            user_id="u1",
+            price_id=None,
+        ),
+    )
+    got = [
+        (r["attempt"], r["call_index"], r["outcome"], r["estimated"], r["kind"], r["price_id"])
+        for r in rows(batch, t.LEDGER)
+    ]
+    assert got == [
+        (1, 0, "failed", True, "chat", 4),
+        (2, 0, "ok", False, "chat", 4),
+        (2, 1, "ok", False, "embedding", None),
+    ]
+    assert {r["user_id"] for r in rows(batch, t.LEDGER)} == {"u1"}
+    # usage keeps the finishing attempt's calls only: the failed one does not overwrite them.
+    assert [(r["call_index"], r["cost_usd"]) for r in rows(batch, t.USAGE)] == [
+        (0, Decimal("0.2")),
+        (1, Decimal("0")),
+    ]
+    # An older worker's record: attempt unknown (0), ok, priced from the table.
+    (old,) = rows(decode(usage(1, run, 0, 2, 5, AT)), t.LEDGER)
+    assert (old["attempt"], old["outcome"], old["estimated"], old["user_id"]) == (
+        0,
+        "ok",
+        False,
+        None,
+    )
+    assert old["cost_usd"] == Decimal("0.00000330") and old["cost_source"] == "price_table"
+
+
 def test_chunks_finals_and_tombstones() -> None:
     run = uuid7()
     batch = decode(

@@ -154,8 +154,26 @@ class RecordDecoder:
                     event.model, event.prompt_tokens, event.completion_tokens, event.at
                 )
                 source = "price_table" if cost is not None else None
-            row = (event.run_id, event.call_index, day, event.model, event.prompt_tokens)
-            batch.add(t.USAGE, (*row, event.completion_tokens, cost, source, event.at))
+            if event.outcome == "ok":
+                row = (event.run_id, event.call_index, day, event.model, event.prompt_tokens)
+                batch.add(t.USAGE, (*row, event.completion_tokens, cost, source, event.at))
+            key = (event.run_id, event.attempt, event.call_index, day, event.user_id)
+            batch.add(
+                t.LEDGER,
+                (
+                    *key,
+                    event.model,
+                    event.kind,
+                    event.prompt_tokens,
+                    event.completion_tokens,
+                    cost,
+                    source,
+                    event.price_id,
+                    event.outcome,
+                    event.estimated,
+                    event.at,
+                ),
+            )
             return
         offset = msg.offset() or 0
         where = (msg.topic(), msg.partition(), offset)

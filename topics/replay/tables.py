@@ -194,6 +194,28 @@ USAGE = Table(
         Column("event_at", "timestamp"),
     ),
 )
+# Every billable call of every attempt, as koda's Postgres ``ledger`` holds it. ``usage``
+# above keeps the calls of the attempt that finished each run (attempt-less records).
+LEDGER = Table(
+    "ledger",
+    (
+        _key("run_id", "text"),
+        _key("attempt", "int"),
+        _key("call_index", "int"),
+        Column("day", "date"),
+        Column("user_id", "text", Merge.FIRST),
+        Column("model", "text"),
+        Column("kind", "text"),
+        Column("prompt_tokens", "int"),
+        Column("completion_tokens", "int"),
+        Column("cost_usd", "money"),
+        Column("cost_source", "text"),
+        Column("price_id", "bigint"),
+        Column("outcome", "text"),
+        Column("estimated", "bool"),
+        Column("event_at", "timestamp"),
+    ),
+)
 DEAD_LETTERS = Table(
     "dead_letters",
     (
@@ -237,6 +259,7 @@ TABLES: tuple[Table, ...] = (
     RUN_TRANSITIONS,
     CHUNKS,
     USAGE,
+    LEDGER,
     DEAD_LETTERS,
     RAW_RECORDS,
     OUTPUTS,

@@ -1,0 +1,219 @@
+"""Usage reports and budgets over HTTP: ``/v1/usage`` (the caller's own spend),
+``/admin/usage`` and ``/admin/budgets`` (operators; admin access as in gateway/admin.py).
+
+Reports are ``{"rows": [...], "totals": {...}}`` over the ledger; money is a decimal
+string, never a float. ``from`` is inclusive, ``to`` exclusive; both ISO 8601 (a date
+means midnight UTC). Bad parameters are 422 naming the parameter; nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from decimal import Decimal
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request, Security
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPBearer
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from gateway.admin import require_admin
+from gateway.components import components_of
+from gateway.errors import BadRequest, InvalidField, NotFound
+from gateway.intake import check_content_type
+from gateway.models import ErrorBody
+from koda.errors import DatabaseError
+from koda.lifecycle.ledger import check_window, parse_time, parse_usd
+from schemas import ledger
+
+router = APIRouter(tags=["usage"])
+_bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
+_admin_bearer = HTTPBearer(
+    auto_error=False, scheme_name="AdminToken", description="KODA_ADMIN_TOKEN (prod: required)"
+)
+USER_GROUPS = ("day", "model", "kind")
+BUDGET_FIELDS = ("monthly_usd", "daily_usd", "soft_ratio")
+MAX_USER_ID_CHARS = 128
+MAX_BUDGET_BODY = 4096
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorBody, "description": "Missing or wrong token"},
+    403: {"model": ErrorBody, "description": "prod without KODA_ADMIN_TOKEN (/admin)"},
+    422: {"model": ErrorBody, "description": "A parameter is missing or invalid"},
+    503: {"model": ErrorBody, "description": "Postgres is unavailable"},
+}
+
+T = TypeVar("T")
+
+
+async def _db(request: Request, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+    engine = components_of(request).store.engine
+    try:
+        async with engine.begin() as conn:
+            return await work(conn)
+    except SQLAlchemyError as exc:
+        raise DatabaseError(f"the ledger could not be read: {type(exc).__name__}") from exc
+
+
+def _params(
+    request: Request, groups: tuple[str, ...]
+) -> tuple[str, datetime | None, datetime | None]:
+    q = request.query_params
+    for name in q:
+        if name not in ("group_by", "from", "to", "user_id"):
+            raise InvalidField(
+                f"unknown parameter {name[:64]!r}: accepted are group_by, from, to"
+                + (", user_id" if "user" in groups else ""),
+                field=name[:64],
+            )
+    group_by = q.get("group_by")
+    if group_by not in groups:
+        raise InvalidField(
+            f"group_by must be one of {', '.join(groups)}, got {group_by!r}", field="group_by"
+        )
+    bounds: dict[str, datetime | None] = {}
+    for name in ("from", "to"):
+        raw = q.get(name)
+        try:
+            bounds[name] = None if raw is None else parse_time(raw, name)
+        except ValueError as exc:
+            raise InvalidField(str(exc), field=name) from None
+    try:
+        check_window(bounds["from"], bounds["to"])
+    except ValueError as exc:
+        raise InvalidField(str(exc), field="from") from None
+    return group_by, bounds["from"], bounds["to"]
+
+
+@router.get(
+    "/v1/usage",
+    responses=_ERRORS,
+    dependencies=[Security(_bearer)],
+    summary="The caller's own usage and spend, grouped by day, model or kind",
+)
+async def my_usage(request: Request) -> JSONResponse:
+    gw = components_of(request)
+    user_id = gw.auth.authenticate(request.headers.get("authorization"))
+    request.state.user_id = user_id
+    group_by, since, until = _params(request, USER_GROUPS)
+    if "user_id" in request.query_params:
+        raise InvalidField(
+            "user_id is not a parameter here: the token names the user", field="user_id"
+        )
+    report = await _db(
+        request,
+        lambda c: ledger.usage_report(c, group_by, user_id=user_id, since=since, until=until),
+    )
+    return JSONResponse(report)
+
+
+@router.get(
+    "/admin/usage",
+    responses=_ERRORS,
+    dependencies=[Security(_admin_bearer)],
+    summary="Everyone's usage and spend, grouped by user, day, model or kind",
+)
+async def all_usage(request: Request) -> JSONResponse:
+    require_admin(request)
+    group_by, since, until = _params(request, ledger.GROUPS)
+    user_id = request.query_params.get("user_id")
+    if user_id is not None and not 0 < len(user_id) <= MAX_USER_ID_CHARS:
+        raise InvalidField(f"user_id must be 1-{MAX_USER_ID_CHARS} chars", field="user_id")
+    report = await _db(
+        request,
+        lambda c: ledger.usage_report(c, group_by, user_id=user_id, since=since, until=until),
+    )
+    return JSONResponse(report)
+
+
+def _user(user_id: str) -> str:
+    if not 0 < len(user_id) <= MAX_USER_ID_CHARS or not user_id.isprintable():
+        raise InvalidField(
+            f"user_id must be 1-{MAX_USER_ID_CHARS} printable chars", field="user_id"
+        )
+    return user_id
+
+
+async def _budget_body(request: Request) -> tuple[Decimal | None, Decimal | None, Decimal]:
+    check_content_type(request.headers.get("content-type"))
+    body = await request.body()
+    if len(body) > MAX_BUDGET_BODY:
+        raise BadRequest(f"the body is larger than {MAX_BUDGET_BODY} bytes", field="body")
+    try:
+        obj = json.loads(body, parse_float=Decimal)
+    except (ValueError, RecursionError):
+        raise BadRequest("the body is not valid JSON", field="body", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise InvalidField("the body must be a JSON object", field="body")
+    for name in obj:
+        if name not in BUDGET_FIELDS:
+            raise InvalidField(
+                f"unknown field {str(name)[:64]!r}: accepted are {', '.join(BUDGET_FIELDS)}",
+                field=str(name)[:64],
+            )
+    amounts: dict[str, Decimal | None] = {}
+    for name in ("monthly_usd", "daily_usd"):
+        raw = obj.get(name)
+        try:
+            amounts[name] = None if raw is None else parse_usd(raw, name)
+        except ValueError as exc:
+            raise InvalidField(str(exc), field=name) from None
+    if amounts["monthly_usd"] is None and amounts["daily_usd"] is None:
+        raise InvalidField(
+            "give monthly_usd and/or daily_usd (DELETE removes a user's budgets)",
+            field="monthly_usd",
+        )
+    raw_soft = obj.get("soft_ratio", "0.8")
+    try:
+        soft = parse_usd(raw_soft, "soft_ratio")
+    except ValueError as exc:
+        raise InvalidField(str(exc), field="soft_ratio") from None
+    if not 0 < soft <= 1 or soft != soft.quantize(Decimal("0.001")):
+        raise InvalidField(
+            f"soft_ratio must be in (0, 1] with at most 3 decimals, got {raw_soft!r}",
+            field="soft_ratio",
+        )
+    return amounts["monthly_usd"], amounts["daily_usd"], soft
+
+
+@router.put(
+    "/admin/budgets/{user_id}",
+    responses=_ERRORS,
+    dependencies=[Security(_admin_bearer)],
+    summary="Set a user's monthly and/or daily budget (USD, decimal strings)",
+)
+async def put_budget(user_id: str, request: Request) -> JSONResponse:
+    require_admin(request)
+    user = _user(user_id)
+    monthly, daily, soft = await _budget_body(request)
+    budget = await _db(request, lambda c: ledger.set_budget(c, user, monthly, daily, soft))
+    return JSONResponse(budget.as_json())
+
+
+@router.get(
+    "/admin/budgets",
+    responses=_ERRORS,
+    dependencies=[Security(_admin_bearer)],
+    summary="Every user's budgets with this month's and today's spend",
+)
+async def get_budgets(request: Request) -> JSONResponse:
+    require_admin(request)
+    budgets = await _db(request, lambda c: ledger.list_budgets(c))
+    return JSONResponse({"budgets": [b.as_json() for b in budgets]})
+
+
+@router.delete(
+    "/admin/budgets/{user_id}",
+    responses={**_ERRORS, 404: {"model": ErrorBody, "description": "No budget for this user"}},
+    dependencies=[Security(_admin_bearer)],
+    summary="Remove a user's budgets (no cap any more)",
+)
+async def delete_budget(user_id: str, request: Request) -> JSONResponse:
+    require_admin(request)
+    user = _user(user_id)
+    if not await _db(request, lambda c: ledger.delete_budget(c, user)):
+        raise NotFound(f"no budget is set for user {user!r}", field="user_id")
+    return JSONResponse({"deleted": user})

@@ -1,0 +1,479 @@
+"""The cost ledger's SQL: priced call rows, period spend, prices, budgets, reports.
+
+One module speaks this SQL for the worker (ledger rows), the gateway (admission's
+budget read, the usage reports, the budget API) and the CLI (prices, budgets,
+reports), so the rules cannot drift apart:
+
+* a call is priced in the statement that writes it, from the newest price of its model
+  whose ``effective_from`` is not after the transaction's time; the row keeps that cost
+  and the price's id for ever (a price set later never changes it). A model without a
+  price costs 0 and has ``price_id`` NULL, so reports can count unpriced calls;
+* the same statement adds the rows it inserted (not the duplicates it skipped) to the
+  user's month and day rows of ``spend_periods``, so spend is exactly the ledger's sum
+  and admission reads one row;
+* money is ``Decimal`` rounded like ``numeric(18,8)``; sums are exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import bindparam, text
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from koda.lifecycle.ledger import BudgetState, LedgerCall, Period
+
+GROUPS = ("user", "day", "model", "kind")
+USD_PLACES = Decimal("0.00000001")
+SHARE_PLACES = Decimal("0.0001")
+
+_INSERT_CALLS = text(
+    """
+    WITH q AS (
+        SELECT * FROM unnest(CAST(:users AS text[]), CAST(:runs AS text[]),
+                             CAST(:attempts AS int[]), CAST(:idx AS int[]),
+                             CAST(:models AS text[]), CAST(:kinds AS text[]),
+                             CAST(:pt AS int[]), CAST(:ct AS int[]),
+                             CAST(:outcomes AS text[]), CAST(:est AS bool[]))
+              AS q(user_id, run_id, attempt, call_index, model, kind, pt, ct, outcome,
+                   estimated)
+    ), ins AS (
+        INSERT INTO ledger (user_id, run_id, attempt, call_index, model, kind, prompt_tokens,
+                            completion_tokens, cost_usd, price_id, outcome, estimated)
+        SELECT q.user_id, q.run_id, q.attempt, q.call_index, q.model, q.kind, q.pt, q.ct,
+               COALESCE((q.pt * p.prompt_usd_per_mtok
+                         + q.ct * p.completion_usd_per_mtok) / 1000000, 0),
+               p.id, q.outcome, q.estimated
+          FROM q LEFT JOIN LATERAL (
+                SELECT id, prompt_usd_per_mtok, completion_usd_per_mtok FROM prices
+                 WHERE model = q.model AND effective_from <= now()
+                 ORDER BY effective_from DESC LIMIT 1) p ON true
+        ON CONFLICT (run_id, attempt, call_index) DO NOTHING
+        RETURNING user_id, run_id, attempt, call_index, cost_usd, price_id, created_at
+    ), spent AS (
+        -- In key order, so two transactions adding to one user's rows cannot deadlock.
+        INSERT INTO spend_periods (user_id, period, starts_at, spend_usd, calls)
+        SELECT i.user_id, g.period, date_trunc(g.period, i.created_at, 'UTC'),
+               sum(i.cost_usd), count(*)
+          FROM ins i CROSS JOIN (VALUES ('day'), ('month')) AS g(period)
+         GROUP BY 1, 2, 3
+         ORDER BY 1, 2, 3
+        ON CONFLICT (user_id, period, starts_at) DO UPDATE
+           SET spend_usd = spend_periods.spend_usd + EXCLUDED.spend_usd,
+               calls = spend_periods.calls + EXCLUDED.calls
+    )
+    SELECT run_id, attempt, call_index, cost_usd, price_id FROM ins
+    """
+)
+
+
+@dataclass(frozen=True)
+class PricedCall:
+    """A ledger row as written: its cost (USD) and the price row used (None: unpriced)."""
+
+    run_id: str | None
+    attempt: int
+    call_index: int
+    cost_usd: Decimal
+    price_id: int | None
+
+
+async def insert_calls(conn: AsyncConnection, calls: Sequence[LedgerCall]) -> list[PricedCall]:
+    """Price and write ``calls`` and add them to their users' period spend, in ``conn``'s
+    transaction. Calls already in the ledger (same run, attempt, call index) are skipped
+    and not returned: a redelivered or retried write counts once."""
+    if not calls:
+        return []
+    rows = await conn.execute(
+        _INSERT_CALLS,
+        {
+            "users": [c.user_id for c in calls],
+            "runs": [c.run_id for c in calls],
+            "attempts": [c.attempt for c in calls],
+            "idx": [c.call_index for c in calls],
+            "models": [c.usage.model for c in calls],
+            "kinds": [c.usage.kind for c in calls],
+            "pt": [c.usage.prompt_tokens for c in calls],
+            "ct": [c.usage.completion_tokens for c in calls],
+            "outcomes": [c.outcome.value for c in calls],
+            "est": [c.usage.estimated for c in calls],
+        },
+    )
+    return [
+        PricedCall(r.run_id, int(r.attempt), int(r.call_index), r.cost_usd, r.price_id)
+        for r in rows
+    ]
+
+
+# -- budgets -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BudgetRead:
+    """What admission reads: the state, and which periods already had their soft alert."""
+
+    state: BudgetState
+    alerted: frozenset[Period]
+
+
+def _budget_of(row: Any) -> BudgetRead | None:
+    """The budget columns of a row (None when the user has no budget)."""
+    if row.soft_ratio is None:
+        return None
+    alerted = set()
+    if row.month_alerted is not None:
+        alerted.add(Period.MONTH)
+    if row.day_alerted is not None:
+        alerted.add(Period.DAY)
+    return BudgetRead(
+        BudgetState(
+            monthly_usd=row.monthly_usd,
+            daily_usd=row.daily_usd,
+            month_spend_usd=row.month_spend,
+            day_spend_usd=row.day_spend,
+            soft_ratio=row.soft_ratio,
+        ),
+        frozenset(alerted),
+    )
+
+
+_ADMIT_RUN = text(
+    """
+    WITH b AS (
+        SELECT b.monthly_usd, b.daily_usd, b.soft_ratio,
+               COALESCE(m.spend_usd, 0) AS month_spend, COALESCE(d.spend_usd, 0) AS day_spend,
+               m.soft_alerted_at AS month_alerted, d.soft_alerted_at AS day_alerted
+          FROM budgets b
+          LEFT JOIN spend_periods m ON m.user_id = b.user_id AND m.period = 'month'
+           AND m.starts_at = date_trunc('month', now(), 'UTC')
+          LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
+           AND d.starts_at = date_trunc('day', now(), 'UTC')
+         WHERE b.user_id = :user_id AND :budgets
+    ), ins AS (
+        -- The rule of koda.lifecycle.ledger.exceeded: a budget is spent at its limit.
+        INSERT INTO runs (id, session_id, user_id, idempotency_key, input, metadata, partition,
+                          schedule_id, scheduled_for)
+        SELECT :id, :session_id, :user_id, :key, :input, :metadata, :partition,
+               CAST(:schedule_id AS text), CAST(:scheduled_for AS timestamptz)
+         WHERE NOT EXISTS (SELECT 1 FROM b
+                            WHERE (b.monthly_usd IS NOT NULL AND b.month_spend >= b.monthly_usd)
+                               OR (b.daily_usd IS NOT NULL AND b.day_spend >= b.daily_usd))
+        ON CONFLICT (idempotency_key) DO NOTHING
+        RETURNING status, created_at
+    )
+    SELECT ins.status, ins.created_at, b.*
+      FROM (SELECT 1) AS one LEFT JOIN ins ON true LEFT JOIN b ON true
+    """
+).bindparams(bindparam("input", type_=JSONB), bindparam("metadata", type_=JSONB))
+
+
+@dataclass(frozen=True)
+class RunInsert:
+    """What :func:`insert_run` did: the new run's status and time (None when it was not
+    inserted: its key exists, or a budget is spent), and the budget row read."""
+
+    status: str | None
+    created_at: datetime | None
+    budget: BudgetRead | None
+
+
+async def insert_run(conn: AsyncConnection, values: dict[str, Any], *, budgets: bool) -> RunInsert:
+    """Insert a run (``values``: id, session_id, user_id, key, input, metadata, partition,
+    schedule_id, scheduled_for) unless its idempotency key exists or, with ``budgets``,
+    one of the user's budgets is spent; the budget row is read by the same statement
+    (admission costs no extra round trip)."""
+    row = (await conn.execute(_ADMIT_RUN, {**values, "budgets": budgets})).one()
+    budget = _budget_of(row)
+    return RunInsert(row.status, row.created_at, budget)
+
+
+_MARK_SOFT = text(
+    """
+    UPDATE spend_periods SET soft_alerted_at = now()
+     WHERE user_id = :user_id AND period = :period
+       AND starts_at = date_trunc(:period, now(), 'UTC') AND soft_alerted_at IS NULL
+    RETURNING spend_usd
+    """
+)
+
+
+async def mark_soft_alert(conn: AsyncConnection, user_id: str, period: Period) -> bool:
+    """Record the period's soft-threshold alert; True for the one caller that recorded it
+    (whichever gateway gets there first), so it is logged once per user and period."""
+    row = (await conn.execute(_MARK_SOFT, {"user_id": user_id, "period": period.value})).first()
+    return row is not None
+
+
+@dataclass(frozen=True)
+class Budget:
+    user_id: str
+    monthly_usd: Decimal | None
+    daily_usd: Decimal | None
+    soft_ratio: Decimal
+    month_spend_usd: Decimal
+    day_spend_usd: Decimal
+    updated_at: datetime
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "user_id": self.user_id,
+            "monthly_usd": money(self.monthly_usd),
+            "daily_usd": money(self.daily_usd),
+            "soft_ratio": f"{self.soft_ratio:f}",
+            "month_spend_usd": money(self.month_spend_usd),
+            "day_spend_usd": money(self.day_spend_usd),
+            "updated_at": self.updated_at.isoformat(),
+        }
+
+
+_SET_BUDGET = text(
+    """
+    INSERT INTO budgets (user_id, monthly_usd, daily_usd, soft_ratio, updated_at)
+    VALUES (:user_id, :monthly, :daily, :soft, now())
+    ON CONFLICT (user_id) DO UPDATE
+       SET monthly_usd = EXCLUDED.monthly_usd, daily_usd = EXCLUDED.daily_usd,
+           soft_ratio = EXCLUDED.soft_ratio, updated_at = now()
+    """
+)
+
+_LIST_BUDGETS = text(
+    """
+    SELECT b.user_id, b.monthly_usd, b.daily_usd, b.soft_ratio, b.updated_at,
+           COALESCE(m.spend_usd, 0) AS month_spend, COALESCE(d.spend_usd, 0) AS day_spend
+      FROM budgets b
+      LEFT JOIN spend_periods m ON m.user_id = b.user_id AND m.period = 'month'
+       AND m.starts_at = date_trunc('month', now(), 'UTC')
+      LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
+       AND d.starts_at = date_trunc('day', now(), 'UTC')
+     WHERE CAST(:user_id AS text) IS NULL OR b.user_id = :user_id
+     ORDER BY b.user_id
+    """
+)
+
+
+async def set_budget(
+    conn: AsyncConnection,
+    user_id: str,
+    monthly_usd: Decimal | None,
+    daily_usd: Decimal | None,
+    soft_ratio: Decimal,
+) -> Budget:
+    """Set (replace) the user's budgets; a None amount removes that cap."""
+    await conn.execute(
+        _SET_BUDGET,
+        {"user_id": user_id, "monthly": monthly_usd, "daily": daily_usd, "soft": soft_ratio},
+    )
+    return (await list_budgets(conn, user_id))[0]
+
+
+async def delete_budget(conn: AsyncConnection, user_id: str) -> bool:
+    """Remove the user's budgets (no cap any more); False when there were none."""
+    result = await conn.execute(
+        text("DELETE FROM budgets WHERE user_id = :user_id"), {"user_id": user_id}
+    )
+    return bool(result.rowcount)
+
+
+async def list_budgets(conn: AsyncConnection, user_id: str | None = None) -> list[Budget]:
+    rows = await conn.execute(_LIST_BUDGETS, {"user_id": user_id})
+    return [
+        Budget(
+            r.user_id,
+            r.monthly_usd,
+            r.daily_usd,
+            r.soft_ratio,
+            r.month_spend,
+            r.day_spend,
+            r.updated_at,
+        )
+        for r in rows
+    ]
+
+
+# -- prices --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Price:
+    id: int
+    model: str
+    effective_from: datetime
+    prompt_usd_per_mtok: Decimal
+    completion_usd_per_mtok: Decimal
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "model": self.model,
+            "effective_from": self.effective_from.isoformat(),
+            "prompt_usd_per_mtok": f"{self.prompt_usd_per_mtok:f}",
+            "completion_usd_per_mtok": f"{self.completion_usd_per_mtok:f}",
+        }
+
+
+class PriceRefused(ValueError):
+    """A price that would rewrite history (its time is past) or already exists."""
+
+
+_SET_PRICE = text(
+    """
+    INSERT INTO prices (model, effective_from, prompt_usd_per_mtok, completion_usd_per_mtok)
+    SELECT :model, COALESCE(CAST(:at AS timestamptz), now()), :prompt, :completion
+     WHERE COALESCE(CAST(:at AS timestamptz), now()) >= now()
+    ON CONFLICT (model, effective_from) DO NOTHING
+    RETURNING id, model, effective_from, prompt_usd_per_mtok, completion_usd_per_mtok
+    """
+)
+
+
+async def set_price(
+    conn: AsyncConnection,
+    model: str,
+    prompt_usd_per_mtok: Decimal,
+    completion_usd_per_mtok: Decimal,
+    effective_from: datetime | None,
+) -> Price:
+    """Add a price for ``model`` from ``effective_from`` (None: now) on.
+
+    Raises PriceRefused for a time already past (the calls of that time are priced;
+    history is never rewritten) or when the model already has a price at that time.
+    """
+    row = (
+        await conn.execute(
+            _SET_PRICE,
+            {
+                "model": model,
+                "at": effective_from,
+                "prompt": prompt_usd_per_mtok,
+                "completion": completion_usd_per_mtok,
+            },
+        )
+    ).first()
+    if row is None:
+        past = (
+            await conn.execute(
+                text("SELECT CAST(:at AS timestamptz) < now()"), {"at": effective_from}
+            )
+        ).scalar()
+        if past:
+            raise PriceRefused(
+                f"--from {effective_from.isoformat() if effective_from else 'now'} is in the"
+                " past: calls of that time are already priced, history is never rewritten;"
+                " give a time from now on"
+            )
+        raise PriceRefused(
+            f"{model} already has a price from {effective_from}: prices are never changed,"
+            " set a new one from a later time"
+        )
+    return Price(*row)
+
+
+async def list_prices(conn: AsyncConnection, model: str | None = None) -> list[Price]:
+    rows = await conn.execute(
+        text(
+            """
+            SELECT id, model, effective_from, prompt_usd_per_mtok, completion_usd_per_mtok
+              FROM prices WHERE CAST(:model AS text) IS NULL OR model = :model
+             ORDER BY model, effective_from
+            """
+        ),
+        {"model": model},
+    )
+    return [Price(*r) for r in rows]
+
+
+# -- reports -------------------------------------------------------------------------
+
+_KEYS = {
+    "user": "user_id",
+    "day": "to_char(date_trunc('day', created_at, 'UTC') AT TIME ZONE 'UTC', 'YYYY-MM-DD')",
+    "model": "model",
+    "kind": "kind",
+}
+_KEY_NAMES = {"user": "user_id", "day": "day", "model": "model", "kind": "kind"}
+
+_FIGURES = """
+    COALESCE(sum(cost_usd), 0) AS cost_usd,
+    COALESCE(sum(prompt_tokens), 0) AS prompt_tokens,
+    COALESCE(sum(completion_tokens), 0) AS completion_tokens,
+    count(*) AS calls,
+    count(DISTINCT run_id) AS runs,
+    count(DISTINCT user_id) AS users,
+    COALESCE(sum(cost_usd) FILTER (WHERE outcome = 'failed'), 0) AS failed_cost_usd,
+    COALESCE(sum(cost_usd) FILTER (WHERE outcome = 'cancelled'), 0) AS cancelled_cost_usd,
+    count(*) FILTER (WHERE estimated) AS estimated_calls,
+    count(*) FILTER (WHERE price_id IS NULL) AS unpriced_calls
+"""
+
+_WHERE = """
+     WHERE (CAST(:user_id AS text) IS NULL OR user_id = :user_id)
+       AND (CAST(:since AS timestamptz) IS NULL OR created_at >= :since)
+       AND (CAST(:until AS timestamptz) IS NULL OR created_at < :until)
+"""
+
+
+def money(value: Decimal | None) -> str | None:
+    """USD as a decimal string with 8 places (never a float); None stays None."""
+    return None if value is None else f"{Decimal(value).quantize(USD_PLACES):f}"
+
+
+def _ratio(num: Decimal, den: int | Decimal) -> str | None:
+    if not den:
+        return None
+    return f"{(Decimal(num) / Decimal(den)).quantize(USD_PLACES):f}"
+
+
+def _figures(row: Any) -> dict[str, Any]:
+    cost = Decimal(row.cost_usd)
+    wasted = Decimal(row.failed_cost_usd) + Decimal(row.cancelled_cost_usd)
+    return {
+        "cost_usd": money(cost),
+        "prompt_tokens": int(row.prompt_tokens),
+        "completion_tokens": int(row.completion_tokens),
+        "calls": int(row.calls),
+        "runs": int(row.runs),
+        "active_users": int(row.users),
+        "cost_per_run_usd": _ratio(cost, int(row.runs)),
+        "cost_per_active_user_usd": _ratio(cost, int(row.users)),
+        "failed_cost_usd": money(row.failed_cost_usd),
+        "cancelled_cost_usd": money(row.cancelled_cost_usd),
+        "failed_or_cancelled_share": (
+            f"{(wasted / cost).quantize(SHARE_PLACES):f}" if cost else None
+        ),
+        "estimated_calls": int(row.estimated_calls),
+        "unpriced_calls": int(row.unpriced_calls),
+    }
+
+
+async def usage_report(
+    conn: AsyncConnection,
+    group_by: str,
+    *,
+    user_id: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> dict[str, Any]:
+    """``{"rows": [...], "totals": {...}}`` over ledger rows with ``since <= created_at <
+    until`` (either bound optional), of ``user_id`` only when given. Each row holds its
+    group key and the figures; money is a decimal string."""
+    if group_by not in GROUPS:
+        raise ValueError(f"group_by must be one of {', '.join(GROUPS)}, not {group_by!r}")
+    key = _KEYS[group_by]
+    params = {"user_id": user_id, "since": since, "until": until}
+    rows = await conn.execute(
+        text(
+            f"SELECT {key} AS k, {_FIGURES} FROM ledger {_WHERE}"  # noqa: S608 - fixed texts
+            " GROUP BY 1 ORDER BY 1"
+        ),
+        params,
+    )
+    out = [{_KEY_NAMES[group_by]: r.k, **_figures(r)} for r in rows]
+    totals = (
+        await conn.execute(text(f"SELECT {_FIGURES} FROM ledger {_WHERE}"), params)  # noqa: S608
+    ).one()
+    return {"rows": out, "totals": _figures(totals)}
