@@ -29,6 +29,22 @@ from topics.catalogue import RUN_CONTROL, partition_for_key
 
 log = logging.getLogger(__name__)
 
+
+def payment_required(exc: OverBudget) -> PaymentRequired:
+    """The 402 answer to a run a spent budget refused: the budget, the spend, the reset."""
+    over = exc.over
+    return PaymentRequired(
+        f"the {over.period.value}ly budget of {money(over.limit_usd)} USD is spent "
+        f"({money(over.spend_usd)} USD so far); it resets at {over.resets_at.isoformat()}",
+        {
+            "period": over.period.value,
+            "limit_usd": money(over.limit_usd) or "",
+            "spend_usd": money(over.spend_usd) or "",
+            "resets_at": over.resets_at.isoformat(),
+        },
+    )
+
+
 PUBLISH_WAIT_S = 2.0
 MARK_INTERVAL_S = 0.05
 MARK_BATCH = 500
@@ -168,18 +184,7 @@ class Admissions:
         try:
             run = await self.store.admit(new, budgets=self.budgets)
         except OverBudget as exc:
-            over = exc.over
-            raise PaymentRequired(
-                f"the {over.period.value}ly budget of {money(over.limit_usd)} USD is spent "
-                f"({money(over.spend_usd)} USD so far); it resets at "
-                f"{over.resets_at.isoformat()}",
-                {
-                    "period": over.period.value,
-                    "limit_usd": money(over.limit_usd) or "",
-                    "spend_usd": money(over.spend_usd) or "",
-                    "resets_at": over.resets_at.isoformat(),
-                },
-            ) from None
+            raise payment_required(exc) from None
         for period in run.soft_alerts:
             await self._soft_alert(user_id, period)
         if not run.created:

@@ -29,6 +29,7 @@ from koda.errors import DatabaseError
 from koda.lifecycle.ids import uuid7
 from koda.lifecycle.states import RunStatus
 from koda.scheduling import CronSpec, Overlap, Policy, QuietHours
+from schemas import ledger
 from schemas.records import RunRequested
 from schemas.tables import schedules, sessions
 from topics.catalogue import partition_for_key
@@ -258,6 +259,14 @@ class ScheduleStore:
         by_index = {int(r.i): int(r.n) for r in rows}
         return [by_index[i + 1] for i in range(len(spans))]
 
+    async def over_budget(self, users: list[str]) -> set[str]:
+        """Those of ``users`` whose cost budget is spent (their fires are skipped)."""
+        try:
+            async with self.engine.connect() as conn:
+                return await ledger.spent_users(conn, users)
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"a schedules query failed: {type(exc).__name__}") from exc
+
     async def latest_active(self, items: list[tuple[str, datetime]]) -> list[bool]:
         """For each (schedule, before): its latest run before that minute is not terminal."""
         if not items:
@@ -350,14 +359,16 @@ async def fire(
     *,
     partitions: int,
     key: str | None = None,
+    budgets: bool = True,
 ) -> Fired:
     """Create the run of ``schedule`` for ``minute`` (once, whoever else tries) and publish it.
 
-    ``key`` defaults to :func:`fire_key`. Raises DatabaseError when Postgres fails (then
-    nothing was written); a failed publish leaves the run pending for the sweeper.
+    ``key`` defaults to :func:`fire_key`. Raises DatabaseError when Postgres fails and
+    OverBudget when the owner's budget is spent (then nothing was written); a failed
+    publish leaves the run pending for the sweeper.
     """
     new = scheduled_run(schedule, minute, partitions=partitions, key=key)
-    run = await store.admit(new)
+    run = await store.admit(new, budgets=budgets)
     if not run.created:
         return Fired(run, None)
     return Fired(run, publish_scheduled(publisher, run, new))

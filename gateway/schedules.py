@@ -20,11 +20,13 @@ from fastapi import APIRouter, Query, Request, Response, Security
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, Field
 
+from gateway.admission import payment_required
 from gateway.components import Components, components_of
 from gateway.errors import InvalidField, NotFound
 from gateway.intake import SESSION_ID, check_content_type, decode_json, parse_run_request, read_body
 from gateway.models import ErrorBody
 from gateway.scheduled import ScheduleRow, ScheduleStore, fire
+from gateway.store import OverBudget
 from koda.errors import KodaError
 from koda.lifecycle.ids import uuid7
 from koda.scheduling import (
@@ -67,6 +69,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         404: "Unknown schedule or session (or another user's)",
         413: "Body larger than the limit",
         415: "Body is not application/json",
+        402: "run-now: the owner's budget is spent (names the budget, spend and reset)",
         422: "A field is missing or invalid",
         503: "Postgres is unavailable; see Retry-After",
     }.items()
@@ -404,14 +407,18 @@ async def run_schedule_now(schedule_id: str, request: Request) -> ScheduledRun:
     gw, store, user_id = _owner(request)
     row = await _owned(store, schedule_id, user_id)
     minute = minute_floor(await store.now())
-    fired = await fire(
-        gw.store,
-        gw.publisher,
-        row,
-        minute,
-        partitions=gw.settings.partitions,
-        key=f"sched:{row.id}:now:{uuid7()}",
-    )
+    try:
+        fired = await fire(
+            gw.store,
+            gw.publisher,
+            row,
+            minute,
+            partitions=gw.settings.partitions,
+            key=f"sched:{row.id}:now:{uuid7()}",
+            budgets=gw.settings.cost_ledger,
+        )
+    except OverBudget as exc:
+        raise payment_required(exc) from None
     if fired.delivery is not None:
         # As POST /v1/runs: wait briefly for the ack; a slow or failed publish is the
         # sweeper's to repeat, the run is durable already.

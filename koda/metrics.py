@@ -352,7 +352,7 @@ SCHEDULE_FIRE_CONFLICTS = Counter(
 )
 SCHEDULE_SKIPS = Counter(
     "koda_schedule_skips_total",
-    "Scheduled minutes not run, by reason: paused, quiet_hours, overlap, daily_cap.",
+    "Scheduled minutes not run, by reason: paused, quiet_hours, overlap, daily_cap, budget.",
     ["reason"],
     registry=REGISTRY,
 )

@@ -288,6 +288,7 @@ class SkipReason(str, Enum):
     QUIET_HOURS = "quiet_hours"
     OVERLAP = "overlap"
     DAILY_CAP = "daily_cap"
+    BUDGET = "budget"
 
 
 @dataclass(frozen=True)
@@ -307,11 +308,13 @@ class Facts:
 
     ``runs_per_day``: the owner's scheduled runs per local day (the schedule's zone) for
     the days of the due minutes; ``previous_active``: the schedule's latest run before
-    the first due minute is not terminal.
+    the first due minute is not terminal; ``over_budget``: one of the owner's cost budgets
+    is spent (a scheduled run is a new run like any other, refused the same way).
     """
 
     runs_per_day: Mapping[date, int] = field(default_factory=dict)
     previous_active: bool = False
+    over_budget: bool = False
 
 
 @dataclass(frozen=True)
@@ -391,8 +394,9 @@ def plan(
     minute, oldest first, is skipped for the first reason that applies: ``paused``,
     ``quiet_hours`` (its local time is in the window), ``overlap`` (policy skip and the
     schedule's previous run, possibly fired just before in this plan, is not terminal),
-    ``daily_cap`` (the owner already has that many scheduled runs that local day);
-    otherwise it fires. At most ``limit`` minutes are decided; the next plan continues.
+    ``daily_cap`` (the owner already has that many scheduled runs that local day),
+    ``budget`` (one of the owner's cost budgets is spent); otherwise it fires. At most
+    ``limit`` minutes are decided; the next plan continues.
     """
     due, missed, truncated = due_minutes(spec, first, now, policy.catchup_s, limit=limit)
     per_day = dict(facts.runs_per_day)
@@ -409,6 +413,8 @@ def plan(
             reason = SkipReason.OVERLAP
         elif per_day.get(local.date(), 0) >= policy.daily_cap:
             reason = SkipReason.DAILY_CAP
+        elif facts.over_budget:
+            reason = SkipReason.BUDGET
         if reason is not None:
             decisions.append(Decision(minute, Outcome.SKIP, reason))
             continue

@@ -47,6 +47,7 @@ async def serve(settings: Settings) -> None:
         partitions=settings.partitions,
         batch=settings.scheduler_batch,
         poll_s=settings.scheduler_poll_s,
+        budgets=settings.cost_ledger,
     )
     # A replica killed between a run's insert and its publish leaves the run pending;
     # this sweeper (the gateway's) publishes it even when no gateway runs.

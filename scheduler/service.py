@@ -86,8 +86,10 @@ class Scheduler:
         batch: int = 500,
         poll_s: float = 5.0,
         replica: str | None = None,
+        budgets: bool = True,
     ) -> None:
         self.schedules = schedules
+        self.budgets = budgets
         self.runs = runs
         self.publisher = publisher
         self.partitions = partitions
@@ -203,6 +205,13 @@ class Scheduler:
             [(work[i][0].id, work[i][2][0]) for i in skip]
         )
         active = dict(zip(skip, active_list, strict=True))
+        # A spent budget refuses a scheduled run as it refuses any new run (read without a
+        # lock, like admission: replicas firing at once overshoot by at most those runs).
+        spent = (
+            await self.schedules.over_budget(sorted({row.user_id for row, _, due in work if due}))
+            if self.budgets
+            else set()
+        )
         fired_by_user: dict[str, list[datetime]] = {}
         plans: list[Plan] = []
         for i, (row, spec, _due) in enumerate(work):
@@ -212,7 +221,11 @@ class Scheduler:
             for day, index in span_of[i]:
                 _user, start, end = spans[index]
                 per_day[day] = counts[index] + sum(1 for m in earlier if start <= m < end)
-            facts = Facts(runs_per_day=per_day, previous_active=active.get(i, False))
+            facts = Facts(
+                runs_per_day=per_day,
+                previous_active=active.get(i, False),
+                over_budget=row.user_id in spent,
+            )
             decided = plan(spec, row.policy, row.next_fire_at, now, facts, limit=self.batch)
             earlier += decided.fires
             plans.append(decided)

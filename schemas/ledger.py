@@ -192,6 +192,29 @@ async def insert_run(conn: AsyncConnection, values: dict[str, Any], *, budgets: 
     return RunInsert(row.status, row.created_at, budget)
 
 
+_SPENT = text(
+    """
+    SELECT b.user_id
+      FROM budgets b
+      LEFT JOIN spend_periods m ON m.user_id = b.user_id AND m.period = 'month'
+       AND m.starts_at = date_trunc('month', now(), 'UTC')
+      LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
+       AND d.starts_at = date_trunc('day', now(), 'UTC')
+     WHERE b.user_id = ANY(CAST(:users AS text[]))
+       -- The rule of koda.lifecycle.ledger.exceeded, as in the admission insert.
+       AND ((b.monthly_usd IS NOT NULL AND COALESCE(m.spend_usd, 0) >= b.monthly_usd)
+         OR (b.daily_usd IS NOT NULL AND COALESCE(d.spend_usd, 0) >= b.daily_usd))
+    """
+)
+
+
+async def spent_users(conn: AsyncConnection, users: list[str]) -> set[str]:
+    """Those of ``users`` with a budget spent now: a new run of theirs would be refused."""
+    if not users:
+        return set()
+    return {r.user_id for r in (await conn.execute(_SPENT, {"users": users})).all()}
+
+
 _MARK_SOFT = text(
     """
     UPDATE spend_periods SET soft_alerted_at = now()

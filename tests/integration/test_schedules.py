@@ -472,6 +472,37 @@ async def test_a_paused_schedule_fires_nothing_and_moves_on(harness: Harness) ->
     assert row.next_fire_at > datetime.now(UTC)
 
 
+async def test_a_spent_budget_skips_the_owners_fires_and_run_now_answers_402(
+    harness: Harness, client: httpx.Client
+) -> None:
+    """A scheduled run is a new run: a spent budget refuses it as admission refuses a
+    POST. Without the check every due minute would run past the budget."""
+    who = user()
+    broke = await harness.add(who, _ago(2))
+    fine = await harness.add(user(), _ago(2))
+    async with harness.engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO budgets (user_id, monthly_usd) VALUES (:u, 1.00)"), {"u": who}
+        )
+        await conn.execute(
+            text(
+                "INSERT INTO spend_periods (user_id, period, starts_at, spend_usd, calls)"
+                " VALUES (:u, 'month', date_trunc('month', now(), 'UTC'), 1.00, 1)"
+            ),
+            {"u": who},
+        )
+    before = sample("koda_schedule_skips_total", reason="budget")
+    result = await harness.replica("budget").run_pass()
+    assert await harness.rows("SELECT id FROM runs WHERE schedule_id = :s", s=broke) == []
+    assert len(await harness.rows("SELECT id FROM runs WHERE schedule_id = :s", s=fine)) == 3
+    assert sample("koda_schedule_skips_total", reason="budget") == before + 3
+    assert result.fired == 3
+    answer = client.post(f"/v1/schedules/{broke}/run-now", headers=bearer(who))
+    assert answer.status_code == 402, answer.text
+    assert answer.json()["error"]["code"] == "budget_exceeded"
+    assert await harness.rows("SELECT id FROM runs WHERE schedule_id = :s", s=broke) == []
+
+
 async def test_minutes_outside_the_catch_up_window_are_missed_not_run(harness: Harness) -> None:
     sid = await harness.add(user(), _ago(10), catchup_s=150)
     missed, fires = sample("koda_schedule_missed_total"), sample("koda_schedule_fires_total")

@@ -134,6 +134,19 @@ def test_quiet_hours_within_one_day() -> None:
         QuietHours(600, 600)
 
 
+def test_a_spent_budget_skips_every_due_minute_and_the_schedule_moves_on() -> None:
+    spec = CronSpec.parse("0 * * * *", "UTC")
+    policy = Policy(overlap=Overlap.ALLOW, catchup_s=86400)
+    got = _plan(spec, policy, utc(2026, 1, 1, 20), utc(2026, 1, 1, 22), over_budget=True)
+    assert [(d.outcome, d.reason) for d in got.decisions] == [(Outcome.SKIP, SkipReason.BUDGET)] * 3
+    assert got.fires == [] and got.next_fire_at == utc(2026, 1, 1, 23)
+    # Pause and quiet hours still name themselves first.
+    paused = _plan(
+        spec, Policy(enabled=False), utc(2026, 1, 1, 20), utc(2026, 1, 1, 20), over_budget=True
+    )
+    assert [d.reason for d in paused.decisions] == [SkipReason.PAUSED]
+
+
 def test_the_daily_cap_counts_the_users_runs_of_that_local_day() -> None:
     spec = CronSpec.parse("0 * * * *", "UTC")
     policy = Policy(daily_cap=3, overlap=Overlap.ALLOW, catchup_s=86400)
