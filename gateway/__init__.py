@@ -1,4 +1,4 @@
-"""The HTTP gateway: authenticate, rate-limit/admit, persist, publish (DESIGN §1, §9).
+"""The HTTP gateway: authenticate, rate-limit/admit, persist, publish (docs/design.md §1, §9).
 
     create_app(settings)   the ASGI app (composition root; connects in its lifespan)
     serve(settings)        uvicorn in the foreground, graceful on SIGTERM

@@ -1,4 +1,4 @@
-"""Bearer tokens to user ids (DESIGN §11).
+"""Bearer tokens to user ids (docs/design.md §11).
 
 * ``dev``: a token ``dev:<user_id>`` authenticates as ``<user_id>``.
 * ``prod``: dev tokens are refused; a token must be one of ``settings.prod_tokens``

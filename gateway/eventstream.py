@@ -1,6 +1,6 @@
 """The Server-Sent Events wire format: the frames the gateway writes, and a client parser.
 
-One run event is one frame (DESIGN §5)::
+One run event is one frame (docs/design.md §5)::
 
     id: <seq>
     event: <kind>                    chunk, reset, status, done, error, cancelled

@@ -1,4 +1,4 @@
-"""``GET /v1/runs/{run_id}/events``: a run's events as Server-Sent Events (DESIGN §5).
+"""``GET /v1/runs/{run_id}/events``: a run's events as Server-Sent Events (docs/design.md §5).
 
 Order of work on every connection, whatever the timing:
 

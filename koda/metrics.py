@@ -1,4 +1,4 @@
-"""The one Prometheus registry of koda, and every metric family in it (DESIGN §8).
+"""The one Prometheus registry of koda, and every metric family in it (docs/design.md §8).
 
 Every process (gateway, workers) imports its metrics from here and exposes
 :data:`REGISTRY` on ``/metrics``; nothing else creates a metric. Creating the

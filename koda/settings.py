@@ -226,7 +226,7 @@ class Settings:
     openai_api_key: str | None = field(default=None, repr=False)
     openai_model: str = "gpt-4o-mini"
     metrics_port: int = 0
-    # operations: heartbeats, health endpoints, admin (DESIGN §8)
+    # operations: heartbeats, health endpoints, admin (docs/design.md §8)
     version: str = __version__
     worker_host: str = "127.0.0.1"
     beat_interval_s: float = 5.0

@@ -1,7 +1,7 @@
 """The worker's heartbeat: a beat every ``KODA_BEAT_INTERVAL`` s, a tombstone on exit.
 
-Beats go to the compacted ``<env>.koda.workers`` topic keyed by worker id (DESIGN
-§8). They are for people and alerts (the gateway's ``GET /admin/workers``), never
+Beats go to the compacted ``<env>.koda.workers`` topic keyed by worker id
+(docs/design.md §8). They are for people and alerts (the gateway's ``GET /admin/workers``), never
 for routing: the consumer group alone decides who runs what. A worker that exits
 gracefully writes a tombstone, so a planned shutdown disappears from the table
 while a dead or frozen worker goes stale.

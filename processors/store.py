@@ -1,6 +1,6 @@
 """The worker's Postgres adapter: fenced claims, transitions and chunk writes.
 
-Fencing (DESIGN §6): every assignment of a runs partition bumps
+Fencing (docs/design.md §6): every assignment of a runs partition bumps
 ``partition_epochs.epoch``; the worker carries that epoch as its owner token. A
 write succeeds only while (a) the partition's epoch is still the worker's and
 (b) the run's ``fence`` column is that epoch. Writes take ``FOR SHARE`` locks on

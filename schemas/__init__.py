@@ -1,1 +1,1 @@
-"""Database tables and migrations (DESIGN §3) and Kafka record formats (DESIGN §2)."""
+"""Database tables and migrations, and Kafka record formats (docs/design.md §3, §2)."""

@@ -34,7 +34,7 @@ Headers = list[tuple[str, bytes]]
 
 
 def headers_for(schema: str, traceparent: str | None = None) -> Headers:
-    """The standard headers of DESIGN §2 for a record of ``schema``."""
+    """The standard headers of docs/design.md §2 for a record of ``schema``."""
     hs: Headers = [
         ("schema", f"{schema}/{CURRENT_VERSION[schema]}".encode()),
         ("content-type", CONTENT_TYPE.encode()),

@@ -1,4 +1,4 @@
-"""SQLAlchemy table definitions of DESIGN §3 (Postgres is the source of truth).
+"""SQLAlchemy table definitions of docs/design.md §3 (Postgres is the source of truth).
 
 Tables are declared without a schema: every connection sets ``search_path`` to the
 schema named by :meth:`koda.naming.Names.pg_schema`, so dev, prod and test

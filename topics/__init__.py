@@ -1,4 +1,4 @@
-"""The topic catalogue of DESIGN §2 and the admin commands that apply and check it."""
+"""The topic catalogue of docs/design.md §2 and the admin commands that apply and check it."""
 
 from topics.admin import Drift, apply_topics, check_topics
 from topics.catalogue import TopicSpec, catalogue, partition_for_key

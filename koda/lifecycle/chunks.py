@@ -1,4 +1,4 @@
-"""Chunk kinds and the seq rules of DESIGN §5.
+"""Chunk kinds and the seq rules of docs/design.md §5.
 
 A run's events carry a contiguous ``seq`` from 0 that never resets. A retry or a
 successor that finds earlier output first emits ``reset`` so viewers drop the

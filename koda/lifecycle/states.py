@@ -1,4 +1,4 @@
-"""The run state machine of DESIGN §4.
+"""The run state machine of docs/design.md §4.
 
     pending → running → streaming → done
     failed and cancelled are reachable from any non-terminal state.

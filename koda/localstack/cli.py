@@ -86,7 +86,7 @@ def up(
 
 
 def _apply_catalogue(info: stack.StackInfo) -> None:
-    """Migrations and topics for APP_ENV on the stack just started (DESIGN §11)."""
+    """Migrations and topics for APP_ENV on the stack just started (docs/design.md §11)."""
     import os
 
     from koda.settings import Settings

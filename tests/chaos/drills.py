@@ -1,4 +1,4 @@
-"""Bounded-pool drill (seeds/004, drill 1): the downstream is out, then heals by itself.
+"""Bounded-pool drill 1: the handler's downstream is out, then heals by itself.
 
     python -m tests.chaos.drills --outage 60       # part of `make chaos`
 

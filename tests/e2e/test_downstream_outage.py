@@ -1,4 +1,4 @@
-"""Drill 1 of seeds/004 in the suite: the handler's downstream is out for 12 s (60 s in
+"""Bounded-pool drill 1 in the suite: the handler's downstream is out for 12 s (60 s in
 `make chaos`); in flight stays within KODA_MAX_INFLIGHT, retries and queue age rise
 within their bounds, and koda recovers by itself once the downstream heals."""
 

@@ -1,4 +1,4 @@
-"""Drill 3 of seeds/004: a rolling deploy with two versions of the worker at once.
+"""Bounded-pool drill 3: a rolling deploy with two versions of the worker at once.
 
 The old version is the code of an earlier commit (``OLD_RELEASE``, extracted with
 ``git archive``), run from its own tree with ``python -S`` so nothing of this tree can

@@ -46,7 +46,7 @@ __all__ = ["REPLAYABLE", "RecordDecoder", "RowBatch", "run_day"]
 
 REPLAYABLE = (RUNS, RUN_EVENTS, RUN_CHUNKS, RUNS_DLQ)
 # A terminal transition outranks any other event of its run, whatever its offset:
-# terminal states have no outgoing edge (DESIGN §4).
+# terminal states have no outgoing edge (docs/design.md §4).
 TERMINAL_RANK = 1 << 62
 _TERMINAL = frozenset(s.value for s in RunStatus if s.terminal)
 
