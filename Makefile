@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay chaos
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay bench-memory-search chaos
 
 ## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers; Ctrl-C stops all
 dev: install
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
 
-## system-deps: PostgreSQL server binaries, Java and Chromium, via apt-get where missing
+## system-deps: Java, Chromium and kcat via apt-get where missing (PostgreSQL is a wheel)
 system-deps:
 	@bash deploy/local/system-deps.sh
 
@@ -88,3 +88,8 @@ bench-memory: install
 ## topic (200,000 chunk records; records/s median [min-max] of 3, and the ratio)
 bench-replay: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.replay $(BENCH_ARGS)
+
+## bench-memory-search: memory_search over 100,000 memories x 1,000 users; p50/p99 and
+## recall@5 of each plan (exact per-user, pgvector iterative scan, HNSW then filter)
+bench-memory-search: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.memory_search $(BENCH_ARGS)

@@ -85,6 +85,7 @@ class KafkaSecurity:
 
 _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _HANDLERS = ("demo", "openai")
+_EMBEDDERS = ("wordllama", "openai")
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,12 @@ class Settings:
     admin_token: str | None = field(default=None, repr=False)
     loop_stall_s: float = 10.0
     lag_interval_s: float = 10.0
+    # Long-term memory and tools (processors/memory/, processors/handlers/tools.py).
+    memory_enabled: bool = True
+    embedder: str = "wordllama"
+    embeddings_model: str = "text-embedding-3-small"
+    memory_auto_inject: int = 0
+    max_tool_turns: int = 8
 
     def __post_init__(self) -> None:
         if self.partitions & (self.partitions - 1):
@@ -168,6 +175,14 @@ class Settings:
             raise ConfigError(
                 f"KODA_BEAT_STALE_AFTER={self.beat_stale_after_s}s must be above "
                 f"KODA_BEAT_INTERVAL={self.beat_interval_s}s (three beats is the usual choice)"
+            )
+        if self.embedder not in _EMBEDDERS:
+            raise ConfigError(
+                f"KODA_EMBEDDER={self.embedder!r}: use one of {', '.join(_EMBEDDERS)}"
+            )
+        if self.memory_auto_inject and not 3 <= self.memory_auto_inject <= 5:
+            raise ConfigError(
+                f"KODA_MEMORY_AUTO_INJECT={self.memory_auto_inject}: 0 (off) or 3 to 5 memories"
             )
         if self.handler not in _HANDLERS:
             raise ConfigError(f"KODA_HANDLER={self.handler!r}: use one of {', '.join(_HANDLERS)}")
@@ -268,4 +283,9 @@ class Settings:
             admin_token=env.get("KODA_ADMIN_TOKEN") or None,
             loop_stall_s=_float(env, "KODA_LOOP_STALL", 10.0, lo=0.1, hi=600),
             lag_interval_s=_float(env, "KODA_LAG_INTERVAL", 10.0, lo=0.1, hi=3600),
+            memory_enabled=_bool(env, "KODA_MEMORY", True),
+            embedder=env.get("KODA_EMBEDDER", "wordllama"),
+            embeddings_model=env.get("KODA_EMBEDDINGS_MODEL", "text-embedding-3-small"),
+            memory_auto_inject=_int(env, "KODA_MEMORY_AUTO_INJECT", 0, lo=0, hi=5),
+            max_tool_turns=_int(env, "KODA_MAX_TOOL_TURNS", 8, lo=1, hi=100),
         )
