@@ -24,6 +24,7 @@ from gateway.admission import Admissions
 from gateway.auth import Authenticator
 from gateway.components import Components
 from gateway.errors import install_error_handlers
+from gateway.memories import router as memories_router
 from gateway.publisher import RunPublisher
 from gateway.ratelimit import TokenBuckets
 from gateway.routes import router
@@ -130,6 +131,7 @@ def create_app(
     app.include_router(router)
     app.include_router(sse_router)
     app.include_router(admin_router)
+    app.include_router(memories_router)
     app.add_middleware(RequestMetrics)
     return app
 

@@ -18,26 +18,20 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Literal
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from processors.memory.chunking import content_hash
+from schemas.memories import Memory, forget, list_for
+
+__all__ = ["Hit", "Memory", "forget", "insert", "list_for", "memory_id", "search"]
 from processors.memory.embedders import to_pgvector
 
 Plan = Literal["exact", "iterative", "hnsw"]
 PLANS: tuple[Plan, ...] = ("exact", "iterative", "hnsw")
 DEFAULT_PLAN: Plan = "exact"
-
-
-@dataclass(frozen=True)
-class Memory:
-    id: str
-    text: str
-    run_id: str | None
-    created_at: datetime
 
 
 @dataclass(frozen=True)
@@ -138,27 +132,3 @@ async def search(
             )
             rows = (await conn.execute(text(_INDEXED), params)).all()
     return [Hit(r.id, r.text, float(r.score)) for r in rows if float(r.score) >= min_score]
-
-
-async def list_for(engine: AsyncEngine, user_id: str, limit: int = 100) -> list[Memory]:
-    async with engine.connect() as conn:
-        rows = (
-            await conn.execute(
-                text(
-                    "SELECT id, text, run_id, created_at FROM memories WHERE user_id = :u"
-                    " ORDER BY created_at DESC, id LIMIT :limit"
-                ),
-                {"u": user_id, "limit": limit},
-            )
-        ).all()
-    return [Memory(r.id, r.text, r.run_id, r.created_at) for r in rows]
-
-
-async def forget(engine: AsyncEngine, user_id: str, memory_id_: str) -> bool:
-    """Delete one of the user's memories; False when the user has no such memory."""
-    async with engine.begin() as conn:
-        result = await conn.execute(
-            text("DELETE FROM memories WHERE id = :id AND user_id = :u"),
-            {"id": memory_id_, "u": user_id},
-        )
-    return bool(result.rowcount)

@@ -10,10 +10,14 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda.db import async_engine
+from koda.lifecycle.handler import RunContext, Usage
 from koda.settings import Settings
+from processors.handlers.openai import OpenAIHandler
 from processors.memory import store, tool
 from processors.memory.distil import demo_statements, statements_to_chunks
 from processors.memory.embedders import wordllama
+from processors.memory.service import MemoryService
+from tests.integration.test_openai_handler import ScriptedModel, serve_scripted_model
 from tests.memory_corpus import PAIRS
 
 # recall@5 of WordLlama on tests/memory_corpus.py (exact plan, tool.MIN_SCORE), measured
@@ -156,3 +160,35 @@ async def test_recall_at_5_on_the_labelled_set(engine: AsyncEngine) -> None:
     recall = found / len(PAIRS)
     print(f"recall@5 WordLlama on {len(PAIRS)} labelled queries: {recall:.3f}")
     assert recall >= RECALL_AT_5_AT_COMMIT - 0.05, recall
+
+
+async def test_auto_injection_puts_the_users_own_memories_in_the_prompt(
+    engine: AsyncEngine,
+) -> None:
+    await remember(engine, "gil", ["I live in Lisbon, near the river.", "I drive a blue Volvo."])
+    await remember(engine, "hal", ["My bank PIN is 4821."])
+    async with engine.begin() as conn:  # the run the distilled memory will point at
+        await conn.execute(text("INSERT INTO sessions (id, user_id) VALUES ('s-gil', 'gil')"))
+        await conn.execute(
+            text(
+                "INSERT INTO runs (id, session_id, user_id, idempotency_key, input)"
+                " VALUES ('run-gil', 's-gil', 'gil', 'k-gil', '{}')"
+            )
+        )
+    url, httpd = serve_scripted_model()
+    ScriptedModel.seen.clear()
+    memory = MemoryService(engine, wordllama(), auto_inject=3)
+    handler = OpenAIHandler(base_url=url, api_key=None, model="m", memory=memory)
+    try:
+        ctx = RunContext("run-gil", "gil", {"text": "Where do I live? My PIN?"}, 1)
+        items = [item async for item in handler.stream(ctx)]
+    finally:
+        await handler.aclose()
+        httpd.shutdown()
+    first = ScriptedModel.seen[0]["messages"]
+    assert first[0]["role"] == "system" and "Lisbon" in first[0]["content"]
+    assert "4821" not in json.dumps(ScriptedModel.seen)
+    assert [m["role"] for m in first] == ["system", "user"]
+    assert any(isinstance(i, Usage) and i.model.startswith("embedding:") for i in items)
+    without = MemoryService(engine, wordllama(), auto_inject=0)
+    assert await without.for_prompt(ctx, "where do I live") == ([], [])

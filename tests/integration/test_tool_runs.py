@@ -7,14 +7,19 @@ import asyncio
 import json
 from collections.abc import Iterator
 
+import httpx
 import pytest
+from typer.testing import CliRunner
 
+from gateway import create_app
+from gateway.memories_cli import memories_app
 from koda.db import async_engine
 from koda.settings import Settings
 from processors.memory import store
 from processors.memory.embedders import wordllama
 from schemas.migrate import upgrade
 from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.integration.test_gateway import running
 from tests.integration.test_openai_handler import (
     DISTILLED,
     FINAL_ANSWER,
@@ -23,7 +28,7 @@ from tests.integration.test_openai_handler import (
     serve_scripted_model,
 )
 from tests.support import wait_until
-from tests.workers import Submitter, WorkerProcess
+from tests.workers import Submitter, WorkerProcess, settings_env
 from topics.admin import apply_topics
 
 
@@ -167,3 +172,94 @@ def test_reaching_the_tool_turn_limit_fails_the_run_saying_so(
         assert kinds.count("tool") == 6 and kinds[-1] == "error"
     finally:
         w.stop()
+
+
+def memories_of(submitter: Submitter, user: str) -> list[str]:
+    rows = submitter.query("SELECT text FROM memories WHERE user_id = :u ORDER BY text", u=user)
+    return [r.text for r in rows]
+
+
+def test_a_worker_killed_between_distillation_and_insert_duplicates_nothing(
+    space: Settings, submitter: Submitter
+) -> None:
+    said = "I live in Lisbon. My dog is Bolt."
+    demo = {"tokens": 3, "delay_ms": 0, "remember_pause_ms": 60000}
+    started: list[WorkerProcess] = []
+
+    def worker(name: str) -> WorkerProcess:
+        started.append(WorkerProcess(space, name, {"KODA_HANDLER": "demo"}).start())
+        return started[-1]
+
+    def paused(w: WorkerProcess, run_id: str, where: str) -> None:
+        wait_until(
+            lambda: f"remember pause run_id={run_id} where={where}" in w.log(),
+            timeout=60,
+            what=f"worker paused {where}",
+        )
+
+    try:
+        d1 = worker("mem-d1")
+        first = submitter.submit(
+            "kim", {"text": said, "demo": {**demo, "remember_pause": "before_insert"}}
+        )
+        paused(d1, first, "before_insert")  # distilled and embedded, not inserted
+        assert memories_of(submitter, "kim") == []
+        d1.kill()
+        d2 = worker("mem-d2")
+        assert finished(submitter, first, d2) == "done"
+        assert memories_of(submitter, "kim") == [said]
+        # Killed after the insert and before the run is done: the successor runs the
+        # whole attempt again, and its insert finds the memories already there.
+        more = said + " I play chess."
+        second = submitter.submit(
+            "kim", {"text": more, "demo": {**demo, "remember_pause": "after_insert"}}
+        )
+        paused(d2, second, "after_insert")
+        assert memories_of(submitter, "kim") == [said, more]
+        d2.kill()
+        d3 = worker("mem-d3")
+        assert finished(submitter, second, d3) == "done"
+        assert memories_of(submitter, "kim") == [said, more]
+        (attempt,) = submitter.query("SELECT attempt FROM runs WHERE id = :r", r=second)
+        assert attempt.attempt == 2
+        embedding_rows = submitter.query(
+            "SELECT model FROM usage WHERE run_id = :r AND model LIKE 'embedding:%'", r=second
+        )
+        assert len(embedding_rows) == 1  # the finished attempt's
+    finally:
+        for w in started:
+            w.kill()
+
+
+def test_the_memories_api_and_cli_show_only_the_users_own_and_forget(
+    space: Settings, submitter: Submitter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed(space, "cy", "I live in Lisbon, near the river.", "I drive a blue Volvo.")
+    seed(space, "dee", "My bank PIN is 4821.")
+    with running(create_app(space, run_sweeper=False)) as url, httpx.Client(base_url=url) as c:
+        mine = c.get("/v1/memories", headers={"Authorization": "Bearer dev:cy"}).json()["memories"]
+        assert sorted(m["text"] for m in mine) == [
+            "I drive a blue Volvo.",
+            "I live in Lisbon, near the river.",
+        ]
+        theirs = c.get("/v1/memories", headers={"Authorization": "Bearer dev:dee"}).json()
+        (pin,) = theirs["memories"]
+        as_cy = {"Authorization": "Bearer dev:cy"}
+        assert c.delete(f"/v1/memories/{pin['id']}", headers=as_cy).status_code == 404
+        assert memories_of(submitter, "dee") == ["My bank PIN is 4821."]
+        (lisbon,) = [m for m in mine if "Lisbon" in m["text"]]
+        assert c.delete(f"/v1/memories/{lisbon['id']}", headers=as_cy).status_code == 204
+        assert c.delete(f"/v1/memories/{lisbon['id']}", headers=as_cy).status_code == 404
+        assert c.get("/v1/memories").status_code == 401
+        left = c.get("/v1/memories", headers=as_cy).json()["memories"]
+        assert [m["text"] for m in left] == ["I drive a blue Volvo."]
+    # The operators' CLI, against the same database.
+    for key, value in settings_env(space).items():
+        monkeypatch.setenv(key, value)
+    cli = CliRunner()
+    listed = cli.invoke(memories_app, ["list", "--user", "dee"])
+    assert listed.exit_code == 0 and pin["id"] in listed.output and "1 memories" in listed.output
+    assert cli.invoke(memories_app, ["delete", pin["id"], "--user", "cy"]).exit_code == 1
+    gone = cli.invoke(memories_app, ["delete", pin["id"], "--user", "dee"])
+    assert gone.exit_code == 0, gone.output
+    assert memories_of(submitter, "dee") == []
