@@ -93,3 +93,46 @@ def test_bad_arguments_get_an_error_naming_the_field(raw: str, message: str) -> 
 
 def test_limit_defaults_to_five() -> None:
     assert parse_args('{"query": "home city"}').limit == 5
+
+
+def test_memory_settings_are_read_and_checked() -> None:
+    from koda.errors import ConfigError
+    from koda.settings import Settings
+
+    s = Settings.from_env(
+        {
+            "APP_ENV": "dev",
+            "KODA_MEMORY": "false",
+            "KODA_EMBEDDER": "openai",
+            "KODA_EMBEDDINGS_MODEL": "emb-x",
+            "KODA_MEMORY_AUTO_INJECT": "4",
+            "KODA_MAX_TOOL_TURNS": "3",
+        }
+    )
+    assert (s.memory_enabled, s.embedder, s.embeddings_model) == (False, "openai", "emb-x")
+    assert (s.memory_auto_inject, s.max_tool_turns) == (4, 3)
+    with pytest.raises(ConfigError, match="KODA_EMBEDDER='bert'"):
+        Settings.from_env({"APP_ENV": "dev", "KODA_EMBEDDER": "bert"})
+    with pytest.raises(ConfigError, match="KODA_MEMORY_AUTO_INJECT=2: 0 .off. or 3 to 5"):
+        Settings.from_env({"APP_ENV": "dev", "KODA_MEMORY_AUTO_INJECT": "2"})
+    with pytest.raises(ConfigError, match="KODA_MAX_TOOL_TURNS"):
+        Settings.from_env({"APP_ENV": "dev", "KODA_MAX_TOOL_TURNS": "0"})
+
+
+def test_runs_follow_prints_tool_activity(capsys: pytest.CaptureFixture[str]) -> None:
+    import json as _json
+
+    from gateway.cli import _Follower
+    from gateway.eventstream import Event
+
+    follower = _Follower(None)
+    call = {"call_id": "c0", "name": "memory_search", "arguments": '{"query": "city"}'}
+    result = {"call_id": "c0", "name": "memory_search", "result": "No memories matched"}
+    for seq, content in enumerate((call, result)):
+        data = _json.dumps(
+            {"run_id": "r", "seq": seq, "kind": "tool", "content": _json.dumps(content)}
+        )
+        assert not follower.handle(Event(str(seq), "tool", data))
+    err = capsys.readouterr().err
+    assert '[tool memory_search({"query": "city"})]' in err
+    assert "[tool memory_search -> No memories matched]" in err
