@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any
 
@@ -16,7 +17,8 @@ from schemas.memories import forget, list_for
 
 router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
-MAX_ID_CHARS = 128
+# What processors/memory/store.py's memory_id makes; anything else is no memory.
+_ID = re.compile(r"mem_[0-9a-f]{24}")
 
 
 class MemoryOut(BaseModel):
@@ -70,7 +72,7 @@ async def get_memories(request: Request) -> MemoryList:
 )
 async def delete_memory(memory_id: str, request: Request) -> Response:
     user_id = _user(request)
-    found = len(memory_id) <= MAX_ID_CHARS and await forget(
+    found = _ID.fullmatch(memory_id) is not None and await forget(
         components_of(request).store.engine, user_id, memory_id
     )
     if not found:

@@ -251,6 +251,8 @@ def test_the_memories_api_and_cli_show_only_the_users_own_and_forget(
         assert c.delete(f"/v1/memories/{lisbon['id']}", headers=as_cy).status_code == 204
         assert c.delete(f"/v1/memories/{lisbon['id']}", headers=as_cy).status_code == 404
         assert c.get("/v1/memories").status_code == 401
+        for bogus in ("%00", "mem_" + "0" * 24, "x" * 500, "mem_' OR 1=1 --"):
+            assert c.delete(f"/v1/memories/{bogus}", headers=as_cy).status_code == 404
         left = c.get("/v1/memories", headers=as_cy).json()["memories"]
         assert [m["text"] for m in left] == ["I drive a blue Volvo."]
     # The operators' CLI, against the same database.
