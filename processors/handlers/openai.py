@@ -13,6 +13,7 @@ the user said into memories.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +24,8 @@ from koda.lifecycle.handler import Item, RunContext, RunFailed, ToolActivity, Us
 from processors.handlers.tools import ToolCall, ToolCallAssembler, activity
 from processors.memory import tool as tool_module
 from processors.memory.service import MemoryService
+
+log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
@@ -124,7 +127,13 @@ class OpenAIHandler:
                 "(KODA_MAX_TOOL_TURNS) without giving a final answer"
             )
         if self._memory is not None:
-            statements, usage = await self._distil(ctx)
+            # The answer is complete: a memory that cannot be made is logged and
+            # skipped, never a reason to fail (and re-run) the user's run.
+            try:
+                statements, usage = await self._distil(ctx)
+            except HandlerError as exc:
+                log.warning("memory not written run_id=%s: %s", ctx.run_id, str(exc)[:300])
+                return
             for u in usage:
                 yield u
             for u in await self._memory.remember(ctx, statements):
@@ -189,8 +198,15 @@ class OpenAIHandler:
             raise HandlerError(
                 f"memory distillation answered {resp.status_code}: {resp.text[:200]}"
             )
-        obj = resp.json()
-        usage_obj = obj.get("usage") or {}
+        try:
+            obj = resp.json()
+        except ValueError as exc:
+            raise HandlerError(f"memory distillation answer is not JSON: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise HandlerError("memory distillation answer is not a JSON object")
+        raw_usage = obj.get("usage")
+        usage_obj: dict[str, Any] = raw_usage if isinstance(raw_usage, dict) else {}
+        # The call was made and answered: it is a usage row whatever its content.
         usage = [
             Usage(
                 str(obj.get("model") or self._model),
@@ -201,12 +217,15 @@ class OpenAIHandler:
         try:
             content = obj["choices"][0]["message"]["content"]
             statements = json.loads(content)["statements"]
+            if not isinstance(statements, list):
+                raise TypeError("'statements' is not a list")
         except (KeyError, IndexError, TypeError, json.JSONDecodeError) as exc:
-            raise HandlerError(
-                f"memory distillation answer is not the JSON asked for: {exc!r}"
-            ) from exc
-        if not isinstance(statements, list):
-            raise HandlerError("memory distillation answer: 'statements' is not a list")
+            log.warning(
+                "memory not written run_id=%s: distillation answer is not the JSON asked for (%r)",
+                ctx.run_id,
+                exc,
+            )
+            return [], usage
         return [str(s) for s in statements if isinstance(s, str) and s.strip()], usage
 
     async def aclose(self) -> None:

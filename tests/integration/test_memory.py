@@ -192,3 +192,32 @@ async def test_auto_injection_puts_the_users_own_memories_in_the_prompt(
     assert any(isinstance(i, Usage) and i.model.startswith("embedding:") for i in items)
     without = MemoryService(engine, wordllama(), auto_inject=0)
     assert await without.for_prompt(ctx, "where do I live") == ([], [])
+
+
+async def test_an_unusable_distillation_answer_skips_the_memory_not_the_run(
+    engine: AsyncEngine,
+) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(text("INSERT INTO sessions (id, user_id) VALUES ('s-ivy', 'ivy')"))
+        await conn.execute(
+            text(
+                "INSERT INTO runs (id, session_id, user_id, idempotency_key, input)"
+                " VALUES ('run-ivy', 's-ivy', 'ivy', 'k-ivy', '{}')"
+            )
+        )
+    url, httpd = serve_scripted_model()
+    handler = OpenAIHandler(
+        base_url=url, api_key=None, model="bad-distil", memory=MemoryService(engine, wordllama())
+    )
+    try:
+        ctx = RunContext("run-ivy", "ivy", {"text": "I like tea."}, 1)
+        items = [item async for item in handler.stream(ctx)]
+    finally:
+        await handler.aclose()
+        httpd.shutdown()
+    model_calls = [
+        i for i in items if isinstance(i, Usage) and not i.model.startswith("embedding:")
+    ]
+    assert len(model_calls) == 5  # 4 turns and the distillation call, answered or not
+    assert "".join(i for i in items if isinstance(i, str)).endswith("is Bolt.")
+    assert await count(engine, "ivy") == 0

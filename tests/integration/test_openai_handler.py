@@ -127,6 +127,20 @@ class ScriptedModel(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         ScriptedModel.seen.append(body)
         usage = {"prompt_tokens": 11, "completion_tokens": 3}
+        if "response_format" in body and body["model"] == "bad-distil":
+            content = "Sorry, here are the facts: the user likes tea."  # not the JSON asked
+            answer = {
+                "model": "m-tools",
+                "choices": [{"index": 0, "message": {"content": content}}],
+            }
+            answer["usage"] = usage
+            payload = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
         if "response_format" in body:
             answer = {
                 "model": "m-tools",
