@@ -136,7 +136,12 @@ class OpenAIHandler:
                 return
             for u in usage:
                 yield u
-            for u in await self._memory.remember(ctx, statements):
+            try:
+                remembered = await self._memory.remember(ctx, statements)
+            except HandlerError as exc:  # the embedder failed; a database error propagates
+                log.warning("memory not written run_id=%s: %s", ctx.run_id, str(exc)[:300])
+                return
+            for u in remembered:
                 yield u
 
     async def _run_tool(self, ctx: RunContext, call: ToolCall) -> tuple[str, list[Usage]]:

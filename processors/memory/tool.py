@@ -9,13 +9,17 @@ error that names the field, the allowed range and an example.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from koda.errors import HandlerError
 from processors.memory import store
 from processors.memory.embedders import Embedded, Embedder
+
+log = logging.getLogger(__name__)
 
 NAME = "memory_search"
 DEFAULT_LIMIT = 5
@@ -109,6 +113,11 @@ class ToolResult:
     ok: bool
 
 
+UNAVAILABLE = (
+    "error: memory_search is unavailable right now. Answer without the user's memories; "
+    "do not guess what they might have said."
+)
+
 EMPTY = (
     "No memories matched this query: the user has not told you this (or it was forgotten). "
     "Do not guess; say you do not know, or ask the user."
@@ -129,7 +138,11 @@ async def memory_search(
         args = parse_args(raw_args)
     except ToolArgumentError as exc:
         return ToolResult(f"error: {exc}", None, ok=False)
-    embedded = await embedder.embed([args.query])
+    try:
+        embedded = await embedder.embed([args.query])
+    except HandlerError as exc:
+        log.warning("memory_search unavailable user_id=%s: %s", user_id, str(exc)[:300])
+        return ToolResult(UNAVAILABLE, None, ok=False)
     hits = await store.search(
         engine,
         user_id=user_id,

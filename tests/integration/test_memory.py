@@ -10,12 +10,13 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda.db import async_engine
-from koda.lifecycle.handler import RunContext, Usage
+from koda.errors import HandlerError
+from koda.lifecycle.handler import RunContext, ToolActivity, Usage
 from koda.settings import Settings
 from processors.handlers.openai import OpenAIHandler
 from processors.memory import store, tool
 from processors.memory.distil import demo_statements, statements_to_chunks
-from processors.memory.embedders import wordllama
+from processors.memory.embedders import OpenAIEmbedder, wordllama
 from processors.memory.service import MemoryService
 from tests.integration.test_openai_handler import ScriptedModel, serve_scripted_model
 from tests.memory_corpus import PAIRS
@@ -221,3 +222,42 @@ async def test_an_unusable_distillation_answer_skips_the_memory_not_the_run(
     assert len(model_calls) == 5  # 4 turns and the distillation call, answered or not
     assert "".join(i for i in items if isinstance(i, str)).endswith("is Bolt.")
     assert await count(engine, "ivy") == 0
+
+
+async def test_the_openai_embedder_and_a_broken_one(engine: AsyncEngine) -> None:
+    url, httpd = serve_scripted_model()
+    good = OpenAIEmbedder(url, "sk-x", "emb-1")
+    broken = OpenAIEmbedder(url, None, "emb-broken")
+    try:
+        embedded = await good.embed(["short", "a longer text"])
+        assert embedded.model == "emb-1" and embedded.tokens == 9
+        assert [len(v) for v in embedded.vectors] == [256, 256]
+        assert abs(sum(x * x for x in embedded.vectors[0]) - 1.0) < 1e-6
+        assert embedded.vectors[0] != embedded.vectors[1]  # put back in input order
+        assert ScriptedModel.seen[-1]["dimensions"] == 256
+        with pytest.raises(HandlerError, match="embeddings endpoint answered 503"):
+            await broken.embed(["x"])
+        # A run whose memory cannot be embedded still finishes, with no memory; the
+        # model is told the tool is unavailable.
+        async with engine.begin() as conn:
+            await conn.execute(text("INSERT INTO sessions (id, user_id) VALUES ('s-jo', 'jo')"))
+            await conn.execute(
+                text(
+                    "INSERT INTO runs (id, session_id, user_id, idempotency_key, input)"
+                    " VALUES ('run-jo', 's-jo', 'jo', 'k-jo', '{}')"
+                )
+            )
+        handler = OpenAIHandler(
+            base_url=url, api_key=None, model="m", memory=MemoryService(engine, broken)
+        )
+        ctx = RunContext("run-jo", "jo", {"text": "I like tea."}, 1)
+        items = [item async for item in handler.stream(ctx)]
+        await handler.aclose()
+        assert "".join(i for i in items if isinstance(i, str)).endswith("is Bolt.")
+        assert await count(engine, "jo") == 0
+        results = [json.loads(i.content) for i in items if isinstance(i, ToolActivity)]
+        assert results[1]["result"] == tool.UNAVAILABLE
+    finally:
+        await good.aclose()
+        await broken.aclose()
+        httpd.shutdown()

@@ -127,6 +127,9 @@ class ScriptedModel(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         ScriptedModel.seen.append(body)
         usage = {"prompt_tokens": 11, "completion_tokens": 3}
+        if self.path == "/v1/embeddings":
+            self._embeddings(body)
+            return
         if "response_format" in body and body["model"] == "bad-distil":
             content = "Sorry, here are the facts: the user likes tea."  # not the JSON asked
             answer = {
@@ -182,6 +185,26 @@ class ScriptedModel(BaseHTTPRequestHandler):
             self.wfile.write(_sse(event))
             self.wfile.flush()
         self.wfile.write(b"data: [DONE]\n\n")
+
+    def _embeddings(self, body: dict) -> None:
+        """Deterministic 256-d vectors (unnormalised, in reverse order, as a server may
+        send them); model "emb-broken" answers 503."""
+        if body["model"] == "emb-broken":
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = [
+            {"index": i, "embedding": [float((len(t) + k) % 7) + 1.0 for k in range(256)]}
+            for i, t in enumerate(body["input"])
+        ]
+        answer = {"model": body["model"], "data": data[::-1], "usage": {"prompt_tokens": 9}}
+        payload = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
 
     def log_message(self, *args: object) -> None:
         return
