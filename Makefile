@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # (a UserWarning, nothing to fix); filtered by its message so real warnings still show.
 PIP_QUIET := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay bench-chunk-repair bench-control bench-schedules chaos
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay bench-chunk-repair bench-control bench-schedules bench-memory-search chaos
 
 ## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers + a scheduler; Ctrl-C stops all
 dev: install
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP_QUIET) $(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
 
-## system-deps: PostgreSQL server binaries, Java and Chromium, via apt-get where missing
+## system-deps: Java, Chromium and kcat via apt-get where missing (PostgreSQL is a wheel)
 system-deps:
 	@bash deploy/local/system-deps.sh
 
@@ -106,3 +106,8 @@ bench-chunk-repair: install
 ## p50/p99, median [min-max] of 3; not part of make test)
 bench-control: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.control $(BENCH_ARGS)
+
+## bench-memory-search: memory_search over 100,000 memories x 1,000 users; p50/p99 and
+## recall@5 of each plan (exact per-user, pgvector iterative scan, HNSW then filter)
+bench-memory-search: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.memory_search $(BENCH_ARGS)

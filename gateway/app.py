@@ -26,6 +26,7 @@ from gateway.components import Components
 from gateway.control import router as control_router
 from gateway.control_store import ControlStore
 from gateway.errors import install_error_handlers
+from gateway.memories import router as memories_router
 from gateway.publisher import RunPublisher
 from gateway.ratelimit import TokenBuckets
 from gateway.routes import router
@@ -147,6 +148,7 @@ def create_app(
     app.include_router(usage_router)
     app.include_router(admin_router)
     app.include_router(schedules_router)
+    app.include_router(memories_router)
     app.add_middleware(RequestMetrics)
     return app
 

@@ -230,6 +230,8 @@ class _Follower:
             typer.echo(f"[reset: attempt {data.get('attempt', '?')} starts over]", err=True)
         elif event.event == "status":
             typer.echo(f"[status {data.get('content', '')}]", err=True)
+        elif event.event == "tool":
+            typer.echo(f"[tool {_tool_line(str(data.get('content', '')))}]", err=True)
         if event.event in TERMINAL_KINDS:
             self.outcome = event.event
             sys.stdout.write("\n")
@@ -239,6 +241,19 @@ class _Follower:
                 typer.echo(f"[{event.event}] {detail}", err=True)
             return True
         return False
+
+
+def _tool_line(content: str) -> str:
+    """``memory_search({"query": ...})`` for a call, ``memory_search -> <result>`` after."""
+    try:
+        tool = json.loads(content)
+    except json.JSONDecodeError:
+        return content[:200]
+    if not isinstance(tool, dict):
+        return content[:200]
+    if "arguments" in tool:
+        return f"{tool.get('name')}({str(tool['arguments'])[:200]})"
+    return f"{tool.get('name')} -> {str(tool.get('result', ''))[:200]}"
 
 
 def _data(event: Event) -> dict[str, Any]:

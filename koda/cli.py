@@ -452,11 +452,13 @@ def dev_command(
 
 def _add_optional_apps() -> None:
     from gateway.cli import runs_app
+    from gateway.memories_cli import memories_app
     from gateway.schedules_cli import schedules_app
     from koda.localstack.cli import services_app
 
     app.add_typer(services_app, name="services")
     app.add_typer(runs_app, name="runs")
+    app.add_typer(memories_app, name="memories")
     app.add_typer(schedules_app, name="schedules")
 
 

@@ -168,6 +168,7 @@ _HANDLERS = ("demo", "openai")
 # Fault points a test can switch on with KODA_TEST_FAULT (see processors/faults.py);
 # prod refuses every one of them.
 TEST_FAULTS = ("kill-after-chunks-commit", "kill-after-finish-commit")
+_EMBEDDERS = ("wordllama", "openai")
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,12 @@ class Settings:
     # The cost ledger and budgets. Off only to measure their cost (benchmarks): no ledger
     # rows, no budget checks, as before the ledger existed.
     cost_ledger: bool = True
+    # Long-term memory and tools (processors/memory/, processors/handlers/tools.py).
+    memory_enabled: bool = True
+    embedder: str = "wordllama"
+    embeddings_model: str = "text-embedding-3-small"
+    memory_auto_inject: int = 0
+    max_tool_turns: int = 8
 
     def __post_init__(self) -> None:
         if self.partitions & (self.partitions - 1):
@@ -268,6 +275,14 @@ class Settings:
             raise ConfigError(
                 f"KODA_BEAT_STALE_AFTER={self.beat_stale_after_s}s must be above "
                 f"KODA_BEAT_INTERVAL={self.beat_interval_s}s (three beats is the usual choice)"
+            )
+        if self.embedder not in _EMBEDDERS:
+            raise ConfigError(
+                f"KODA_EMBEDDER={self.embedder!r}: use one of {', '.join(_EMBEDDERS)}"
+            )
+        if self.memory_auto_inject and not 3 <= self.memory_auto_inject <= 5:
+            raise ConfigError(
+                f"KODA_MEMORY_AUTO_INJECT={self.memory_auto_inject}: 0 (off) or 3 to 5 memories"
             )
         if self.handler not in _HANDLERS:
             raise ConfigError(f"KODA_HANDLER={self.handler!r}: use one of {', '.join(_HANDLERS)}")
@@ -432,4 +447,9 @@ class Settings:
             scheduler_poll_s=_float(env, "KODA_SCHEDULER_POLL", 5.0, lo=0.05, hi=60),
             scheduler_batch=_int(env, "KODA_SCHEDULER_BATCH", 500, lo=1, hi=100_000),
             cost_ledger=_bool(env, "KODA_COST_LEDGER", True),
+            memory_enabled=_bool(env, "KODA_MEMORY", True),
+            embedder=env.get("KODA_EMBEDDER", "wordllama"),
+            embeddings_model=env.get("KODA_EMBEDDINGS_MODEL", "text-embedding-3-small"),
+            memory_auto_inject=_int(env, "KODA_MEMORY_AUTO_INJECT", 0, lo=0, hi=5),
+            max_tool_turns=_int(env, "KODA_MAX_TOOL_TURNS", 8, lo=1, hi=100),
         )

@@ -291,7 +291,7 @@ def build_worker(settings: Settings, datadir: str) -> tuple[faust.App, WorkerRun
     # chain retries the record in place, as after any database error.
     engine = async_engine(settings, pool_size=settings.max_inflight + 2, pre_ping=False)
     store = RunStore(engine)
-    handler = build_handler(settings)
+    handler = build_handler(settings, engine)
     app = KodaApp(settings.names.group(settings.worker_group), **faust_settings(settings, datadir))
     emitter = Emitter(settings, app.producer.send)
     executor = RunExecutor(settings, store, emitter, handler)

@@ -21,7 +21,15 @@ from typing import Any
 
 from koda.errors import HandlerError, KodaError, RecordError
 from koda.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
-from koda.lifecycle.handler import CancelToken, Handler, RunContext, Usage
+from koda.lifecycle.handler import (
+    CancelToken,
+    Handler,
+    Item,
+    RunContext,
+    RunFailed,
+    ToolActivity,
+    Usage,
+)
 from koda.lifecycle.ledger import LedgerCall, Outcome, calls_of
 from koda.lifecycle.retry import RetryPolicy
 from koda.lifecycle.states import RunStatus
@@ -322,7 +330,7 @@ class RunExecutor:
                         failures,
                         error[:200],
                     )
-                    if self.policy.exhausted(failures):
+                    if isinstance(exc, RunFailed) or self.policy.exhausted(failures):
                         await self._give_up(record, batcher, fence, ctx, attempt, error)
                         return
                     # Output already written stays; the next attempt starts with `reset`.
@@ -603,6 +611,14 @@ class RunExecutor:
                     tally.usage.append(item)
                     tally.unreported_chunks = 0
                     continue
+                if isinstance(item, ToolActivity):
+                    batcher.add(ChunkKind.TOOL, item.content)
+                    if batcher.full or window == 0:
+                        await batcher.flush()
+                        deadline = None
+                    elif deadline is None:
+                        deadline = time.monotonic() + window
+                    continue
                 if first:
                     TIME_TO_FIRST_CHUNK_SECONDS.observe(time.monotonic() - started)
                     first = False
@@ -670,7 +686,7 @@ class RunExecutor:
         )
 
 
-async def _pump(source: AsyncIterator[str | Usage], queue: asyncio.Queue[Any]) -> None:
+async def _pump(source: AsyncIterator[Item], queue: asyncio.Queue[Any]) -> None:
     try:
         async for item in source:
             await queue.put(item)

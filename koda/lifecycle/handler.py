@@ -1,7 +1,8 @@
 """The pluggable job: an async iterator of chunk texts and usage records.
 
-A handler gets a :class:`RunContext` and yields ``str`` (a chunk of the answer) or
-:class:`Usage` (one model call's token counts). It must check
+A handler gets a :class:`RunContext` and yields ``str`` (a chunk of the answer),
+:class:`Usage` (one model or embedding call's token counts) or :class:`ToolActivity`
+(a ``tool`` chunk: a tool call or its result, for viewers). It must check
 ``ctx.cancel.cancelled`` between steps and return early when set (a user's cancel,
 or a merged message that makes the worker start over); the worker also cancels the
 task then, and at the handoff ceiling.
@@ -13,6 +14,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from koda.errors import HandlerError
 
 
 class CancelToken:
@@ -63,6 +66,21 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ToolActivity:
+    """A visible ``tool`` chunk; ``content`` is JSON (see docs/design.md, section 5)."""
+
+    content: str
+
+
+class RunFailed(HandlerError):
+    """The run cannot succeed by trying again (e.g. the tool-turn limit): it ends
+    ``failed`` with this message at once, without using the retry budget."""
+
+
+Item = str | Usage | ToolActivity
+
+
+@dataclass(frozen=True)
 class RunContext:
     run_id: str
     user_id: str
@@ -74,7 +92,7 @@ class RunContext:
 class Handler(Protocol):
     name: str
 
-    def stream(self, ctx: RunContext) -> AsyncIterator[str | Usage]:
+    def stream(self, ctx: RunContext) -> AsyncIterator[Item]:
         """Yield the run's chunks in order, and usage records."""
         ...
 

