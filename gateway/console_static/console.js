@@ -293,6 +293,8 @@ function followRun(id, on) {
     es = new EventSource(`/v1/runs/${encodeURIComponent(id)}/events?access_token=${encodeURIComponent(auth.token)}${after}`);
     for (const kind of KINDS) {
       es.addEventListener(kind, (e) => {
+        // A dropped connection fires the same "error" name without data: not a run event.
+        if (typeof e.data !== "string") return;
         const data = JSON.parse(e.data);
         if (data.seq <= last) return;
         last = data.seq;
