@@ -94,7 +94,7 @@ class Console:
     def __init__(self, browser: Any, stack: Stack, user: str) -> None:
         self.page: Page = browser.new_page()
         self.errors: list[str] = []
-        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("console", self._console)
         self.page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
         self.page.goto(f"{stack.gateway.url}/console")
         self.page.evaluate("sessionStorage.clear()")
@@ -102,6 +102,10 @@ class Console:
         self.page.fill("#token", f"dev:{user}")
         self.page.click("#signin button[type=submit]")
         self.ready("chat")
+
+    def _console(self, message: Any) -> None:
+        if message.type == "error":
+            self.errors.append(message.text)
 
     def ready(self, view: str) -> None:
         self.page.wait_for_selector(f"#view[data-view='{view}'][data-ready='true']")
