@@ -12,6 +12,7 @@ import os
 import signal
 import tempfile
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,13 @@ from playwright.sync_api import Browser, Page, sync_playwright
 
 from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
+from schemas.heartbeats import Beat, beat_headers
 from schemas.migrate import upgrade
 from tests.integration.conftest import delete_topics, drop_schema, make_settings
 from tests.support import wait_until
 from tests.workers import GatewayProcess, Submitter, WorkerProcess
 from topics.admin import apply_topics
+from topics.catalogue import WORKERS
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = [
@@ -271,10 +274,20 @@ def test_output_with_markup_renders_as_text_and_others_runs_stay_closed(browser,
 
 
 def test_workers_view_shows_beats_partitions_and_real_lag(browser, stack) -> None:  # type: ignore[no-untyped-def]
+    # A worker that stopped beating a minute ago, as its last beat sits on the topic.
+    gone = Beat("w-gone", datetime.now(UTC) - timedelta(seconds=60), 0, "0.0.9", (), "old-host")
+    stack.sub.producer.produce(
+        stack.settings.names.topic(WORKERS),
+        key=b"w-gone",
+        value=gone.encode(),
+        headers=beat_headers(),
+    )
+    assert stack.sub.producer.flush(10) == 0
     c = Console(browser, stack, "alice")
     c.open("workers")
-    c.page.wait_for_selector("tr[data-worker='w1']")
-    c.page.wait_for_selector("tr[data-worker='w2']")
+    c.page.wait_for_selector("tr[data-worker='w1']:not(.stale)", timeout=20_000)
+    c.page.wait_for_selector("tr[data-worker='w2']:not(.stale)")
+    c.page.wait_for_selector("tr.stale[data-worker='w-gone']", timeout=20_000)
     lag = stack.api("alice", "GET", "/admin/lag").json()
     assert len(lag["partitions"]) == stack.settings.partitions
     assert sum(p["end_offset"] for p in lag["partitions"]) > 0  # the runs submitted so far
