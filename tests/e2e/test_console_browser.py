@@ -20,6 +20,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
+from koda.lifecycle.control import merge_inputs
 from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
 from schemas.heartbeats import Beat, beat_headers
@@ -182,6 +183,25 @@ def test_a_retry_shows_its_attempt_and_a_reset(browser, stack) -> None:  # type:
     assert c.page.text_content("#chat-attempt") == "retry: attempt 2"
     assert "reset" in str(c.page.text_content("#chat-notes"))
     assert c.page.text_content("#chat-output") == "".join(demo_tokens(inp))
+    c.close()
+
+
+def test_a_second_message_merges_as_a_reset_then_the_merged_answer(browser, stack) -> None:  # type: ignore[no-untyped-def]
+    c = Console(browser, stack, "grace")
+    first = {"text": "first question", "demo": {"tokens": 100, "delay_ms": 40}}
+    c.send(first)
+    run_id = c.run_id()
+    c.page.wait_for_function("document.querySelector('#chat-output').textContent.length > 10")
+    c.page.fill("#chat-input-json", "")
+    c.page.fill("#chat-text", "and in French")
+    c.page.click("#chat-send")  # the same session, still picked
+    c.page.wait_for_selector("#chat-notes .merged")
+    c.page.wait_for_selector("#chat-notes .reset", timeout=30_000)
+    c.page.wait_for_selector("#chat-output[data-finished='true']", timeout=60_000)
+    assert c.run_id() == run_id
+    want = "".join(demo_tokens(merge_inputs(first, {"text": "and in French"})))
+    assert c.page.text_content("#chat-output") == want
+    assert stack.api("grace", "GET", f"/v1/runs/{run_id}").json()["output"] == want
     c.close()
 
 
