@@ -23,6 +23,7 @@ from gateway.admin import router as admin_router
 from gateway.admission import Admissions
 from gateway.auth import Authenticator
 from gateway.components import Components
+from gateway.console import install_console
 from gateway.control import router as control_router
 from gateway.control_store import ControlStore
 from gateway.errors import install_error_handlers
@@ -149,6 +150,7 @@ def create_app(
     app.include_router(admin_router)
     app.include_router(schedules_router)
     app.include_router(memories_router)
+    install_console(app)
     app.add_middleware(RequestMetrics)
     return app
 

@@ -72,6 +72,7 @@ def run_dev(state_dir: Path, environ: Mapping[str, str], *, workers: int = 2) ->
         f"koda dev: gateway on http://127.0.0.1:{port}, {workers} workers, a scheduler;"
         " Ctrl-C stops all"
     )
+    print(f"console: http://127.0.0.1:{port}/console (sign in with the token dev:alice)")
     print(
         f"workers: http://127.0.0.1:{base_port}..{base_port + workers - 1}/metrics"
         f" (/livez, /readyz); heartbeats: http://127.0.0.1:{port}/admin/workers"

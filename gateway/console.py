@@ -1,0 +1,192 @@
+"""The web console at ``/console``, and the two reads it needs that no other route gives.
+
+The console is static files (gateway/console_static/: HTML, CSS and plain JavaScript
+modules, no build step, nothing fetched from another host) that call the public
+API with the bearer token the user signs in with, and ``/admin/*`` with the admin
+token. Two endpoints exist for it:
+
+* ``GET /v1/runs/{run_id}/timeline`` (owner only, 404 otherwise): the run's
+  lifecycle as Postgres holds it: its timestamps, worker, partition, attempts,
+  failures, cancel request, error, the non-chunk messages it emitted (status,
+  reset, done, error, cancelled, each with its attempt and time) and its cost
+  from the ledger.
+* ``GET /admin/lag`` (admin access as in gateway/admin.py): per runs partition,
+  the end offset, the worker group's committed offset and the lag, asked of the
+  broker when the request comes (the figures ``koda_consumer_lag`` reports).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import KafkaException
+from fastapi import APIRouter, FastAPI, Request, Security
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
+from fastapi.security import HTTPBearer
+from fastapi.staticfiles import StaticFiles
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+
+from gateway.admin import require_admin
+from gateway.components import components_of
+from gateway.errors import NotFound, Unavailable
+from koda.errors import DatabaseError
+from processors.offsets import GroupOffsetReader
+from topics.catalogue import RUNS
+
+STATIC = Path(__file__).with_name("console_static")
+MAX_RUN_ID_CHARS = 128
+
+router = APIRouter()
+_bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
+_admin_bearer = HTTPBearer(
+    auto_error=False, scheme_name="AdminToken", description="KODA_ADMIN_TOKEN (prod: required)"
+)
+
+_RUN = text(
+    """
+    SELECT id, session_id, status, attempt, worker_id, partition, created_at, published_at,
+           started_at, first_chunk_at, finished_at, error, failures, cancel_requested_at,
+           cancel_reason, schedule_id, scheduled_for
+    FROM runs WHERE id = :run_id AND user_id = :user_id
+    """
+)
+_EVENTS = text(
+    "SELECT seq, kind, content, attempt, created_at FROM messages"
+    " WHERE run_id = :run_id AND kind <> 'chunk' ORDER BY seq"
+)
+_CHUNKS = text(
+    "SELECT attempt, count(*) AS chunks, min(created_at) AS first_at, max(created_at) AS last_at"
+    " FROM messages WHERE run_id = :run_id AND kind = 'chunk' GROUP BY attempt ORDER BY attempt"
+)
+_COST = text(
+    "SELECT coalesce(sum(cost_usd), 0) AS cost, count(*) AS calls FROM ledger"
+    " WHERE run_id = :run_id"
+)
+
+
+def install_console(app: FastAPI) -> None:
+    """Serve the console's page at ``/console`` and its assets under ``/console/assets``."""
+    app.mount("/console/assets", StaticFiles(directory=STATIC), name="console-assets")
+    app.include_router(router)
+
+
+@router.get("/console", include_in_schema=False)
+async def console_page() -> FileResponse:
+    return FileResponse(STATIC / "index.html", media_type="text/html")
+
+
+@router.get("/console/", include_in_schema=False)
+async def console_slash() -> RedirectResponse:
+    return RedirectResponse("/console", status_code=308)
+
+
+def _iso(value: Any) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+@router.get(
+    "/v1/runs/{run_id}/timeline",
+    dependencies=[Security(_bearer)],
+    summary="A run's lifecycle: timestamps, worker, partition, attempts, events and cost",
+)
+async def run_timeline(run_id: str, request: Request) -> JSONResponse:
+    gw = components_of(request)
+    user_id = gw.auth.authenticate(request.headers.get("authorization"))
+    request.state.user_id = user_id
+    missing = NotFound("run not found: check the run id and the token's user", field="run_id")
+    if not run_id or len(run_id) > MAX_RUN_ID_CHARS or "\x00" in run_id:
+        raise missing
+    try:
+        async with gw.store.engine.connect() as conn:
+            run = (await conn.execute(_RUN, {"run_id": run_id, "user_id": user_id})).first()
+            if run is None:
+                raise missing
+            events = (await conn.execute(_EVENTS, {"run_id": run_id})).all()
+            chunks = (await conn.execute(_CHUNKS, {"run_id": run_id})).all()
+            cost = (await conn.execute(_COST, {"run_id": run_id})).one()
+    except SQLAlchemyError as exc:
+        raise DatabaseError(f"reading a run's timeline failed: {type(exc).__name__}") from exc
+    return JSONResponse(
+        {
+            "run_id": run.id,
+            "session_id": run.session_id,
+            "status": run.status,
+            "attempt": run.attempt,
+            "worker_id": run.worker_id,
+            "partition": run.partition,
+            "failures": run.failures,
+            "error": run.error,
+            "cancel_reason": run.cancel_reason,
+            "schedule_id": run.schedule_id,
+            "scheduled_for": _iso(run.scheduled_for),
+            "times": {
+                "created_at": _iso(run.created_at),
+                "published_at": _iso(run.published_at),
+                "started_at": _iso(run.started_at),
+                "first_chunk_at": _iso(run.first_chunk_at),
+                "cancel_requested_at": _iso(run.cancel_requested_at),
+                "finished_at": _iso(run.finished_at),
+            },
+            "events": [
+                {
+                    "seq": e.seq,
+                    "kind": e.kind,
+                    "content": e.content,
+                    "attempt": e.attempt,
+                    "at": _iso(e.created_at),
+                }
+                for e in events
+            ],
+            "attempts": [
+                {
+                    "attempt": c.attempt,
+                    "chunks": c.chunks,
+                    "first_chunk_at": _iso(c.first_at),
+                    "last_chunk_at": _iso(c.last_at),
+                }
+                for c in chunks
+            ],
+            "cost_usd": str(cost.cost),
+            "billable_calls": cost.calls,
+        }
+    )
+
+
+@router.get(
+    "/admin/lag",
+    tags=["admin"],
+    dependencies=[Security(_admin_bearer)],
+    summary="Per runs partition: end offset, the worker group's committed offset, and lag",
+)
+async def consumer_lag(request: Request) -> JSONResponse:
+    require_admin(request)
+    settings = components_of(request).settings
+    topic = settings.names.topic(RUNS)
+    group = settings.names.group(settings.worker_group)
+    reader = GroupOffsetReader(settings, "console-lag", topic, group)
+    try:
+        rows = await reader.run(_measure, reader, list(range(settings.partitions)))
+    except KafkaException as exc:
+        raise Unavailable(f"the broker did not answer for offsets: {exc}") from None
+    finally:
+        await reader.aclose()
+    return JSONResponse({"topic": topic, "group": group, "partitions": rows})
+
+
+def _measure(reader: GroupOffsetReader, partitions: list[int]) -> list[dict[str, Any]]:
+    committed = reader.committed(partitions)
+    rows = []
+    for p in partitions:
+        low, high = reader.watermarks(p)
+        position = committed.get(p)
+        rows.append(
+            {
+                "partition": p,
+                "end_offset": high,
+                "committed": position,
+                "lag": max(0, high - (low if position is None else position)),
+            }
+        )
+    return rows

@@ -1,0 +1,354 @@
+"""The web console in headless Chromium against a real gateway and real workers.
+
+One stack per module (a gateway process, two workers, this module's topics and
+schema); each test opens its own page and fails on any JavaScript console error.
+Screenshots of every view go to $KODA_ARTIFACTS (else a temp dir, printed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, Page, sync_playwright
+
+from koda.lifecycle.control import merge_inputs
+from koda.settings import Settings
+from processors.handlers.demo import demo_tokens
+from schemas.heartbeats import Beat, beat_headers
+from schemas.migrate import upgrade
+from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.support import wait_until
+from tests.workers import GatewayProcess, Submitter, WorkerProcess
+from topics.admin import apply_topics
+from topics.catalogue import WORKERS
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+GATEWAY_ENV = {"KODA_SSE_KEEPALIVE": "0.5", "KODA_SSE_RETRY_MS": "200"}
+ARTIFACTS = Path(os.environ.get("KODA_ARTIFACTS") or tempfile.mkdtemp(prefix="koda-console-"))
+
+
+class Stack:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.sub = Submitter(settings)
+        self.gateway = GatewayProcess(settings, dict(GATEWAY_ENV)).start()
+        self.workers = [WorkerProcess(settings, f"w{i}").start() for i in (1, 2)]
+
+    def api(self, user: str, method: str, path: str, **kw: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer dev:{user}"}
+        return httpx.request(method, self.gateway.url + path, headers=headers, timeout=10, **kw)
+
+
+@pytest.fixture(scope="module")
+def stack(stack) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
+    settings = make_settings(stack)
+    apply_topics(settings)
+    upgrade(settings)
+    s = Stack(settings)
+    try:
+        yield s
+    finally:
+        for w in s.workers:
+            w.stop()
+        s.gateway.stop()
+        s.sub.close()
+        delete_topics(settings)
+        drop_schema(settings)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not CHROMIUM.exists():
+        pytest.fail("chromium is missing: run `make system-deps` (apt-get install chromium)")
+    print(f"console screenshots: {ARTIFACTS}")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        data_dir = tempfile.mkdtemp(prefix="koda-chromium-")
+        context = pw.chromium.launch_persistent_context(
+            data_dir, executable_path=str(CHROMIUM), headless=True, args=ARGS
+        )
+        try:
+            yield context  # type: ignore[misc]
+        finally:
+            context.close()
+
+
+class Console:
+    """One page signed in as ``user``, collecting console errors."""
+
+    def __init__(self, browser: Any, stack: Stack, user: str) -> None:
+        self.page: Page = browser.new_page()
+        self.errors: list[str] = []
+        self.page.on("console", self._console)
+        self.page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
+        self.page.goto(f"{stack.gateway.url}/console")
+        self.page.evaluate("sessionStorage.clear()")
+        self.page.reload()
+        self.page.fill("#token", f"dev:{user}")
+        self.page.click("#signin button[type=submit]")
+        self.ready("chat")
+
+    def _console(self, message: Any) -> None:
+        if message.type == "error":
+            self.errors.append(message.text)
+
+    def ready(self, view: str) -> None:
+        self.page.wait_for_selector(f"#view[data-view='{view}'][data-ready='true']")
+
+    def open(self, hash_: str) -> None:
+        self.page.evaluate("h => { location.hash = h; }", hash_)
+        self.ready(hash_.split("/")[0])
+
+    def shot(self, name: str) -> None:
+        self.page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+    def send(self, inp: dict[str, Any]) -> None:
+        self.page.click("details summary")
+        self.page.fill("#chat-input-json", json.dumps(inp))
+        self.page.click("#chat-send")
+        self.page.wait_for_function("document.querySelector('#chat-run a') !== null")
+
+    def run_id(self) -> str:
+        return str(self.page.text_content("#chat-run a"))
+
+    def close(self, allowed: tuple[str, ...] = ()) -> None:
+        errors = [e for e in self.errors if not any(a in e for a in allowed)]
+        self.page.close()
+        assert errors == [], errors
+
+
+# Records every distinct text the output shows, to prove it grew chunk by chunk.
+WATCH_OUTPUT = """() => {
+  const out = document.querySelector('#chat-output');
+  window.seen = [];
+  new MutationObserver(() => window.seen.push(out.textContent))
+    .observe(out, {childList: true, characterData: true, subtree: true});
+}"""
+
+
+def test_an_answer_streams_token_by_token_and_equals_the_output(browser, stack) -> None:  # type: ignore[no-untyped-def]
+    c = Console(browser, stack, "alice")
+    inp = {"text": "hello console", "demo": {"tokens": 30, "delay_ms": 40}}
+    c.page.evaluate(WATCH_OUTPUT)
+    c.send(inp)
+    c.page.wait_for_selector("#chat-output[data-finished='true']", timeout=60_000)
+    want = "".join(demo_tokens(inp))
+    assert c.page.text_content("#chat-output") == want
+    run = stack.api("alice", "GET", f"/v1/runs/{c.run_id()}").json()
+    assert run["output"] == want and run["status"] == "done"
+    seen = [s for s in c.page.evaluate("window.seen") if s]
+    assert len(set(seen)) >= 10, seen  # many partial answers, not one final paint
+    assert all(want.startswith(s) for s in seen)
+    assert c.page.text_content("#chat-status") == "done"
+    c.shot("chat")
+    c.close()
+
+
+def test_the_stop_button_cancels_the_run(browser, stack) -> None:  # type: ignore[no-untyped-def]
+    c = Console(browser, stack, "carol")
+    c.send({"text": "stop me", "demo": {"tokens": 400, "delay_ms": 50}})
+    c.page.wait_for_function("document.querySelector('#chat-output').textContent.length > 20")
+    c.page.click("#chat-stop")
+    c.page.wait_for_selector("#chat-output[data-finished='true']", timeout=30_000)
+    run_id = c.run_id()
+    assert stack.sub.statuses([run_id]) == {run_id: "cancelled"}
+    assert c.page.text_content("#chat-status") == "cancelled"
+    c.close()
+
+
+def test_a_retry_shows_its_attempt_and_a_reset(browser, stack) -> None:  # type: ignore[no-untyped-def]
+    c = Console(browser, stack, "dave")
+    inp = {"text": "retry me", "demo": {"tokens": 10, "fail_attempts": 1}}
+    c.send(inp)
+    c.page.wait_for_selector("#chat-output[data-finished='true']", timeout=60_000)
+    assert c.page.text_content("#chat-attempt") == "retry: attempt 2"
+    assert "reset" in str(c.page.text_content("#chat-notes"))
+    assert c.page.text_content("#chat-output") == "".join(demo_tokens(inp))
+    c.close()
+
+
+def test_a_second_message_merges_as_a_reset_then_the_merged_answer(browser, stack) -> None:  # type: ignore[no-untyped-def]
+    c = Console(browser, stack, "grace")
+    first = {"text": "first question", "demo": {"tokens": 100, "delay_ms": 40}}
+    c.send(first)
+    run_id = c.run_id()
+    c.page.wait_for_function("document.querySelector('#chat-output').textContent.length > 10")
+    c.page.fill("#chat-input-json", "")
+    c.page.fill("#chat-text", "and in French")
+    c.page.click("#chat-send")  # the same session, still picked
+    c.page.wait_for_selector("#chat-notes .merged")
+    c.page.wait_for_selector("#chat-notes .reset", timeout=30_000)
+    c.page.wait_for_selector("#chat-output[data-finished='true']", timeout=60_000)
+    assert c.run_id() == run_id
+    want = "".join(demo_tokens(merge_inputs(first, {"text": "and in French"})))
+    assert c.page.text_content("#chat-output") == want
+    assert stack.api("grace", "GET", f"/v1/runs/{run_id}").json()["output"] == want
+    c.close()
+
+
+def test_the_chat_survives_a_gateway_kill_mid_stream(browser, stack) -> None:  # type: ignore[no-untyped-def]
+    c = Console(browser, stack, "erin")
+    inp = {"text": "survive a restart", "demo": {"tokens": 60, "delay_ms": 80}}
+    c.send(inp)
+    c.page.wait_for_function("document.querySelector('#chat-output').textContent.length > 30")
+    first = stack.gateway
+    assert first.proc is not None
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.proc.wait(10)
+    c.page.wait_for_selector("#chat-notes .dropped", timeout=10_000)
+    stack.gateway = GatewayProcess(stack.settings, dict(GATEWAY_ENV), port=first.port).start()
+    c.page.wait_for_selector("#chat-output[data-finished='true']", timeout=90_000)
+    assert c.page.text_content("#chat-output") == "".join(demo_tokens(inp))
+    # The browser reports the refused reconnects as failed loads; nothing else may fail.
+    c.close(allowed=("ERR_CONNECTION_REFUSED", "ERR_INCOMPLETE_CHUNKED_ENCODING"))
+
+
+def test_runs_list_filters_pages_and_opens_a_detail(browser, stack) -> None:  # type: ignore[no-untyped-def]
+    wait_until(lambda: stack.sub.query("SELECT 1 FROM ledger WHERE user_id = 'alice'"))
+    c = Console(browser, stack, "alice")
+    for i in range(21):
+        stack.api("alice", "POST", "/v1/runs", json={"input": {"text": f"page {i}"}})
+    c.open("runs")
+    assert c.page.locator("#runs-list tbody tr").count() == 20
+    c.page.click("#runs-older")
+    c.page.wait_for_function("document.querySelectorAll('#runs-list tbody tr').length < 20")
+    assert c.page.locator("#runs-list tbody tr").count() >= 2
+    c.page.select_option("#runs-status", "done")
+    c.page.click("#runs-filter button[type=submit]")
+    wait_until(
+        lambda: stack.sub.query(
+            "SELECT 1 FROM runs WHERE user_id = 'alice' AND input->>'text' = 'hello console'"
+            " AND status = 'done'"
+        )
+    )
+    c.page.wait_for_function(
+        "[...document.querySelectorAll('#runs-list tbody tr')]"
+        ".every(r => r.textContent.includes('done'))"
+    )
+    c.shot("runs")
+    row = stack.sub.query(
+        "SELECT id, worker_id, partition FROM runs WHERE input->>'text' = 'hello console'"
+    )[0]
+    c.open(f"run/{row.id}")
+    text = str(c.page.text_content("#view"))
+    assert row.worker_id in text and f"Partition{row.partition}" in text
+    timeline = str(c.page.text_content("#run-timeline"))
+    for step in ("created", "started", "first chunk", "finished", "done"):
+        assert step in timeline, timeline
+    assert "Cost$0." in text  # the demo model's priced calls
+    c.shot("run-detail")
+    c.close()
+
+
+def test_output_with_markup_renders_as_text_and_others_runs_stay_closed(browser, stack) -> None:  # type: ignore[no-untyped-def]
+    evil = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">'
+    run_id = stack.sub.submit("mallory", {"text": "x"}, publish=False)
+    with stack.sub.engine.begin() as conn:
+        from sqlalchemy import text
+
+        conn.execute(
+            text(
+                "INSERT INTO messages (run_id, seq, kind, content, attempt) VALUES"
+                " (:r, 0, 'chunk', :c, 1), (:r, 1, 'error', :c, 1)"
+            ),
+            {"r": run_id, "c": evil},
+        )
+        conn.execute(
+            text(
+                "UPDATE runs SET status = 'failed', error = :c, attempt = 1, finished_at = now()"
+                " WHERE id = :r"
+            ),
+            {"r": run_id, "c": evil},
+        )
+    c = Console(browser, stack, "mallory")
+    c.open(f"run/{run_id}")
+    assert c.page.text_content("#run-output") == evil
+    assert c.page.text_content("#run-dlq") == evil
+    assert c.page.locator("#view img, #view script").count() == 0
+    assert c.page.evaluate("window.pwned") is None
+    c.close()
+    other = Console(browser, stack, "bob")
+    other.open(f"run/{run_id}")
+    assert "run not found" in str(other.page.text_content("#run-error"))
+    assert evil not in str(other.page.text_content("#view"))
+    other.close(allowed=("404",))  # the browser logs the refused fetch itself
+
+
+def test_workers_view_shows_beats_partitions_and_real_lag(browser, stack) -> None:  # type: ignore[no-untyped-def]
+    # A worker that stopped beating a minute ago, as its last beat sits on the topic.
+    gone = Beat("w-gone", datetime.now(UTC) - timedelta(seconds=60), 0, "0.0.9", (), "old-host")
+    stack.sub.producer.produce(
+        stack.settings.names.topic(WORKERS),
+        key=b"w-gone",
+        value=gone.encode(),
+        headers=beat_headers(),
+    )
+    assert stack.sub.producer.flush(10) == 0
+    c = Console(browser, stack, "alice")
+    c.open("workers")
+    c.page.wait_for_selector("tr[data-worker='w1']:not(.stale)", timeout=20_000)
+    c.page.wait_for_selector("tr[data-worker='w2']:not(.stale)")
+    c.page.wait_for_selector("tr.stale[data-worker='w-gone']", timeout=20_000)
+    lag = stack.api("alice", "GET", "/admin/lag").json()
+    assert len(lag["partitions"]) == stack.settings.partitions
+    assert sum(p["end_offset"] for p in lag["partitions"]) > 0  # the runs submitted so far
+    assert c.page.locator("#workers-lag tbody tr").count() == stack.settings.partitions
+    c.shot("workers")
+    c.close()
+
+
+def test_schedules_view_pauses_resumes_and_runs_now(browser, stack) -> None:  # type: ignore[no-untyped-def]
+    made = stack.api(
+        "frank",
+        "POST",
+        "/v1/schedules",
+        json={"cron": "0 9 * * 1-5", "timezone": "Europe/Paris", "input": {"text": "daily"}},
+    )
+    assert made.status_code == 201, made.text
+    sid = made.json()["id"]
+    c = Console(browser, stack, "frank")
+    c.open("schedules")
+    row = f"tr[data-schedule='{sid}']"
+    c.page.click(f"{row} button[data-action='pause']")
+    c.page.wait_for_selector(f"{row} button[data-action='resume']")
+    assert stack.sub.query("SELECT enabled FROM schedules WHERE id = :i", i=sid)[0].enabled is False
+    c.page.click(f"{row} button[data-action='resume']")
+    c.page.wait_for_selector(f"{row} button[data-action='pause']")
+    c.page.click(f"{row} button[data-action='run-now']")
+    c.page.wait_for_selector("#schedules-message a")
+    fired = str(c.page.text_content("#schedules-message a"))
+    assert (
+        stack.sub.query("SELECT schedule_id FROM runs WHERE id = :i", i=fired)[0].schedule_id == sid
+    )
+    c.shot("schedules")
+    c.close()
+
+
+def test_usage_view_draws_cost_by_day_and_model_and_top_users(browser, stack) -> None:  # type: ignore[no-untyped-def]
+    wait_until(lambda: stack.sub.query("SELECT 1 FROM ledger WHERE user_id = 'alice'"))
+    c = Console(browser, stack, "alice")
+    c.open("usage")
+    assert c.page.locator("#usage-by-day rect").count() >= 1
+    assert "demo-1" in str(c.page.text_content("#usage-by-model"))
+    assert "alice" in str(c.page.text_content("#usage-top-users"))
+    c.shot("usage")
+    c.close()
