@@ -182,11 +182,12 @@ def _optional_str(obj: dict[str, Any], name: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise InvalidField(f"{name} must be a string, got {_json_type(value)}", field=name)
+        raise InvalidField(f"{name} must be a string, got {json_type(value)}", field=name)
     return value
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """The JSON name of ``value``'s type, for error messages that say what came."""
     if isinstance(value, bool):
         return "boolean"
     if isinstance(value, int | float):
@@ -203,7 +204,7 @@ def _json_type(value: Any) -> str:
 def parse_run_request(obj: Any) -> RunRequest:
     """Validate a decoded body against ``{session_id?, input, metadata?, client_message_id?}``."""
     if not isinstance(obj, dict):
-        raise InvalidField(f"the body must be a JSON object, got {_json_type(obj)}", field="body")
+        raise InvalidField(f"the body must be a JSON object, got {json_type(obj)}", field="body")
     for name in obj:
         if name not in FIELDS:
             raise InvalidField(
@@ -224,7 +225,7 @@ def parse_run_request(obj: Any) -> RunRequest:
         run_input = raw_input
     else:
         raise InvalidField(
-            f"input must be a JSON object or a string, got {_json_type(raw_input)}",
+            f"input must be a JSON object or a string, got {json_type(raw_input)}",
             field="input",
         )
 
@@ -237,7 +238,7 @@ def parse_run_request(obj: Any) -> RunRequest:
     metadata = obj.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise InvalidField(
-            f"metadata must be a JSON object, got {_json_type(metadata)}", field="metadata"
+            f"metadata must be a JSON object, got {json_type(metadata)}", field="metadata"
         )
 
     client_message_id = _optional_str(obj, "client_message_id")

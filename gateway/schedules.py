@@ -23,7 +23,14 @@ from pydantic import BaseModel, Field
 from gateway.admission import payment_required
 from gateway.components import Components, components_of
 from gateway.errors import InvalidField, NotFound
-from gateway.intake import SESSION_ID, check_content_type, decode_json, parse_run_request, read_body
+from gateway.intake import (
+    SESSION_ID,
+    check_content_type,
+    decode_json,
+    json_type,
+    parse_run_request,
+    read_body,
+)
 from gateway.models import ErrorBody
 from gateway.scheduled import ScheduleRow, ScheduleStore, fire
 from gateway.store import OverBudget
@@ -142,24 +149,10 @@ def _body(row: ScheduleRow) -> ScheduleBody:
     )
 
 
-def _json_type(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return "null"
-
-
 def _integer(obj: dict[str, Any], name: str, lo: int, hi: int, example: int) -> int:
     value = obj[name]
     if type(value) is not int or not lo <= value <= hi:
-        got = value if type(value) is int else _json_type(value)
+        got = value if type(value) is int else json_type(value)
         raise InvalidField(
             f"{name} must be an integer {lo}..{hi}, e.g. {example} (got {got})", field=name
         )
@@ -198,7 +191,7 @@ def parse_fields(obj: Any, *, creating: bool) -> dict[str, Any]:
     ``cron`` and ``timezone`` are returned as given (checked together by the caller,
     which knows the stored one of a partial update)."""
     if not isinstance(obj, dict):
-        raise InvalidField(f"the body must be a JSON object, got {_json_type(obj)}", field="body")
+        raise InvalidField(f"the body must be a JSON object, got {json_type(obj)}", field="body")
     for name in obj:
         if name not in FIELDS:
             raise InvalidField(
@@ -224,7 +217,7 @@ def parse_fields(obj: Any, *, creating: bool) -> dict[str, Any]:
     if "enabled" in obj:
         if not isinstance(obj["enabled"], bool):
             raise InvalidField(
-                f"enabled must be true or false, got {_json_type(obj['enabled'])}", field="enabled"
+                f"enabled must be true or false, got {json_type(obj['enabled'])}", field="enabled"
             )
         out["enabled"] = obj["enabled"]
     if "quiet_hours" in obj:
