@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -258,7 +259,13 @@ def test_schedulers_fire_every_due_minute_once_through_a_kill_and_a_downtime(sta
             assert set(minutes) <= {start + timedelta(minutes=i) for i in range(6)}
             assert max(minutes) <= end
         assert first_pair[1].alive(), first_pair[1].log()[-3000:]
-        assert "event=schedule_fired" in first_pair[0].log()  # s1 worked before dying
+        # s1 was at work before dying: it planned and inserted fires. Which replica's
+        # inserts win each minute is a race (s1 may have lost all of them), so this asks
+        # for its batches, not for runs it created.
+        batches = re.findall(
+            r"event=scheduler_batch schedules=\d+ fires=(\d+)", first_pair[0].log()
+        )
+        assert any(int(n) > 0 for n in batches), first_pair[0].log()[-3000:]
         print(f"s1 was killed with {partial}/{STEADY_SCHEDULES} of the minute's runs written")
 
         drun = downtime.runs()
