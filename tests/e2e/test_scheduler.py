@@ -181,6 +181,9 @@ def _fire_log_order(proc: SchedulerProcess, schedule_id: str) -> list[str]:
 def test_schedulers_fire_every_due_minute_once_through_a_kill_and_a_downtime(stack) -> None:  # type: ignore[no-untyped-def]
     steady, downtime = Namespace(stack), Namespace(stack)
     try:
+        # Begin early in a minute: the "short" schedule's 60 s window must still cover
+        # the first minute once the schedulers are up (they take seconds to start here).
+        wait_until(lambda: datetime.now(UTC).second < 25, timeout=40, what="an early second")
         start = _minute(datetime.now(UTC))  # already due: fires as soon as a scheduler runs
         steady_ids = [steady.schedule(f"u{i}", start) for i in range(STEADY_SCHEDULES)]
         long_ids = [downtime.schedule(f"b{i}", start, catchup_s=600) for i in range(2)]
