@@ -1,21 +1,14 @@
-"""A small SSE client for tests (connect, read k events or all, resume) and an in-thread
-gateway for tests that need settings of their own."""
+"""A small SSE client for tests: connect, read k events or all, resume."""
 
 from __future__ import annotations
 
 import json
-import socket
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import uvicorn
 
 from gateway.eventstream import TERMINAL_KINDS, Event, EventParser
-from tests.support import wait_until
 
 
 @dataclass
@@ -79,6 +72,15 @@ def contents(events: list[Event]) -> list[tuple[int | None, str, str]]:
     return out
 
 
+def numbered(items: list[tuple[int | None, str, str]]) -> list[tuple[int, str, str]]:
+    """``contents`` of a run's stream, where every event carries its seq."""
+    out = []
+    for seq, kind, content in items:
+        assert seq is not None, f"a {kind} event without a seq"
+        out.append((seq, kind, content))
+    return out
+
+
 @dataclass
 class Followed:
     """Everything a resuming client received over all its connections."""
@@ -118,23 +120,3 @@ async def follow_run(
         if s.terminal:
             return out
     raise AssertionError(f"run {run_id} not finished after {max_connections} connections")
-
-
-@contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on a free port in a thread; yield its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started or not thread.is_alive(), timeout=60, what="uvicorn up")
-    assert server.started, "the gateway did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()

@@ -5,13 +5,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 T = TypeVar("T")
 
+# A condition answers its value once it holds, and None or False until then: the wait
+# returns that value, so its type is the condition's without the falsy "not yet".
+Pending = None | Literal[False]
+
 
 def wait_until(
-    condition: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.1, what: str = ""
+    condition: Callable[[], T | Pending],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.1,
+    what: str = "",
 ) -> T:
     """Return the first truthy value of ``condition()``; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -25,7 +33,7 @@ def wait_until(
 
 
 async def async_wait_until(
-    condition: Callable[[], Awaitable[T]],
+    condition: Callable[[], Awaitable[T | Pending]],
     *,
     timeout: float = 30.0,
     interval: float = 0.1,

@@ -65,21 +65,22 @@ def build(settings: Settings) -> Any:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
 
+        def settle(err: Any) -> None:
+            if done.done():
+                return
+            if err:
+                done.set_exception(RuntimeError(str(err)))
+            else:
+                done.set_result(None)
+
         def delivered(err: Any, _msg: Any) -> None:
-            loop.call_soon_threadsafe(
-                lambda: (
-                    done.done()
-                    or (
-                        done.set_exception(RuntimeError(str(err))) if err else done.set_result(None)
-                    )
-                )
-            )
+            loop.call_soon_threadsafe(settle, err)
 
         producer.produce(
             topic,
             key=user.encode(),
             value=RunRequested(run_id, user, f"s-{user}", "").encode(),
-            headers=headers,
+            headers=list(headers),
             on_delivery=delivered,
         )
         await done

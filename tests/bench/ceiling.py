@@ -97,7 +97,9 @@ async def main(args: argparse.Namespace) -> None:
             continue
         by_part: dict[int, list[Any]] = defaultdict(list)
         for m in msgs:
-            by_part[m.partition()].append(m)
+            partition = m.partition()
+            assert partition is not None
+            by_part[partition].append(m)
         await asyncio.gather(*(chain(p, ms) for p, ms in by_part.items()))
         # Commit only after the batch's output is in Postgres and on the broker.
         left = await loop.run_in_executor(None, producer.flush, 30)

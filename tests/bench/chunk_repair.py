@@ -46,7 +46,7 @@ from processors.compactor import _TERMINAL_STATUSES, _UNPUBLISHED, ChunkCompacto
 from processors.store import ClaimWrite, Fence, FinishWrite, PublishedWrite, RunStore
 from schemas.migrate import upgrade
 from schemas.records import RUN_CHUNK, chunk_value, headers_for
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from topics.admin import apply_topics
 from topics.catalogue import RUN_CHUNKS, partition_for_key
 
@@ -108,7 +108,7 @@ def populate(settings: Settings, runs: int, messages: int, gapped: float) -> lis
                                 key=chunk_key(run_id, seq).encode(),
                                 value=chunk_value(run_id, seq, kind, content, 1),
                                 partition=part,
-                                headers=headers_for(RUN_CHUNK),
+                                headers=list(headers_for(RUN_CHUNK)),
                             )
                             break
                         except BufferError:

@@ -30,7 +30,7 @@ from koda.localstack import StackInfo, down, up
 from koda.settings import Settings
 from schemas.migrate import upgrade
 from schemas.records import RUN_REQUESTED, RunRequested, headers_for
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from topics.admin import apply_topics
 from topics.catalogue import RUNS, partition_for_key
 
@@ -226,7 +226,7 @@ class Loader:
             while True:
                 try:
                     self.producer.produce(
-                        self.topic, key=user.encode(), value=value, headers=headers
+                        self.topic, key=user.encode(), value=value, headers=list(headers)
                     )
                     break
                 except BufferError:

@@ -14,7 +14,7 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
-import tests.workers
+import tests.fixtures.processes
 from tests.bench.common import Table, fmt, services
 from tests.bench.w1_throughput import Trial
 
@@ -27,19 +27,19 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    after_root = tests.workers.ROOT
+    after_root = tests.fixtures.processes.ROOT
     res: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
     with services() as stack:
         for rep in range(args.repeat):
             for kind in ("koda worker", "koda e2e"):
                 for label, root in (("before", args.before.resolve()), ("after", after_root)):
-                    tests.workers.ROOT = root
+                    tests.fixtures.processes.ROOT = root
                     try:
                         r = Trial(stack, kind, args.workers, max_inflight=8).measure(
                             args.runs, args.users, max(600.0, args.runs / 5)
                         )
                     finally:
-                        tests.workers.ROOT = after_root
+                        tests.fixtures.processes.ROOT = after_root
                     res[(kind, label)].append(r)
                     extra = f" gateway cpu {r['gw_cpu_ms']:.1f} ms/run" if "gw_cpu_ms" in r else ""
                     print(

@@ -37,7 +37,7 @@ from tests.bench.common import (
     users_on_distinct_partitions,
     wait_group,
 )
-from tests.workers import GatewayProcess, WorkerProcess
+from tests.fixtures.processes import GatewayProcess, WorkerProcess
 
 PARTITIONS = 256
 TERMINAL = {b"done", b"error", b"cancelled"}

@@ -20,9 +20,10 @@ from pathlib import Path
 
 from koda.localstack import StackInfo, down, up
 from schemas.migrate import upgrade
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.processes import WorkerProcess
+from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from tests.workers import Submitter, WorkerProcess
 from topics.admin import apply_topics
 from topics.catalogue import partition_for_key
 
@@ -36,7 +37,7 @@ def owners(sub: Submitter) -> dict[int, str]:
 
 def one_round(
     settings, sub: Submitter, victim: WorkerProcess, how: str, tag: str
-) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+) -> tuple[float, float]:
     held = sorted(p for p, w in owners(sub).items() if w == victim.worker_id)
     users = {}
     for i in range(10_000):
@@ -93,7 +94,11 @@ def main() -> None:
             n += 1
             victim = WorkerProcess(settings, f"victim-{n}").start()
             expected = {"survivor", victim.worker_id}
-            wait_until(lambda e=expected: set(owners(sub).values()) == e, timeout=90)
+
+            def owned_by(e: set[str | None] = expected) -> bool:
+                return set(owners(sub).values()) == e
+
+            wait_until(owned_by, timeout=90)
             results[how].append(
                 one_round(settings, sub, victim, "sigterm" if how == "sigterm" else "kill", f"r{n}")
             )

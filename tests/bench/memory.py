@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 from koda.localstack import StackInfo
 from tests.bench.common import Loader, Table, demo_input, namespace, services, wait_group
-from tests.workers import WorkerProcess
+from tests.fixtures.processes import WorkerProcess
 
 PARTITIONS = 32
 BATCH = 5000
@@ -54,9 +55,11 @@ def run_memory(stack: StackInfo, args: argparse.Namespace) -> Table:
                 if len(published) < args.runs and len(published) - done < BATCH:
                     n = min(BATCH, args.runs - len(published))
                     offset = len(published)
-                    batch = loader.insert(
-                        n, args.users, lambda i, o=offset: demo_input(o + i, 16), "mem"
-                    )
+
+                    def run_input(i: int, o: int = offset) -> dict[str, Any]:
+                        return demo_input(o + i, 16)
+
+                    batch = loader.insert(n, args.users, run_input, "mem")
                     loader.publish(batch)
                     published += batch.run_ids
                 for w in workers:
@@ -98,7 +101,7 @@ def run_memory(stack: StackInfo, args: argparse.Namespace) -> Table:
         xs = [float(d) for d, _ in steady]
         ys = [float(r[i]) for _, r in steady]
         table.add(
-            w.worker_id,
+            w.name,
             f"{samples[0][1][i] / 1024:.0f}",
             f"{ys[0] / 1024:.0f}",
             f"{ys[-1] / 1024:.0f}",

@@ -73,7 +73,7 @@ def fill(url: str, schema: str, memories: int, users: int, seed: int) -> float:
     return time.perf_counter() - started
 
 
-async def measure(settings, users: int, queries: int, seed: int) -> Table:  # type: ignore[no-untyped-def]
+async def measure(settings, users: int, queries: int, seed: int) -> Table:
     rng = random.Random(seed + 1)
     embedder = wordllama()
     asks = [

@@ -22,9 +22,10 @@ import httpx
 
 from koda.localstack import StackInfo, down, up
 from schemas.migrate import upgrade
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.processes import GatewayProcess, WorkerProcess
+from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from tests.workers import GatewayProcess, Submitter, WorkerProcess
 from topics.admin import apply_topics
 
 

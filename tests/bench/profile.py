@@ -28,7 +28,7 @@ from tests.bench.common import (
     wait_group,
 )
 from tests.bench.w1_throughput import PARTITIONS, TOKENS, post_runs
-from tests.workers import GatewayProcess, WorkerProcess
+from tests.fixtures.processes import GatewayProcess, WorkerProcess
 
 
 def pyspy() -> str:
@@ -112,6 +112,8 @@ def main() -> None:
                         stderr=subprocess.DEVNULL,
                     )
                 )
+            # py-spy gives no sign once it has attached: a second is its start-up, and a
+            # profile missing the load's first second loses nothing.
             time.sleep(1)
             t0 = time.time()
             if gw is not None:

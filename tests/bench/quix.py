@@ -27,7 +27,7 @@ from quixstreams.models.serializers import Serializer  # noqa: E402
 from tests.bench.rivals import Out, connect, run_batched  # noqa: E402
 
 
-class RecordBytes(Serializer):
+class RecordBytes(Serializer):  # type: ignore[misc]  # quixstreams ships no types
     """Output values arrive as ``(kind, key, value bytes)``: write the bytes."""
 
     def __call__(self, value: Out, ctx: Any) -> bytes:

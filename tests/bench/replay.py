@@ -65,7 +65,7 @@ def fill(settings: Settings, records: int) -> int:
                         topic,
                         key=chunk_key(run_id, seq).encode(),
                         value=value,
-                        headers=headers,
+                        headers=list(headers),
                         partition=partition,
                     )
                     break

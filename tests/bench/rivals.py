@@ -63,7 +63,8 @@ DONE = (
 
 def tokens_for(inp: dict[str, Any]) -> list[str]:
     """The demo model's tokens (same algorithm as processors/handlers/demo.py)."""
-    opts = inp.get("demo") if isinstance(inp.get("demo"), dict) else {}
+    demo = inp.get("demo")
+    opts: dict[str, Any] = demo if isinstance(demo, dict) else {}
     n, size = int(opts.get("tokens", 12)), int(opts.get("token_bytes", 6))
     rng = random.Random(hashlib.sha256(str(inp.get("text", "")).encode()).digest())  # noqa: S311
     out = []

@@ -35,8 +35,8 @@ from koda.db import sync_engine
 from koda.lifecycle.ids import uuid7
 from koda.settings import Settings
 from tests.bench.common import Table, cpu_seconds, namespace, percentile, services
-from tests.bench.procs import ChildProcess
-from tests.workers import read_topic, settings_env
+from tests.fixtures.processes import SchedulerProcess
+from tests.fixtures.runs import read_topic
 from topics.catalogue import RUNS
 
 GOAL_S = 10.0
@@ -70,11 +70,8 @@ def insert(settings: Settings, count: int, minute: datetime) -> None:
     engine.dispose()
 
 
-def scheduler(settings: Settings, name: str, batch: int) -> ChildProcess:
-    import sys
-
-    env = settings_env(settings, KODA_SCHEDULER_BATCH=str(batch))
-    return ChildProcess(name, [sys.executable, "-m", "koda", "scheduler"], env=env).start()
+def scheduler(settings: Settings, name: str, batch: int) -> SchedulerProcess:
+    return SchedulerProcess(settings, name, {"KODA_SCHEDULER_BATCH": str(batch)}).start()
 
 
 def count_runs(settings: Settings, minute: datetime) -> tuple[int, int, int]:

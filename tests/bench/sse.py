@@ -37,9 +37,10 @@ from koda.kafka import consumer_config
 from koda.localstack import StackInfo, down, up
 from koda.settings import Settings
 from schemas.migrate import upgrade
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.processes import GatewayProcess, WorkerProcess
+from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from tests.workers import GatewayProcess, Submitter, WorkerProcess, read_topic
 from topics.admin import apply_topics
 from topics.catalogue import RUN_CHUNKS
 
@@ -109,8 +110,9 @@ class TailProbe:
             if first is None:
                 continue
             for m in [first, *self.consumer.consume(500, 0)]:
-                if m.error() is None and m.key():
-                    run_id, _, seq = m.key().decode().rpartition(":")
+                key = m.key()
+                if m.error() is None and key:
+                    run_id, _, seq = key.decode().rpartition(":")
                     if run_id in self.runs and seq.isdigit():
                         self.seen[(run_id, int(seq))] = time.time()
         self.consumer.close()

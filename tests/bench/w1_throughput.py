@@ -46,8 +46,8 @@ from tests.bench.common import (
     users_on_distinct_partitions,
     wait_group,
 )
-from tests.bench.procs import QUIX_PYTHON, ChildProcess, rival
-from tests.workers import GatewayProcess, WorkerProcess
+from tests.bench.procs import QUIX_PYTHON, rival
+from tests.fixtures.processes import ChildProcess, GatewayProcess, WorkerProcess
 
 TOKENS = 16
 PARTITIONS = 32

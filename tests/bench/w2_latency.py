@@ -36,7 +36,8 @@ from tests.bench.common import (
     users_on_distinct_partitions,
     wait_group,
 )
-from tests.workers import GatewayProcess, WorkerProcess, read_topic
+from tests.fixtures.processes import GatewayProcess, WorkerProcess
+from tests.fixtures.runs import read_topic
 from topics.catalogue import RUN_CHUNKS
 
 PARTITIONS = 256
@@ -137,7 +138,7 @@ async def one_round(
     return ttfc, lat, counts
 
 
-def produce_delays(settings) -> list[float]:  # type: ignore[no-untyped-def]
+def produce_delays(settings) -> list[float]:
     """Handler yield -> the chunk record's create timestamp, for every stamped chunk."""
     out = []
     for msg in read_topic(settings, settings.names.topic(RUN_CHUNKS), timeout=60):

@@ -18,13 +18,12 @@ from collections import defaultdict
 
 from koda.localstack import StackInfo
 from tests.bench.common import Table, demo_input, fmt, namespace, percentile, services
-from tests.bench.procs import ChildProcess
 from tests.bench.w1_throughput import post_runs
+from tests.fixtures.processes import ChildProcess, GatewayProcess, free_port, settings_env
 from tests.support import wait_until
-from tests.workers import GatewayProcess, free_port, settings_env
 
 
-def bare_process(settings) -> ChildProcess:  # type: ignore[no-untyped-def]
+def bare_process(settings) -> ChildProcess:
     port = free_port()
     env = settings_env(settings, KODA_GATEWAY_PORT=str(port))
     child = ChildProcess("bare", [sys.executable, "-m", "tests.bench.bare_intake"], env=env)
@@ -100,14 +99,14 @@ def run_w3(stack: StackInfo, args: argparse.Namespace) -> Table:
         ],
     )
     for level in args.levels:
-        g, b = res[("gateway", level)], res[("bare", level)]
+        gw_reps, bare_reps = res[("gateway", level)], res[("bare", level)]
         table.add(
             str(level),
-            fmt([r["rps"] for r in g]),
-            fmt([r["p99"] for r in g], 1),
-            fmt([r["rps"] for r in b]),
-            fmt([r["p99"] for r in b], 1),
-            fmt([x["rps"] / y["rps"] for x, y in zip(g, b, strict=True)], 2),
+            fmt([r["rps"] for r in gw_reps]),
+            fmt([r["p99"] for r in gw_reps], 1),
+            fmt([r["rps"] for r in bare_reps]),
+            fmt([r["p99"] for r in bare_reps], 1),
+            fmt([x["rps"] / y["rps"] for x, y in zip(gw_reps, bare_reps, strict=True)], 2),
         )
     table.notes.append("the load generator (aiohttp) shares the 2 cores with the server")
     return table

@@ -63,7 +63,7 @@ from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
 from tests.chaos.cluster import QUIET, CommitMonitor, Postgres
 from tests.chaos.load import InjectedPoison, PlannedRun, Viewer
-from tests.workers import read_topic
+from tests.fixtures.runs import position, read_topic
 from topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
 
 TERMINAL = ("done", "failed", "cancelled")
@@ -142,11 +142,12 @@ class OffsetAuditor:
                     continue
                 run_id: str | None = None
                 try:
-                    obj = json.loads(msg.value())
+                    obj = json.loads(msg.value() or b"")  # a tombstone: no run
                     run_id = obj.get("run_id") if isinstance(obj, dict) else None
                 except (ValueError, TypeError):
                     pass
-                self.records[msg.partition()][msg.offset()] = run_id
+                partition, offset = position(msg)
+                self.records[partition][offset] = run_id
         finally:
             consumer.close()
 
@@ -411,7 +412,7 @@ def _check_dlq(
         if not isinstance(letter, dict):
             f.violate("a dead letter is not JSON")
             continue
-        reason = letter.get("reason")
+        reason: Any = letter.get("reason")
         if reason == "handler_failed":
             original = _decode_json(base64.b64decode(letter.get("original_value") or ""))
             run_id = original.get("run_id") if isinstance(original, dict) else None
@@ -419,7 +420,7 @@ def _check_dlq(
             if run_id not in poison_runs:
                 f.violate(f"dead letter for run {run_id}, which is not poison")
             continue
-        source = (letter.get("partition"), letter.get("offset"))
+        source: tuple[Any, Any] = (letter.get("partition"), letter.get("offset"))
         sources[source] += 1
         item = at.get(source)
         if item is not None and item.kind == reason:

@@ -20,7 +20,7 @@ from koda.db import sync_engine
 from koda.kafka import consumer_config
 from koda.localstack import StackInfo
 from koda.settings import Settings
-from tests.workers import GatewayProcess, WorkerProcess, free_port
+from tests.fixtures.processes import GatewayProcess, WorkerProcess, free_port
 from topics.catalogue import RUNS, WORKER_GROUP
 
 # The harness's own clients stay quiet while a broker is down on purpose.
@@ -36,7 +36,7 @@ class Stack:
 
 
 def process_env(settings: Settings) -> dict[str, str]:
-    """Settings the gateway and the workers need beyond ``tests.workers.settings_env``."""
+    """Settings the gateway and the workers need beyond ``settings_env``."""
     return {
         "KODA_REPLICATION_FACTOR": str(settings.replication_factor),
         "KODA_MIN_INSYNC_REPLICAS": str(settings.min_insync_replicas),
@@ -148,7 +148,7 @@ class Pool:
                 gw.proc.wait()
 
     def logs(self) -> dict[str, str]:
-        out = {w.worker_id: w.log() for w in self.workers + self.retired}
+        out = {w.name: w.log() for w in self.workers + self.retired}
         for i, gw in enumerate([*self.old_gateways, self.gateway]):
             if gw is not None:
                 out[f"gateway-{i}"] = gw.log()

@@ -34,9 +34,10 @@ import httpx
 from koda.localstack import StackInfo, down, up
 from koda.settings import Settings
 from schemas.migrate import upgrade
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.processes import WorkerProcess, free_port
+from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from tests.workers import Submitter, WorkerProcess, free_port, read_topic
 from topics.admin import apply_topics
 from topics.catalogue import RUNS_DLQ
 
@@ -161,7 +162,7 @@ def downstream_outage(
                     slow.add(ids[-1])
         # Keep the load on through the outage: a run per user every few seconds.
         while time.time() < healed_at - 2:
-            time.sleep(min(3.0, max(0.0, healed_at - 2 - time.time())))
+            time.sleep(min(3.0, max(0.0, healed_at - 2 - time.time())))  # the load's pace
             for u in range(0, users, 3):
                 inp = {
                     "text": f"drill late {u} {time.time()}",

@@ -31,7 +31,7 @@ from koda.localstack import (
     pg_stop,
 )
 from tests.chaos.cluster import Pool, Postgres, Stack
-from tests.workers import WorkerProcess
+from tests.fixtures.processes import WorkerProcess
 
 WORKER_KILL9 = "worker kill -9"
 WORKER_SIGTERM = "worker SIGTERM + replacement"
@@ -161,23 +161,23 @@ class Injector:
 
     async def worker_kill9(self) -> Fault:
         w = await self._victim()
-        held = await self._held_by(w.worker_id)
-        fault = Fault(WORKER_KILL9, w.worker_id, time.time())
+        held = await self._held_by(w.name)
+        fault = Fault(WORKER_KILL9, w.name, time.time())
         self.pool.retire(w)
         await asyncio.to_thread(w.kill)
-        await self._wait_handoff(fault, w.worker_id, held)
+        await self._wait_handoff(fault, w.name, held)
         await asyncio.to_thread(self.pool.start_worker)
         return fault
 
     async def worker_sigterm(self) -> Fault:
         w = await self._victim()
-        held = await self._held_by(w.worker_id)
-        fault = Fault(WORKER_SIGTERM, w.worker_id, time.time())
+        held = await self._held_by(w.name)
+        fault = Fault(WORKER_SIGTERM, w.name, time.time())
         self.pool.retire(w)
         w.signal(signal.SIGTERM)
         replacement = await asyncio.to_thread(self.pool.start_worker)
         fault.notes.append(f"replacement {replacement.worker_id}")
-        await self._wait_handoff(fault, w.worker_id, held)
+        await self._wait_handoff(fault, w.name, held)
         assert w.proc is not None
         try:
             code = await asyncio.to_thread(w.proc.wait, 45)
@@ -191,11 +191,11 @@ class Injector:
 
     async def worker_sigstop(self) -> Fault:
         w = await self._victim()
-        held = await self._held_by(w.worker_id)
-        fault = Fault(WORKER_SIGSTOP, w.worker_id, time.time())
+        held = await self._held_by(w.name)
+        fault = Fault(WORKER_SIGSTOP, w.name, time.time())
         w.signal(signal.SIGSTOP)
         try:
-            await self._wait_handoff(fault, w.worker_id, held)
+            await self._wait_handoff(fault, w.name, held)
             # Past the session timeout in any case: the group must have moved on.
             rest = fault.at + self.session_timeout_s + 2.0 - time.time()
             if rest > 0:
@@ -248,7 +248,7 @@ class Injector:
     async def gateway_restart(self) -> Fault:
         fault = Fault(GATEWAY_RESTART, "gateway", time.time())
         await asyncio.to_thread(self.pool.kill_gateway)
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # the fault itself: no gateway for a second
         gw = await asyncio.to_thread(self.pool.start_gateway)
         fault.back_at = time.time()
         async with httpx.AsyncClient(base_url=gw.url, timeout=3) as client:

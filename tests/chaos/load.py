@@ -217,7 +217,11 @@ def inject_poison(settings: Settings) -> list[InjectedPoison]:
                 item.partition, item.offset = msg.partition(), msg.offset()
 
         producer.produce(
-            settings.names.topic(RUNS), key=key, value=value, headers=headers, on_delivery=delivered
+            settings.names.topic(RUNS),
+            key=key,
+            value=value,
+            headers=None if headers is None else list(headers),
+            on_delivery=delivered,
         )
         out.append(item)
     producer.flush(60)

@@ -21,9 +21,10 @@ from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
 from schemas.migrate import upgrade
 from tests.chaos.cluster import Stack
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.processes import GatewayProcess, WorkerProcess
+from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from tests.workers import GatewayProcess, Submitter, WorkerProcess, read_topic
 from topics.admin import apply_topics
 from topics.catalogue import RUN_CHUNKS
 
@@ -43,12 +44,10 @@ def env(stack_restored: Stack) -> Iterator[Settings]:
 
 def output(sub: Submitter, run_id: str) -> tuple[list[int], list[str], str]:
     rows = sub.messages(run_id)
-    last_reset = max((r.seq for r in rows if r.kind == "reset"), default=-1)
-    text = "".join(r.content for r in rows if r.kind == "chunk" and r.seq > last_reset)
-    return [r.seq for r in rows], [r.kind for r in rows], text
+    return [r.seq for r in rows], [r.kind for r in rows], sub.output(run_id)
 
 
-def assert_whole(env: Settings, sub: Submitter, run_id: str, inp: dict) -> None:  # type: ignore[type-arg]
+def assert_whole(env: Settings, sub: Submitter, run_id: str, inp: dict) -> None:
     seqs, kinds, text = output(sub, run_id)
     assert sub.statuses([run_id])[run_id] == "done"
     assert seqs == list(range(len(seqs)))

@@ -15,9 +15,10 @@ import pytest
 from koda.localstack import StackInfo, down, kafka_node_start, kafka_node_stop, up
 from koda.settings import Settings
 from schemas.migrate import upgrade
-from tests.integration.conftest import make_settings
+from tests.fixtures.namespaces import make_settings
+from tests.fixtures.processes import GatewayProcess, WorkerProcess
+from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from tests.workers import GatewayProcess, Submitter, WorkerProcess
 from topics.admin import apply_topics
 
 

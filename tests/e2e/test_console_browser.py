@@ -25,9 +25,10 @@ from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
 from schemas.heartbeats import Beat, beat_headers
 from schemas.migrate import upgrade
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.processes import GatewayProcess, WorkerProcess
+from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from tests.workers import GatewayProcess, Submitter, WorkerProcess
 from topics.admin import apply_topics
 from topics.catalogue import WORKERS
 
@@ -59,7 +60,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(stack) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
+def stack(stack) -> Iterator[Stack]:
     settings = make_settings(stack)
     apply_topics(settings)
     upgrade(settings)
@@ -145,7 +146,7 @@ WATCH_OUTPUT = """() => {
 }"""
 
 
-def test_an_answer_streams_token_by_token_and_equals_the_output(browser, stack) -> None:  # type: ignore[no-untyped-def]
+def test_an_answer_streams_token_by_token_and_equals_the_output(browser, stack) -> None:
     c = Console(browser, stack, "alice")
     inp = {"text": "hello console", "demo": {"tokens": 30, "delay_ms": 40}}
     c.page.evaluate(WATCH_OUTPUT)
@@ -163,7 +164,7 @@ def test_an_answer_streams_token_by_token_and_equals_the_output(browser, stack) 
     c.close()
 
 
-def test_the_stop_button_cancels_the_run(browser, stack) -> None:  # type: ignore[no-untyped-def]
+def test_the_stop_button_cancels_the_run(browser, stack) -> None:
     c = Console(browser, stack, "carol")
     c.send({"text": "stop me", "demo": {"tokens": 400, "delay_ms": 50}})
     c.page.wait_for_function("document.querySelector('#chat-output').textContent.length > 20")
@@ -175,7 +176,7 @@ def test_the_stop_button_cancels_the_run(browser, stack) -> None:  # type: ignor
     c.close()
 
 
-def test_a_retry_shows_its_attempt_and_a_reset(browser, stack) -> None:  # type: ignore[no-untyped-def]
+def test_a_retry_shows_its_attempt_and_a_reset(browser, stack) -> None:
     c = Console(browser, stack, "dave")
     inp = {"text": "retry me", "demo": {"tokens": 10, "fail_attempts": 1}}
     c.send(inp)
@@ -186,7 +187,7 @@ def test_a_retry_shows_its_attempt_and_a_reset(browser, stack) -> None:  # type:
     c.close()
 
 
-def test_a_second_message_merges_as_a_reset_then_the_merged_answer(browser, stack) -> None:  # type: ignore[no-untyped-def]
+def test_a_second_message_merges_as_a_reset_then_the_merged_answer(browser, stack) -> None:
     c = Console(browser, stack, "grace")
     first = {"text": "first question", "demo": {"tokens": 100, "delay_ms": 40}}
     c.send(first)
@@ -205,7 +206,7 @@ def test_a_second_message_merges_as_a_reset_then_the_merged_answer(browser, stac
     c.close()
 
 
-def test_the_chat_survives_a_gateway_kill_mid_stream(browser, stack) -> None:  # type: ignore[no-untyped-def]
+def test_the_chat_survives_a_gateway_kill_mid_stream(browser, stack) -> None:
     c = Console(browser, stack, "erin")
     inp = {"text": "survive a restart", "demo": {"tokens": 60, "delay_ms": 80}}
     c.send(inp)
@@ -222,7 +223,7 @@ def test_the_chat_survives_a_gateway_kill_mid_stream(browser, stack) -> None:  #
     c.close(allowed=("ERR_CONNECTION_REFUSED", "ERR_INCOMPLETE_CHUNKED_ENCODING"))
 
 
-def test_runs_list_filters_pages_and_opens_a_detail(browser, stack) -> None:  # type: ignore[no-untyped-def]
+def test_runs_list_filters_pages_and_opens_a_detail(browser, stack) -> None:
     wait_until(lambda: stack.sub.query("SELECT 1 FROM ledger WHERE user_id = 'alice'"))
     c = Console(browser, stack, "alice")
     for i in range(21):
@@ -259,7 +260,7 @@ def test_runs_list_filters_pages_and_opens_a_detail(browser, stack) -> None:  # 
     c.close()
 
 
-def test_output_with_markup_renders_as_text_and_others_runs_stay_closed(browser, stack) -> None:  # type: ignore[no-untyped-def]
+def test_output_with_markup_renders_as_text_and_others_runs_stay_closed(browser, stack) -> None:
     evil = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">'
     run_id = stack.sub.submit("mallory", {"text": "x"}, publish=False)
     with stack.sub.engine.begin() as conn:
@@ -293,7 +294,7 @@ def test_output_with_markup_renders_as_text_and_others_runs_stay_closed(browser,
     other.close(allowed=("404",))  # the browser logs the refused fetch itself
 
 
-def test_workers_view_shows_beats_partitions_and_real_lag(browser, stack) -> None:  # type: ignore[no-untyped-def]
+def test_workers_view_shows_beats_partitions_and_real_lag(browser, stack) -> None:
     # A worker that stopped beating a minute ago, as its last beat sits on the topic.
     gone = Beat("w-gone", datetime.now(UTC) - timedelta(seconds=60), 0, "0.0.9", (), "old-host")
     stack.sub.producer.produce(
@@ -316,7 +317,7 @@ def test_workers_view_shows_beats_partitions_and_real_lag(browser, stack) -> Non
     c.close()
 
 
-def test_schedules_view_pauses_resumes_and_runs_now(browser, stack) -> None:  # type: ignore[no-untyped-def]
+def test_schedules_view_pauses_resumes_and_runs_now(browser, stack) -> None:
     made = stack.api(
         "frank",
         "POST",
@@ -343,7 +344,7 @@ def test_schedules_view_pauses_resumes_and_runs_now(browser, stack) -> None:  # 
     c.close()
 
 
-def test_usage_view_draws_cost_by_day_and_model_and_top_users(browser, stack) -> None:  # type: ignore[no-untyped-def]
+def test_usage_view_draws_cost_by_day_and_model_and_top_users(browser, stack) -> None:
     wait_until(lambda: stack.sub.query("SELECT 1 FROM ledger WHERE user_id = 'alice'"))
     c = Console(browser, stack, "alice")
     c.open("usage")

@@ -7,9 +7,7 @@ fake (prod refuses the demo handler) and no topic auto-creation.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 
 import pytest
 
@@ -17,33 +15,24 @@ from koda.naming import AppEnv
 from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
 from schemas.migrate import upgrade
-from tests.integration.conftest import delete_topics, drop_schema, make_settings, new_namespace
-from tests.integration.test_openai_handler import PIECES, FakeCompletions
+from tests.fixtures.model_server import PIECES
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings, new_namespace
+from tests.fixtures.processes import WorkerProcess
+from tests.fixtures.runs import Submitter, committed_offsets, read_topic
 from tests.support import wait_until
-from tests.workers import Submitter, WorkerProcess, committed_offsets, read_topic
 from topics.admin import apply_topics
 from topics.catalogue import RUNS, RUNS_DLQ, WORKER_GROUP, WORKERS
 
 
 @pytest.fixture
-def fake_openai() -> Iterator[str]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeCompletions)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-
-
-@pytest.fixture
-def envs(stack, fake_openai: str) -> Iterator[tuple[Settings, Settings]]:
+def envs(stack, fake_completions: str) -> Iterator[tuple[Settings, Settings]]:
     namespace = new_namespace()
     dev = make_settings(stack, namespace=namespace)
     prod = dev.with_(
         app_env=AppEnv.PROD,
         handler="openai",
         allow_topic_autocreate=False,
-        openai_base_url=fake_openai,
+        openai_base_url=fake_completions,
     )
     for s in (dev, prod):
         apply_topics(s)
@@ -58,7 +47,7 @@ def output(sub: Submitter, run_id: str) -> str:
     return "".join(r.content for r in sub.messages(run_id) if r.kind == "chunk")
 
 
-def test_dev_and_prod_workers_on_one_broker_stay_apart(envs, fake_openai: str) -> None:
+def test_dev_and_prod_workers_on_one_broker_stay_apart(envs, fake_completions: str) -> None:
     dev, prod = envs
     assert dev.namespace == prod.namespace
     assert dev.names.topic(RUNS) != prod.names.topic(RUNS)
@@ -68,7 +57,7 @@ def test_dev_and_prod_workers_on_one_broker_stay_apart(envs, fake_openai: str) -
         WorkerProcess(
             prod,
             "iso-prod",
-            {**fast, "KODA_OPENAI_BASE_URL": fake_openai, "KODA_TOPIC_AUTOCREATE": "false"},
+            {**fast, "KODA_OPENAI_BASE_URL": fake_completions, "KODA_TOPIC_AUTOCREATE": "false"},
         ).start(),
     ]
     subs = Submitter(dev), Submitter(prod)
@@ -107,11 +96,13 @@ def test_dev_and_prod_workers_on_one_broker_stay_apart(envs, fake_openai: str) -
             assert all(
                 o < 0 for o in committed_offsets(mine, group, other.names.topic(RUNS)).values()
             )
+
+            def committed_own(m: Settings = mine, g: str = group) -> bool:
+                offsets = committed_offsets(m, g, m.names.topic(RUNS)).values()
+                return sum(max(o, 0) for o in offsets) == len(users)
+
             wait_until(
-                lambda m=mine, g=group: (
-                    sum(max(o, 0) for o in committed_offsets(m, g, m.names.topic(RUNS)).values())
-                    == len(users)
-                ),
+                committed_own,
                 timeout=20,
                 what=f"{mine.app_env.value} group committed its own runs",
             )

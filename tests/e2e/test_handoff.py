@@ -12,32 +12,17 @@ import pytest
 
 from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
+from tests.fixtures.processes import WorkerPool
+from tests.fixtures.runs import Submitter, committed_offsets, read_topic
 from tests.support import wait_until
-from tests.workers import Submitter, WorkerProcess, committed_offsets, read_topic
 from topics.catalogue import RUN_CHUNKS, RUNS, partition_for_key
 
 
 @pytest.fixture
-def submitter(env: Settings) -> Iterator[Submitter]:
-    s = Submitter(env)
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def workers() -> Iterator[list[WorkerProcess]]:
-    started: list[WorkerProcess] = []
-    yield started
-    for w in started:
-        w.kill()
-
-
-def start(
-    env: Settings, workers: list[WorkerProcess], worker_id: str, **extra: str
-) -> WorkerProcess:
-    w = WorkerProcess(env, worker_id, extra).start()
-    workers.append(w)
-    return w
+def workers(env: Settings) -> Iterator[WorkerPool]:
+    """The plugin's pool, but killed at the end: these tests leave workers mid-handoff."""
+    with WorkerPool(env, kill_at_end=True) as pool:
+        yield pool
 
 
 def users_on_distinct_partitions(prefix: str, count: int, partitions: int) -> list[str]:
@@ -50,23 +35,17 @@ def users_on_distinct_partitions(prefix: str, count: int, partitions: int) -> li
     return list(seen.values())
 
 
-def run_row(sub: Submitter, run_id: str):  # type: ignore[no-untyped-def]
+def run_row(sub: Submitter, run_id: str):
     return sub.query(
         "SELECT status, attempt, worker_id, started_at, finished_at FROM runs WHERE id = :r",
         r=run_id,
     )[0]
 
 
-def output_of(sub: Submitter, run_id: str) -> str:
-    rows = sub.messages(run_id)
-    last_reset = max((r.seq for r in rows if r.kind == "reset"), default=-1)
-    return "".join(r.content for r in rows if r.kind == "chunk" and r.seq > last_reset)
-
-
 def test_sigterm_finishes_in_flight_runs_then_hands_over(env, submitter, workers) -> None:
-    a = start(env, workers, "a")
+    a = workers.start("a")
     wait_until(lambda: set(owners(submitter).values()) == {"a"}, timeout=60, what="a assigned")
-    b = start(env, workers, "b")
+    b = workers.start("b")
     wait_until(
         lambda: set(owners(submitter).values()) == {"a", "b"} and "assigned partitions" in b.log(),
         timeout=60,
@@ -98,7 +77,7 @@ def test_sigterm_finishes_in_flight_runs_then_hands_over(env, submitter, workers
         row = run_row(submitter, run_id)
         assert (row.status, row.attempt, row.worker_id) == ("done", 1, "a")
         assert "reset" not in [m.kind for m in submitter.messages(run_id)]
-        assert output_of(submitter, run_id) == "".join(demo_tokens(long_inp))
+        assert submitter.output(run_id) == "".join(demo_tokens(long_inp))
     wait_until(lambda: submitter.all_terminal(nxt), timeout=60, what="next runs on b")
     assert {run_row(submitter, r).worker_id for r in nxt} == {"b"}
     assert {run_row(submitter, r).attempt for r in nxt} == {1}  # never started twice
@@ -112,7 +91,7 @@ def test_sigterm_finishes_in_flight_runs_then_hands_over(env, submitter, workers
 def test_rebalance_with_30_second_runs_is_bounded_by_the_ceiling(env, submitter, workers) -> None:
     ceiling = 6.0
     extra = {"KODA_HANDOFF_CEILING": str(ceiling)}
-    a = start(env, workers, "a", **extra)
+    a = workers.start("a", **extra)
     users = users_on_distinct_partitions("long", 4, env.partitions)
     long_inp = {"text": "thirty seconds", "demo": {"tokens": 30, "delay_ms": 1000}}
     long_runs = [submitter.submit(u, long_inp) for u in users]
@@ -122,7 +101,7 @@ def test_rebalance_with_30_second_runs_is_bounded_by_the_ceiling(env, submitter,
         what="long runs streaming",
     )
     joined_at = time.monotonic()
-    b = start(env, workers, "b", **extra)
+    b = workers.start("b", **extra)
     # A rebalance waits for in-flight work at most the ceiling, not for the 30 s runs.
     quick_users = users_on_distinct_partitions("quick", env.partitions, env.partitions)
     quick = [
@@ -140,7 +119,7 @@ def test_rebalance_with_30_second_runs_is_bounded_by_the_ceiling(env, submitter,
         kinds = [m.kind for m in submitter.messages(run_id)]
         assert kinds.count("reset") == 1 and kinds[-1] == "done"
         assert [m.seq for m in submitter.messages(run_id)] == list(range(len(kinds)))
-        assert output_of(submitter, run_id) == "".join(demo_tokens(long_inp))
+        assert submitter.output(run_id) == "".join(demo_tokens(long_inp))
     wait_until(lambda: submitter.all_terminal(quick), timeout=60, what="quick runs done")
     assert "cut_off': 4" in a.log() or "cut_off': 3" in a.log() or "cut_off': 2" in a.log()
 
@@ -151,8 +130,8 @@ def owners(sub: Submitter) -> dict[int, str]:
 
 
 def test_a_frozen_worker_that_wakes_up_writes_nothing(env, submitter, workers) -> None:
-    a = start(env, workers, "a")
-    start(env, workers, "b")
+    a = workers.start("a")
+    workers.start("b")
     wait_until(
         lambda: (
             set(owners(submitter).values()) == {"a", "b"}
@@ -188,7 +167,7 @@ def test_a_frozen_worker_that_wakes_up_writes_nothing(env, submitter, workers) -
     assert len([m for m in rows if m.attempt == 1]) == stopped_rows  # nothing written after freeze
     assert [m.seq for m in rows] == list(range(len(rows)))
     assert run_row(submitter, run_id).worker_id == "b"
-    assert output_of(submitter, run_id) == "".join(demo_tokens(inp))
+    assert submitter.output(run_id) == "".join(demo_tokens(inp))
     # On the topic, attempt-1 chunks are exactly those in Postgres: a emitted nothing after waking.
     chunks = [
         json.loads(m.value())
@@ -221,12 +200,12 @@ def test_rebalances_before_anything_is_committed_lose_no_run(env, submitter, wor
     # leave its run pending for good. One run at a time per worker keeps most
     # partitions with fetched records and nothing committed while the group changes.
     one_at_a_time = {"KODA_MAX_INFLIGHT": "1"}
-    a = start(env, workers, "a", **one_at_a_time)
+    a = workers.start("a", **one_at_a_time)
     wait_until(lambda: "assigned partitions" in a.log(), timeout=60, what="a assigned")
     inp = {"text": "short", "demo": {"tokens": 4, "delay_ms": 50}}
     runs = [submitter.submit(f"once-{i}", inp) for i in range(48)]
-    b = start(env, workers, "b", **one_at_a_time)
-    start(env, workers, "c", **one_at_a_time)
+    b = workers.start("b", **one_at_a_time)
+    workers.start("c", **one_at_a_time)
     wait_until(lambda: "assigned partitions" in b.log(), timeout=60, what="b assigned")
     b.signal(signal.SIGTERM)
     wait_until(lambda: submitter.all_terminal(runs), timeout=120, what="every run terminal")

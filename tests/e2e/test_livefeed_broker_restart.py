@@ -9,8 +9,8 @@ from pathlib import Path
 
 from gateway.livefeed import LiveEvent, LiveFeed
 from koda.localstack import down, kafka_node_start, kafka_node_stop, up
-from tests.integration.conftest import make_settings
-from tests.integration.test_livefeed import collect, produce
+from tests.fixtures.livefeed import collect, produce
+from tests.fixtures.namespaces import make_settings
 from tests.support import async_wait_until
 from topics.admin import apply_topics
 
@@ -31,7 +31,8 @@ async def test_live_feed_survives_a_broker_restart() -> None:
                 lambda: collect(viewer, got, 1), timeout=20, what="record before the restart"
             )
             await asyncio.to_thread(kafka_node_stop, state, 1)
-            await asyncio.sleep(1.0)  # the feed polls a dead broker for a moment
+            # The fault itself: the broker stays down for a second while the feed polls it.
+            await asyncio.sleep(1.0)
             await asyncio.to_thread(kafka_node_start, state, 1)
             await asyncio.to_thread(produce, settings, "run-r", 1, 1)
             await asyncio.to_thread(produce, settings, "run-r", 2, 0)

@@ -3,85 +3,24 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
-from typing import Any
 
 import httpx
-import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from koda.settings import Settings
+from tests.fixtures.ops import (
+    FAST_BEATS,
+    Samples,
+    by_id,
+    scrape,
+    start_worker,
+    status,
+    value,
+    worker_url,
+    workers_report,
+)
+from tests.fixtures.processes import GatewayProcess
+from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from tests.workers import GatewayProcess, Submitter, WorkerProcess, free_port
 from topics.catalogue import RUNS
-
-# Beats every 0.3 s, stale after 1.5 s: the production 5 s / 15 s, compressed.
-FAST_BEATS = {
-    "KODA_BEAT_INTERVAL": "0.3",
-    "KODA_BEAT_STALE_AFTER": "1.5",
-    "KODA_LAG_INTERVAL": "0.5",
-}
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Any]]:
-    started: list[Any] = []
-    yield started
-    for p in reversed(started):
-        if isinstance(p, WorkerProcess):
-            p.kill()
-        else:
-            p.stop()
-
-
-def start_worker(env: Settings, procs: list[Any], worker_id: str) -> WorkerProcess:
-    port = free_port()
-    w = WorkerProcess(env, worker_id, {**FAST_BEATS, "KODA_WORKER_PORT": str(port)})
-    procs.append(w.start())
-    return w
-
-
-def worker_url(w: WorkerProcess) -> str:
-    return f"http://127.0.0.1:{w.extra_env['KODA_WORKER_PORT']}"
-
-
-def get(url: str) -> httpx.Response | None:
-    try:
-        return httpx.get(url, timeout=2)
-    except httpx.HTTPError:
-        return None
-
-
-def status(url: str) -> int:
-    r = get(url)
-    return 0 if r is None else r.status_code
-
-
-def workers_report(gateway: GatewayProcess) -> dict[str, Any]:
-    r = httpx.get(f"{gateway.url}/admin/workers", timeout=5)
-    assert r.status_code == 200, r.text
-    body: dict[str, Any] = r.json()
-    return body
-
-
-def by_id(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {w["worker_id"]: w for w in report["workers"]}
-
-
-def scrape(url: str) -> Samples:
-    r = httpx.get(f"{url}/metrics", timeout=5)
-    assert r.status_code == 200
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(r.text)
-        for s in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
 
 
 def test_a_frozen_worker_goes_stale_a_stopped_one_disappears(env, procs) -> None:

@@ -1,10 +1,11 @@
 """Bounded-pool drill 3: a rolling deploy with two versions of the worker at once.
 
-The old version is the code of an earlier commit (``OLD_RELEASE``, extracted with
-``git archive``), run from its own tree with ``python -S`` so nothing of this tree can
-leak into it through the editable install; the new one is this tree. The database is
-migrated first (migration 0003 adds the nullable ``runs.failures``, which the old code
-has never heard of and the new code writes), then the workers roll: two old workers
+The old version is the previous release: the newest release tag (``v*``, see README.md
+"Releases") before HEAD, extracted with ``git archive`` and run from its own tree with
+``python -S`` so nothing of this tree can leak into it through the editable install;
+the new one is this tree. The database is migrated first (migration 0003 adds the
+nullable ``runs.failures``, which the old code has never heard of and the new code
+writes), then the workers roll: two old workers
 take traffic, a new one joins, an old one gets SIGTERM, another new one joins, the
 last old one gets SIGTERM, while runs keep arriving (every fifth fails once first).
 Trigger records come in two shapes at once: from a newer gateway, with a field no
@@ -13,14 +14,12 @@ gateway, without the optional ``created_at``: new code must not need it.
 
 Afterwards: every run done with its exact output, both versions did runs, no dead
 letter, no error in any log, per-user order kept, both SIGTERMs exited 0.
-When a release is cut, move ``OLD_RELEASE`` to the previous release's commit.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -29,8 +28,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka import Producer
@@ -39,37 +38,54 @@ from koda.kafka import producer_config
 from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
 from schemas.records import RUN_REQUESTED, headers_for
+from tests.fixtures.processes import ROOT, WorkerProcess
+from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from tests.workers import ROOT, Submitter, WorkerProcess, read_topic, settings_env
 from topics.catalogue import RUNS, RUNS_DLQ
 
-OLD_RELEASE = "4aab503f75429d4268725f29d9b5f2a520e75595"
+RELEASE_TAGS = "v[0-9]*"
+
+
+def git(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(  # noqa: S603
+        ["git", "-C", str(ROOT), *args],  # noqa: S607
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
+
+
+def previous_release() -> str:
+    """The newest release tag before HEAD (HEAD itself may be a release)."""
+
+    def describe() -> subprocess.CompletedProcess[str]:
+        return git("describe", "--tags", "--abbrev=0", "--match", RELEASE_TAGS, "HEAD^")
+
+    found = describe()
+    if found.returncode != 0:
+        # A shallow clone, or one made without tags: fetch the history and the tags.
+        shallow = git("rev-parse", "--is-shallow-repository").stdout.strip() == "true"
+        git(
+            "fetch",
+            "--quiet",
+            "--tags",
+            *(["--unshallow"] if shallow else []),
+            "origin",
+            timeout=300,
+        )
+        found = describe()
+    assert found.returncode == 0, (
+        f"no release tag matching {RELEASE_TAGS} before HEAD, not even after fetching the"
+        f" tags from origin: {found.stderr.strip()}"
+    )
+    return found.stdout.strip()
 
 
 @pytest.fixture(scope="module")
 def old_tree() -> Iterator[Path]:
-    def have_release() -> bool:
-        probe = subprocess.run(  # noqa: S603
-            ["git", "-C", str(ROOT), "cat-file", "-e", f"{OLD_RELEASE}^{{commit}}"],  # noqa: S607
-            capture_output=True,
-            check=False,
-        )
-        return probe.returncode == 0
-
-    if not have_release():
-        # A shallow checkout: ask the remote it came from for that one commit.
-        subprocess.run(  # noqa: S603
-            ["git", "-C", str(ROOT), "fetch", "--quiet", "--depth=1", "origin", OLD_RELEASE],  # noqa: S607
-            capture_output=True,
-            check=False,
-            timeout=120,
-        )
-    if not have_release():
-        pytest.skip(
-            f"commit {OLD_RELEASE[:10]} is neither in this checkout nor fetchable from origin"
-        )
     archive = subprocess.run(  # noqa: S603
-        ["git", "-C", str(ROOT), "archive", "--format=tar", OLD_RELEASE],  # noqa: S607
+        ["git", "-C", str(ROOT), "archive", "--format=tar", previous_release()],  # noqa: S607
         capture_output=True,
         check=True,
     ).stdout
@@ -79,28 +95,15 @@ def old_tree() -> Iterator[Path]:
         yield Path(d)
 
 
-@dataclass
 class OldWorker(WorkerProcess):
     """A worker of the old release: its own tree first on the import path."""
 
-    tree: Path = Path()
-
-    def start(self) -> OldWorker:
-        fd, name = tempfile.mkstemp(prefix=f"koda-{self.worker_id}-", suffix=".log")
-        self.log_path = Path(name)
-        env = settings_env(self.settings, KODA_WORKER_ID=self.worker_id, **self.extra_env)
+    def __init__(self, settings: Settings, worker_id: str, tree: Path) -> None:
+        super().__init__(settings, worker_id)
         # -S: no site module, so no .pth and no editable-install finder pointing here.
-        env["PYTHONPATH"] = f"{self.tree}:{sysconfig.get_paths()['purelib']}"
-        self.proc = subprocess.Popen(  # noqa: S603
-            [sys.executable, "-S", "-m", "koda", "worker"],
-            env=env,
-            cwd=self.tree,
-            stdout=fd,
-            stderr=fd,
-            start_new_session=True,
-        )
-        os.close(fd)
-        return self
+        self.argv = [sys.executable, "-S", "-m", "koda", "worker"]
+        self.env["PYTHONPATH"] = f"{tree}:{sysconfig.get_paths()['purelib']}"
+        self.cwd = tree
 
 
 class Traffic:
@@ -111,7 +114,7 @@ class Traffic:
         self.producer = Producer(producer_config(env, "rollout"))
         self.topic = env.names.topic(RUNS)
         self.ids: dict[str, list[str]] = {}
-        self.inputs: dict[str, dict] = {}  # type: ignore[type-arg]
+        self.inputs: dict[str, dict] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.n = 0
@@ -124,14 +127,14 @@ class Traffic:
                 "demo": {"tokens": 5, "delay_ms": 80, "fail_attempts": int(self.n % 5 == 0)},
             }
             run_id = self.sub.submit(user, inp, publish=False)
-            record = {"run_id": run_id, "user_id": user, "session_id": f"s-{user}"}
+            record: dict[str, Any] = {"run_id": run_id, "user_id": user, "session_id": f"s-{user}"}
             if self.n % 2 == 0:
                 record |= {"created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ"), "priority": 5}
             self.producer.produce(
                 self.topic,
                 key=user.encode(),
                 value=json.dumps(record),
-                headers=headers_for(RUN_REQUESTED),
+                headers=list(headers_for(RUN_REQUESTED)),
             )
             self.producer.flush(30)
             self.ids.setdefault(user, []).append(run_id)

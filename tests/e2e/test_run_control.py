@@ -27,16 +27,11 @@ from koda.lifecycle.control import merge_inputs
 from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
 from schemas.migrate import upgrade
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.processes import GatewayProcess, WorkerProcess
+from tests.fixtures.runs import Submitter, committed_offsets, read_topic
 from tests.sse_client import bearer, follow_run
 from tests.support import wait_until
-from tests.workers import (
-    GatewayProcess,
-    Submitter,
-    WorkerProcess,
-    committed_offsets,
-    read_topic,
-)
 from topics.admin import apply_topics
 from topics.catalogue import RUN_EVENTS, RUNS
 
@@ -88,7 +83,7 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(stack) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+def cluster(stack) -> Iterator[Cluster]:
     cfg = make_settings(stack, handoff_ceiling_s=10.0)
     apply_topics(cfg)
     upgrade(cfg)
@@ -155,9 +150,7 @@ def one_terminal(c: Cluster, run_id: str) -> str:
 
 
 def output_of(c: Cluster, run_id: str) -> str:
-    rows = c.sub.messages(run_id)
-    last_reset = max((r.seq for r in rows if r.kind == "reset"), default=-1)
-    return "".join(r.content for r in rows if r.kind == "chunk" and r.seq > last_reset)
+    return c.sub.output(run_id)
 
 
 # --- cancel -------------------------------------------------------------------------
@@ -174,7 +167,7 @@ def test_cancel_running_run_through_the_other_gateway(cluster: Cluster) -> None:
 
     loop = asyncio.new_event_loop()
     viewer = loop.create_task(watch())
-    loop.run_until_complete(asyncio.sleep(0))
+    loop.run_until_complete(asyncio.sleep(0))  # one turn: the viewer starts connecting
     wait_until(lambda: "chunk" in c.kinds(run_id), timeout=30, what="output")
     r = cancel(c.g2, user, run_id, "changed my mind")  # not the gateway that took the run
     assert r.status_code == 202, r.text
@@ -436,7 +429,7 @@ def test_merge_inside_the_window_reruns_on_both_messages(cluster: Cluster) -> No
 
     loop = asyncio.new_event_loop()
     viewer = loop.create_task(watch())
-    loop.run_until_complete(asyncio.sleep(0))
+    loop.run_until_complete(asyncio.sleep(0))  # one turn: the viewer starts connecting
     wait_until(lambda: "chunk" in c.kinds(run_id), timeout=30, what="output")
     second = {"text": "and in French"}
     merged = post_run(c.g1, user, second, session=session)

@@ -16,15 +16,8 @@ scheduler processes and worker), so the suite pays for the minutes once:
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 from sqlalchemy import text
@@ -32,11 +25,10 @@ from sqlalchemy import text
 from gateway.scheduled import fire_key
 from koda.db import sync_engine
 from koda.lifecycle.ids import uuid7
-from koda.settings import Settings
 from schemas.migrate import upgrade
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.processes import SchedulerProcess, WorkerProcess
 from tests.support import wait_until
-from tests.workers import ROOT, WorkerProcess, settings_env
 from topics.admin import apply_topics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
@@ -45,66 +37,14 @@ STEADY_SCHEDULES = 30
 QUICK_RUN = {"text": "tick", "demo": {"tokens": 2, "delay_ms": 1}}
 
 
-@dataclass
-class SchedulerProcess:
-    settings: Settings
-    name: str
-    proc: subprocess.Popen[bytes] | None = None
-    log_path: Path | None = None
-    extra: dict[str, str] = field(default_factory=dict)
-
-    def start(self) -> SchedulerProcess:
-        fd, path = tempfile.mkstemp(prefix=f"koda-{self.name}-", suffix=".log")
-        self.log_path = Path(path)
-        env = settings_env(
-            self.settings,
-            KODA_SWEEP_AFTER="3",
-            KODA_SWEEP_INTERVAL="1",
-            KODA_SCHEDULER_POLL="1",
-            **self.extra,
-        )
-        self.proc = subprocess.Popen(  # noqa: S603
-            [sys.executable, "-m", "koda", "scheduler"],
-            env=env,
-            cwd=ROOT,
-            stdout=fd,
-            stderr=fd,
-            start_new_session=True,
-        )
-        os.close(fd)
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path else ""
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(
-                    f"{self.name} ignored SIGTERM:\n{self.log()[-2000:]}"
-                ) from None
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+# Sweeps and passes every second: the production cadence, compressed.
+FAST_PASSES = {"KODA_SWEEP_AFTER": "3", "KODA_SWEEP_INTERVAL": "1", "KODA_SCHEDULER_POLL": "1"}
 
 
 class Namespace:
     """One scenario's tables, topics, schedules and processes."""
 
-    def __init__(self, stack) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, stack) -> None:
         self.settings = make_settings(stack, max_inflight=8)
         apply_topics(self.settings)
         upgrade(self.settings)
@@ -126,7 +66,8 @@ class Namespace:
         return sid
 
     def scheduler(self, name: str) -> SchedulerProcess:
-        proc = SchedulerProcess(self.settings, f"{self.settings.namespace}-{name}").start()
+        proc = SchedulerProcess(self.settings, f"{self.settings.namespace}-{name}", FAST_PASSES)
+        proc.start()
         self.schedulers.append(proc)
         return proc
 
@@ -178,7 +119,7 @@ def _fire_log_order(proc: SchedulerProcess, schedule_id: str) -> list[str]:
     ]
 
 
-def test_schedulers_fire_every_due_minute_once_through_a_kill_and_a_downtime(stack) -> None:  # type: ignore[no-untyped-def]
+def test_schedulers_fire_every_due_minute_once_through_a_kill_and_a_downtime(stack) -> None:
     steady, downtime = Namespace(stack), Namespace(stack)
     try:
         # Begin early in a minute: the "short" schedule's 60 s window must still cover
@@ -198,7 +139,7 @@ def test_schedulers_fire_every_due_minute_once_through_a_kill_and_a_downtime(sta
             lambda: downtime.count_for(start) == 3, timeout=60, what="the first minute fired"
         )
         for p in down_pair:
-            wait_until(lambda p=p: "event=scheduler_started" in p.log(), what=f"{p.name} up")
+            wait_until(lambda: "event=scheduler_started" in p.log(), what=f"{p.name} up")  # noqa: B023
         assert [p.stop() for p in down_pair] == [0, 0]
         stopped_at = datetime.now(UTC)
 

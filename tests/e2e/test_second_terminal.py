@@ -82,7 +82,10 @@ def test_dlq_list_and_db_upgrade_find_the_stack_from_a_subdirectory(
     )
     producer = Producer(producer_config(settings, "test"))
     producer.produce(
-        settings.names.topic(RUNS_DLQ), key=b"alice", value=letter, headers=headers_for(DEAD_LETTER)
+        settings.names.topic(RUNS_DLQ),
+        key=b"alice",
+        value=letter,
+        headers=list(headers_for(DEAD_LETTER)),
     )
     assert producer.flush(30) == 0
     user_env = bare_env(KODA_NAMESPACE=settings.namespace or "")

@@ -10,9 +10,10 @@ import httpx
 from koda.naming import AppEnv
 from koda.settings import Settings
 from schemas.migrate import upgrade
-from tests.integration.conftest import delete_topics, drop_schema
+from tests.fixtures.namespaces import delete_topics, drop_schema
+from tests.fixtures.processes import GatewayProcess, WorkerProcess
+from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from tests.workers import GatewayProcess, Submitter, WorkerProcess
 from topics.admin import apply_topics
 
 

@@ -17,7 +17,8 @@ from playwright.sync_api import sync_playwright
 from koda.lifecycle.chunks import visible_output
 from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
-from tests.workers import ROOT, GatewayProcess, Submitter, WorkerProcess, settings_env
+from tests.fixtures.processes import ROOT, GatewayProcess, WorkerProcess, settings_env
+from tests.fixtures.runs import Submitter
 
 CHROMIUM = Path("/usr/bin/chromium")
 SSE_ENV = {"KODA_SSE_KEEPALIVE": "0.5", "KODA_SSE_RETRY_MS": "200"}

@@ -22,11 +22,9 @@ import httpx
 from confluent_kafka.admin import AdminClient
 
 from koda.settings import Settings
-from tests.e2e.test_operations import FAST_BEATS, procs, scrape, value, workers_report
+from tests.fixtures.ops import FAST_BEATS, scrape, value, workers_report
+from tests.fixtures.processes import ROOT, GatewayProcess, WorkerProcess, free_port, settings_env
 from tests.support import wait_until
-from tests.workers import ROOT, GatewayProcess, WorkerProcess, free_port, settings_env
-
-__all__ = ["procs"]
 
 STALE_WITHIN_S = 20.0
 
@@ -115,9 +113,7 @@ def test_two_workers_forced_to_one_id_are_a_conflict(env: Settings, procs: list[
     host = socket.gethostname()
     for me, other in ((a, b), (b, a)):
         line = f"host={host} pid={me.pid} other_host={host} other_pid={other.pid}"
-        wait_until(
-            lambda line=line, me=me: line in me.log(), timeout=20, what=f"{me.pid} logs its twin"
-        )
+        wait_until(lambda: line in me.log(), timeout=20, what=f"{me.pid} logs its twin")  # noqa: B023
         assert "event=worker_id_conflict" in me.log()
         port = me.extra_env["KODA_WORKER_PORT"]
         assert value(scrape(f"http://127.0.0.1:{port}"), "koda_worker_id_twin_beats_total") > 0

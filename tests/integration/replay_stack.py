@@ -27,9 +27,10 @@ from koda.settings import Settings
 from processors.compactor import ChunkCompactor
 from schemas.migrate import upgrade
 from schemas.records import RUN_REQUESTED, RunRequested, headers_for
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.processes import ROOT, GatewayProcess, WorkerProcess, settings_env
+from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from tests.workers import ROOT, GatewayProcess, Submitter, WorkerProcess, read_topic, settings_env
 from topics.admin import apply_topics
 from topics.catalogue import RUNS_DLQ
 from topics.replay import tables as t

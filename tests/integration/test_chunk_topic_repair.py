@@ -41,8 +41,9 @@ from koda.settings import Settings
 from processors.compactor import ChunkCompactor
 from processors.handlers.demo import demo_tokens
 from schemas.records import RUN_CHUNK, chunk_value, headers_for
+from tests.fixtures.processes import ROOT, WorkerProcess, free_port, settings_env
+from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from tests.workers import ROOT, Submitter, WorkerProcess, free_port, read_topic, settings_env
 from topics.catalogue import RUN_CHUNKS, partition_for_key
 from topics.chunklog import RunLog, read_chunk_log
 
@@ -281,7 +282,7 @@ def left_behind(
                 key=chunk_key(run_id, seq).encode(),
                 value=chunk_value(run_id, seq, kind, content, 1),
                 partition=partition,
-                headers=headers_for(RUN_CHUNK),
+                headers=list(headers_for(RUN_CHUNK)),
             )
     assert producer.flush(30) == 0
     return run_id

@@ -19,20 +19,14 @@ from koda.settings import Settings
 from processors.compactor import ChunkCompactor
 from processors.handlers.demo import demo_tokens
 from schemas.records import chunk_value
+from tests.fixtures.processes import ROOT, GatewayProcess, WorkerProcess, settings_env
+from tests.fixtures.runs import Submitter, read_topic
 from tests.sse_client import bearer, contents, read_stream
 from tests.support import wait_until
-from tests.workers import ROOT, GatewayProcess, Submitter, WorkerProcess, read_topic, settings_env
 from topics.catalogue import RUN_CHUNKS
 from topics.chunklog import read_chunk_log
 
 END = {"done": "done", "failed": "error", "cancelled": "cancelled"}
-
-
-@pytest.fixture
-def submitter(env: Settings) -> Iterator[Submitter]:
-    s = Submitter(env)
-    yield s
-    s.close()
 
 
 @pytest.fixture

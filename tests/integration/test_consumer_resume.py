@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
@@ -11,10 +12,10 @@ from koda.settings import Settings
 from topics.catalogue import RUNS
 
 
-def consume(conf: dict, topic: str, count: int, deadline_s: float = 30.0) -> list:  # type: ignore[type-arg]
+def consume(conf: dict, topic: str, count: int, deadline_s: float = 30.0) -> list:
     consumer = Consumer(conf)
     consumer.subscribe([topic])
-    got = []
+    got: list[Any] = []
     deadline = time.monotonic() + deadline_s
     while len(got) < count and time.monotonic() < deadline:
         msg = consumer.poll(0.5)

@@ -14,78 +14,39 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
-from sqlalchemy import text
 from typer.testing import CliRunner
 
 from gateway import RunPublisher, Sweeper, create_app, runs_app
 from gateway.store import RunStore
 from koda import metrics
-from koda.db import async_engine, sync_engine
-from koda.kafka import consumer_config, producer_config
+from koda.db import async_engine
+from koda.kafka import producer_config
 from koda.lifecycle.ids import scoped_idempotency_key, uuid7
 from koda.naming import AppEnv
 from koda.settings import Settings
 from schemas.migrate import upgrade
 from schemas.records import decode_run_requested, header_value
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
+from tests.fixtures.gateway import db_rows, read_runs_topic, records_of, serve_app
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.runs import payload
+from tests.sse_client import bearer
 from tests.support import wait_until
 from topics.admin import apply_topics
-from topics.catalogue import RUNS, partition_for_key
+from topics.catalogue import partition_for_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- harness -----------------------------------------------------------------
-
-
-@contextmanager
-def running(app: Any) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on a free port in a thread; yield its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=10)
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started or not thread.is_alive(), timeout=60, what="uvicorn up")
-    assert server.started, "the gateway did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-        assert not thread.is_alive(), "the gateway did not stop"
-
-
-def bearer(user: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer dev:{user}"}
-
-
-def db_rows(settings: Settings, sql: str, **params: Any) -> list[Any]:
-    engine = sync_engine(settings)
-    try:
-        with engine.begin() as conn:
-            result = conn.execute(text(sql), params)
-            return list(result.all()) if result.returns_rows else []
-    finally:
-        engine.dispose()
 
 
 def counts(settings: Settings) -> tuple[int, int]:
@@ -98,38 +59,6 @@ def counts(settings: Settings) -> tuple[int, int]:
 def published_at(settings: Settings, run_id: str) -> Any:
     (row,) = db_rows(settings, "SELECT published_at FROM runs WHERE id = :id", id=run_id)
     return row[0]
-
-
-def read_runs_topic(settings: Settings, timeout: float = 30.0) -> list[Message]:
-    """Every record on the runs topic up to the current high watermarks."""
-    topic = settings.names.topic(RUNS)
-    conf = consumer_config(settings, "test", settings.names.group(f"reader-{uuid.uuid4().hex}"))
-    consumer = Consumer(conf)
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        ends: dict[int, int] = {}
-        for p in partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if high > low:
-                ends[p] = high
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
-        records: list[Message] = []
-        deadline = time.monotonic() + timeout
-        while ends and time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is None or msg.error():
-                continue
-            records.append(msg)
-            if msg.offset() + 1 >= ends.get(msg.partition(), 0):
-                ends.pop(msg.partition(), None)
-        assert not ends, f"could not read partitions {sorted(ends)} to their end"
-        return records
-    finally:
-        consumer.close()
-
-
-def records_of(settings: Settings, run_id: str) -> list[Message]:
-    return [m for m in read_runs_topic(settings) if json.loads(m.value())["run_id"] == run_id]
 
 
 def dead_publisher(settings: Settings) -> RunPublisher:
@@ -155,25 +84,8 @@ class Shared:
 
 
 @pytest.fixture(scope="module")
-def shared_settings(stack) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
-    settings = make_settings(stack, rate_per_s=1000.0, rate_burst=1000)
-    apply_topics(settings)
-    upgrade(settings)
-    yield settings
-    delete_topics(settings)
-    drop_schema(settings)
-
-
-@pytest.fixture(scope="module")
-def gw(shared_settings: Settings) -> Iterator[Shared]:
-    with running(create_app(shared_settings)) as url:
-        yield Shared(shared_settings, url)
-
-
-@pytest.fixture
-def client(gw: Shared) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=gw.url, timeout=30) as c:
-        yield c
+def gw(module_env: Settings, gateway_url: str) -> Shared:
+    return Shared(module_env, gateway_url)
 
 
 def submit(client: httpx.Client, user: str, body: Any, key: str | None = None) -> httpx.Response:
@@ -285,7 +197,7 @@ def test_run_row_and_published_record(gw: Shared, client: httpx.Client) -> None:
     assert header_value(headers, "content-type") == b"application/json"
     decoded = decode_run_requested(record.key(), record.value(), headers)
     assert (decoded.run_id, decoded.user_id, decoded.session_id) == (run_id, user, row.session_id)
-    assert "hello there" not in record.value().decode()  # the record is a trigger, not the input
+    assert "hello there" not in payload(record).decode()  # the record is a trigger, not the input
 
 
 def test_sessions_belong_to_their_user(gw: Shared, client: httpx.Client) -> None:
@@ -478,7 +390,7 @@ def test_crlf_in_idempotency_key_is_refused_on_the_wire(gw: Shared) -> None:
     assert counts(gw.settings) == before
 
 
-def test_dev_tokens_are_refused_in_prod_and_prod_tokens_work(stack) -> None:  # type: ignore[no-untyped-def]
+def test_dev_tokens_are_refused_in_prod_and_prod_tokens_work(stack) -> None:
     settings = make_settings(
         stack,
         app_env=AppEnv.PROD,
@@ -489,7 +401,7 @@ def test_dev_tokens_are_refused_in_prod_and_prod_tokens_work(stack) -> None:  # 
     apply_topics(settings)
     upgrade(settings)
     try:
-        with running(create_app(settings)) as url, httpx.Client(base_url=url) as c:
+        with serve_app(create_app(settings)) as url, httpx.Client(base_url=url) as c:
             r = c.post("/v1/runs", json={"input": "x"}, headers=bearer("prod-user"))
             assert r.status_code == 401
             assert r.json()["error"]["code"] == "unauthorized"
@@ -510,13 +422,13 @@ def test_dev_tokens_are_refused_in_prod_and_prod_tokens_work(stack) -> None:  # 
 
 
 def test_rate_limit_answers_429_with_retry_after_and_writes_nothing(
-    shared_settings: Settings,
+    module_env: Settings,
 ) -> None:
     # one token per 20 s: the refill during the first three requests cannot add a fourth
-    settings = shared_settings.with_(rate_per_s=0.05, rate_burst=3)
+    settings = module_env.with_(rate_per_s=0.05, rate_burst=3)
     user = "quota-" + uuid.uuid4().hex[:8]
     with (
-        running(create_app(settings, run_sweeper=False)) as url,
+        serve_app(create_app(settings, run_sweeper=False)) as url,
         httpx.Client(base_url=url, timeout=30) as c,
     ):
         accepted = [
@@ -626,12 +538,12 @@ def test_health_metrics_and_openapi(client: httpx.Client) -> None:
     assert "/v1/runs" in spec["paths"] and "/v1/runs/{run_id}" in spec["paths"]
 
 
-def test_readyz_is_503_when_the_runs_topic_is_missing(stack) -> None:  # type: ignore[no-untyped-def]
+def test_readyz_is_503_when_the_runs_topic_is_missing(stack) -> None:
     settings = make_settings(stack)  # no topics created
     upgrade(settings)
     try:
         with (
-            running(create_app(settings, run_sweeper=False)) as url,
+            serve_app(create_app(settings, run_sweeper=False)) as url,
             httpx.Client(base_url=url, timeout=30) as c,
         ):
             r = c.get("/readyz")
@@ -688,11 +600,11 @@ async def test_sweep_once_republishes_stale_unpublished_pending_runs(env: Settin
     assert published_at(env, fresh) is None
     assert published_at(env, running_run) is None
     (record,) = [m for m in read_runs_topic(env)]
-    assert json.loads(record.value())["run_id"] == stale
+    assert json.loads(payload(record))["run_id"] == stale
     assert record.key() == b"sweep-user"
     assert record.partition() == partition_for_key(b"sweep-user", env.partitions)
     assert header_value(record.headers(), "schema") == b"run.requested/1"
-    assert published not in record.value().decode()
+    assert published not in payload(record).decode()
 
 
 async def test_a_failed_sweep_releases_its_claim(env: Settings) -> None:
@@ -717,7 +629,7 @@ def test_a_lost_publish_leaves_the_run_pending_until_the_sweeper_publishes_it(
         metrics.REGISTRY.get_sample_value("koda_publish_total", {"outcome": "failed"}) or 0.0
     )
     with (
-        running(create_app(env, publisher=publisher, run_sweeper=False)) as url,
+        serve_app(create_app(env, publisher=publisher, run_sweeper=False)) as url,
         httpx.Client(base_url=url, timeout=30) as c,
     ):
         started = time.monotonic()
@@ -754,7 +666,7 @@ def test_a_lost_publish_leaves_the_run_pending_until_the_sweeper_publishes_it(
     assert asyncio.run(sweep()) == 1
     assert published_at(env, run_id) is not None
     (record,) = read_runs_topic(env)
-    assert json.loads(record.value())["run_id"] == run_id
+    assert json.loads(payload(record))["run_id"] == run_id
 
 
 # --- the command line ------------------------------------------------------------------

@@ -197,7 +197,7 @@ async def test_chunk_batches_and_finishes_share_a_group(db: Stack) -> None:
             writer.finish(FinishWrite(f2, r2, RunStatus.DONE, done)),
             writer.chunks(ChunkWrite(f3, r3, batch(r3, 0, 3), True)),
         )
-        assert results == [[0], [1], Finished([0], {}), [0, 1, 2]]
+        assert list(results) == [[0], [1], Finished([0], {}), [0, 1, 2]]
         assert writer.groups == 2  # r1's first batch with r2 and r3, then r1's second
         assert await stored(db, r2) == ([0], "done")
         assert await stored(db, r3) == ([0, 1, 2], "streaming")
@@ -255,7 +255,7 @@ async def test_a_fenced_out_run_is_refused_and_the_rest_of_its_group_written(db:
             writer.chunks(ChunkWrite(kept_fence, kept, batch(kept, 2, 2), False)),
             writer.finish(FinishWrite(lost_fence, lost, RunStatus.DONE, ends)),
         )
-        assert results == [[0, 1], None, [2, 3], None]
+        assert list(results) == [[0, 1], None, [2, 3], None]
         assert await stored(db, kept) == ([0, 1, 2, 3], "streaming")
         assert await stored(db, lost) == ([], "running")
     finally:

@@ -17,16 +17,16 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import create_app
 from koda import metrics
 from koda.settings import Settings
 from schemas.migrate import upgrade
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
-from tests.integration.test_gateway import bearer, db_rows, running
-from tests.integration.test_ledger_reports import koda, system_call, write_calls
-from tests.integration.test_worker import wait_terminal
+from tests.fixtures.gateway import db_rows
+from tests.fixtures.ledger import koda, system_call, write_calls
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.processes import WorkerProcess
+from tests.fixtures.runs import Submitter, read_topic, wait_terminal
+from tests.sse_client import bearer
 from tests.support import wait_until
-from tests.workers import Submitter, WorkerProcess, read_topic
 from topics.admin import apply_topics
 from topics.catalogue import RUN_EVENTS
 
@@ -34,33 +34,16 @@ MICRO = Decimal(1_000_000)
 
 
 @pytest.fixture(scope="module")
-def shared(stack) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
-    settings = make_settings(stack, rate_per_s=1000.0, rate_burst=1000)
-    apply_topics(settings)
-    upgrade(settings)
-    yield settings
-    delete_topics(settings)
-    drop_schema(settings)
-
-
-@pytest.fixture(scope="module")
-def worker(shared: Settings) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(shared, "ledger-w1").start()
+def worker(module_env: Settings) -> Iterator[WorkerProcess]:
+    w = WorkerProcess(module_env, "ledger-w1").start()
     yield w
     w.stop()
 
 
 @pytest.fixture(scope="module")
-def url(shared: Settings, worker: WorkerProcess) -> Iterator[str]:
-    with running(create_app(shared)) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def submitter(shared: Settings) -> Iterator[Submitter]:
-    s = Submitter(shared)
-    yield s
-    s.close()
+def url(worker: WorkerProcess, gateway_url: str) -> str:
+    """The module's gateway, with its worker running."""
+    return gateway_url
 
 
 def ledger_of(settings: Settings, run_id: str) -> list[Any]:
@@ -74,16 +57,16 @@ def ledger_of(settings: Settings, run_id: str) -> list[Any]:
 
 
 def test_a_run_failing_twice_then_succeeding_bills_three_attempts(
-    shared: Settings, worker: WorkerProcess, submitter: Submitter
+    module_env: Settings, worker: WorkerProcess, module_submitter: Submitter
 ) -> None:
     inp = {
         "text": "three attempts please",
         "demo": {"tokens": 6, "delay_ms": 1, "fail_attempts": 2},
     }
-    run_id = submitter.submit("thrice", inp)
-    wait_terminal(submitter, [run_id], 90, worker)
-    assert submitter.statuses([run_id]) == {run_id: "done"}
-    rows = ledger_of(shared, run_id)
+    run_id = module_submitter.submit("thrice", inp)
+    wait_terminal(module_submitter, [run_id], 90, worker)
+    assert module_submitter.statuses([run_id]) == {run_id: "done"}
+    rows = ledger_of(module_env, run_id)
     got = [(r.attempt, r.call_index, r.outcome, r.estimated, r.completion_tokens) for r in rows]
     # Attempts 1 and 2 failed half-way: billed for the 3 chunks streamed, estimated.
     assert got == [(1, 0, "failed", True, 3), (2, 0, "failed", True, 3), (3, 0, "ok", False, 6)]
@@ -92,17 +75,20 @@ def test_a_run_failing_twice_then_succeeding_bills_three_attempts(
         assert r.price_id is not None and r.prompt_tokens == 3
         assert r.cost_usd == (r.prompt_tokens * r.pp + r.completion_tokens * r.cp) / MICRO
     (spend,) = db_rows(
-        shared,
+        module_env,
         "SELECT spend_usd, calls FROM spend_periods WHERE user_id = 'thrice' AND period = 'month'",
     )
     assert spend.spend_usd == sum((r.cost_usd for r in rows), Decimal(0)) and spend.calls == 3
     # The previous release's table still gets the finishing attempt's call (dual write).
-    old = db_rows(shared, "SELECT cost_usd FROM usage WHERE run_id = :r", r=run_id)
+    old = db_rows(module_env, "SELECT cost_usd FROM usage WHERE run_id = :r", r=run_id)
     assert [o.cost_usd for o in old] == [rows[-1].cost_usd]
 
     # The warehouse's usage events carry every ledger column.
     def usage_events() -> list[dict[str, Any]] | None:
-        events = [json.loads(m.value()) for m in read_topic(shared, shared.names.topic(RUN_EVENTS))]
+        events = [
+            json.loads(m.value())
+            for m in read_topic(module_env, module_env.names.topic(RUN_EVENTS))
+        ]
         mine = [e for e in events if e["event"] == "usage" and e["run_id"] == run_id]
         return mine if len(mine) == 3 else None
 
@@ -114,7 +100,7 @@ def test_a_run_failing_twice_then_succeeding_bills_three_attempts(
     assert {e["user_id"] for e in events} == {"thrice"} and {e["kind"] for e in events} == {"chat"}
 
 
-def test_a_run_cut_at_the_handoff_ceiling_is_billed_estimated_and_cancelled(stack) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_cut_at_the_handoff_ceiling_is_billed_estimated_and_cancelled(stack) -> None:
     settings = make_settings(stack, handoff_ceiling_s=1.0)
     apply_topics(settings)
     upgrade(settings)
@@ -125,7 +111,9 @@ def test_a_run_cut_at_the_handoff_ceiling_is_billed_estimated_and_cancelled(stac
             "cut-user", {"text": "hang", "demo": {"tokens": 4, "delay_ms": 1, "hang": True}}
         )
         wait_until(
-            lambda: len(submitter.messages(run_id)) >= 4, timeout=60, what="the run streaming"
+            lambda: len(submitter.messages(run_id)) >= 4,
+            timeout=60,
+            what="the run streaming",
         )
         assert w.stop() == 0, w.log()[-3000:]
         rows = ledger_of(settings, run_id)
@@ -155,20 +143,24 @@ def next_month(now: datetime) -> datetime:
 
 
 def test_50_concurrent_submissions_at_the_edge_overshoot_by_the_admitted_runs_only(
-    shared: Settings, worker: WorkerProcess, url: str, submitter: Submitter
+    module_env: Settings, worker: WorkerProcess, url: str, module_submitter: Submitter
 ) -> None:
     user = "edge-user"
     # 0.01 USD per completion token: a 3-token demo run costs exactly 0.03.
     assert (
-        koda(shared, "prices", "set", "demo-1", "--prompt", "0", "--completion", "10000").exit_code
+        koda(
+            module_env, "prices", "set", "demo-1", "--prompt", "0", "--completion", "10000"
+        ).exit_code
         == 0
     )
     assert (
-        koda(shared, "prices", "set", "seed", "--prompt", "10000", "--completion", "0").exit_code
+        koda(
+            module_env, "prices", "set", "seed", "--prompt", "10000", "--completion", "0"
+        ).exit_code
         == 0
     )
-    write_calls(shared, [system_call(user, "seed", 999, 0)])  # 9.99 spent
-    assert koda(shared, "budgets", "set", user, "--monthly", "10.00").exit_code == 0
+    write_calls(module_env, [system_call(user, "seed", 999, 0)])  # 9.99 spent
+    assert koda(module_env, "budgets", "set", user, "--monthly", "10.00").exit_code == 0
 
     async def burst(first: int) -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -193,17 +185,17 @@ def test_50_concurrent_submissions_at_the_edge_overshoot_by_the_admitted_runs_on
         assert err["code"] == "budget_exceeded" and err["budget"]["period"] == "month"
         assert Decimal(err["budget"]["spend_usd"]) >= Decimal("10")
         assert err["budget"]["limit_usd"] == "10.00000000"
-    wait_terminal(submitter, admitted, 120, worker)
+    wait_terminal(module_submitter, admitted, 120, worker)
     # Nothing of a refused submission was written.
     (written,) = db_rows(
-        shared,
+        module_env,
         "SELECT (SELECT count(*) FROM runs WHERE user_id = :u) AS runs,"
         " (SELECT count(*) FROM sessions WHERE user_id = :u) AS sessions",
         u=user,
     )
     assert written.runs == len(admitted) and written.sessions == len(admitted)
     (spent,) = db_rows(
-        shared,
+        module_env,
         "SELECT (SELECT sum(cost_usd) FROM ledger WHERE user_id = :u) AS ledger,"
         " (SELECT spend_usd FROM spend_periods WHERE user_id = :u AND period = 'month') AS month",
         u=user,
@@ -214,9 +206,9 @@ def test_50_concurrent_submissions_at_the_edge_overshoot_by_the_admitted_runs_on
     # Once the spend is past the budget, a second burst of 50 is refused whole.
     second = asyncio.run(burst(50))
     assert {r.status_code for r in second} == {402}, [r.text for r in second]
-    assert db_rows(shared, "SELECT count(*) AS n FROM runs WHERE user_id = :u", u=user)[0].n == len(
-        admitted
-    )
+    assert db_rows(module_env, "SELECT count(*) AS n FROM runs WHERE user_id = :u", u=user)[
+        0
+    ].n == len(admitted)
     late = httpx.post(
         f"{url}/v1/runs", json={"input": "one more"}, headers=bearer(user), timeout=30
     )
@@ -246,21 +238,21 @@ def soft_alerts() -> float:
 
 
 def test_the_soft_threshold_alerts_once_per_user_and_period(
-    shared: Settings, url: str, caplog: pytest.LogCaptureFixture
+    module_env: Settings, url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     user = "soft-user"
     assert (
         koda(
-            shared, "prices", "set", "soft-seed", "--prompt", "10000", "--completion", "0"
+            module_env, "prices", "set", "soft-seed", "--prompt", "10000", "--completion", "0"
         ).exit_code
         == 0
     )
-    assert koda(shared, "budgets", "set", user, "--monthly", "100.00").exit_code == 0
+    assert koda(module_env, "budgets", "set", user, "--monthly", "100.00").exit_code == 0
     before = soft_alerts()
     caplog.set_level(logging.WARNING, logger="gateway.admission")
     first = httpx.post(f"{url}/v1/runs", json={"input": "under"}, headers=bearer(user), timeout=30)
     assert first.status_code == 202 and soft_alerts() == before  # nothing spent yet
-    write_calls(shared, [system_call(user, "soft-seed", 8500, 0)])  # 85.00: past 80 %
+    write_calls(module_env, [system_call(user, "soft-seed", 8500, 0)])  # 85.00: past 80 %
     for i in range(3):
         resp = httpx.post(
             f"{url}/v1/runs", json={"input": f"over {i}"}, headers=bearer(user), timeout=30

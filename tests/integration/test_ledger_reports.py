@@ -7,87 +7,36 @@ checked against SQL written here, independently of the report's own.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
-from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 import httpx
 import pytest
-from typer.testing import CliRunner
 
 from gateway import create_app
-from koda import cli
-from koda.db import async_engine
 from koda.lifecycle.handler import Usage
 from koda.lifecycle.ledger import LedgerCall, Outcome
 from koda.settings import Settings
-from schemas.ledger import PricedCall, insert_calls
 from schemas.migrate import upgrade
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
-from tests.integration.test_gateway import bearer, db_rows, running
+from tests.fixtures.gateway import db_rows, serve_app
+from tests.fixtures.ledger import koda, system_call, write_calls
+from tests.fixtures.namespaces import drop_schema, make_settings
+from tests.sse_client import bearer
 from tests.support import wait_until
-from tests.workers import settings_env
-from topics.admin import apply_topics
-
-runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def shared(stack) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
-    settings = make_settings(stack, rate_per_s=1000.0, rate_burst=1000)
-    apply_topics(settings)
-    upgrade(settings)
-    yield settings
-    delete_topics(settings)
-    drop_schema(settings)
-
-
-@pytest.fixture(scope="module")
-def url(shared: Settings) -> Iterator[str]:
-    with running(create_app(shared)) as base:
-        yield base
-
-
-@pytest.fixture
-def client(url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=url, timeout=60) as c:
-        yield c
-
-
-def write_calls(settings: Settings, calls: Sequence[LedgerCall]) -> list[PricedCall]:
-    async def go() -> list[PricedCall]:
-        engine = async_engine(settings, pool_size=1)
-        try:
-            async with engine.begin() as conn:
-                return await insert_calls(conn, calls)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go())
-
-
-def koda(settings: Settings, *args: str) -> Any:
-    return runner.invoke(cli.app, list(args), env=settings_env(settings))
-
-
-def system_call(user: str, model: str, pt: int, ct: int, kind: str = "chat") -> LedgerCall:
-    """A call of system work: no run (run_id NULL)."""
-    return LedgerCall(user, None, 0, 0, Usage(model, pt, ct, kind=kind), Outcome.OK)
-
-
-def test_a_price_change_leaves_earlier_costs_unchanged(shared: Settings) -> None:
-    first = koda(shared, "prices", "set", "noon-model", "--prompt", "1.5", "--completion", "6")
+def test_a_price_change_leaves_earlier_costs_unchanged(module_env: Settings) -> None:
+    first = koda(module_env, "prices", "set", "noon-model", "--prompt", "1.5", "--completion", "6")
     assert first.exit_code == 0, first.output
-    morning = write_calls(shared, [system_call("p-user", "noon-model", 1000, 2000)])
+    morning = write_calls(module_env, [system_call("p-user", "noon-model", 1000, 2000)])
     # 1000 x 1.5 / 1e6 + 2000 x 6 / 1e6
     assert morning[0].cost_usd == Decimal("0.0135")
     noon = datetime.now(UTC) + timedelta(seconds=2)
     second = koda(
-        shared,
+        module_env,
         "prices",
         "set",
         "noon-model",
@@ -100,18 +49,18 @@ def test_a_price_change_leaves_earlier_costs_unchanged(shared: Settings) -> None
     )
     assert second.exit_code == 0, second.output
     # Until noon the morning price still applies.
-    before = write_calls(shared, [system_call("p-user", "noon-model", 1000, 2000)])
+    before = write_calls(module_env, [system_call("p-user", "noon-model", 1000, 2000)])
     assert before[0].cost_usd == Decimal("0.0135")
     wait_until(
         lambda: datetime.now(UTC) > noon + timedelta(seconds=0.2),
         timeout=10,
         what="the new price's time",
     )
-    after = write_calls(shared, [system_call("p-user", "noon-model", 1000, 2000)])
+    after = write_calls(module_env, [system_call("p-user", "noon-model", 1000, 2000)])
     assert after[0].cost_usd == Decimal("0.05")
     assert after[0].price_id != morning[0].price_id
     rows = db_rows(
-        shared,
+        module_env,
         "SELECT l.cost_usd, l.price_id, p.effective_from FROM ledger l"
         " JOIN prices p ON p.id = l.price_id WHERE l.model = 'noon-model' ORDER BY l.id",
     )
@@ -119,7 +68,7 @@ def test_a_price_change_leaves_earlier_costs_unchanged(shared: Settings) -> None
     assert rows[0].price_id == rows[1].price_id == morning[0].price_id
     # History is never rewritten: a price for a past time is refused, nothing written.
     past = koda(
-        shared,
+        module_env,
         "prices",
         "set",
         "noon-model",
@@ -131,18 +80,18 @@ def test_a_price_change_leaves_earlier_costs_unchanged(shared: Settings) -> None
         "2020-01-01T00:00:00Z",
     )
     assert past.exit_code == 2 and "in the past" in past.output, past.output
-    listed = koda(shared, "prices", "list", "--model", "noon-model", "--format", "json")
+    listed = koda(module_env, "prices", "list", "--model", "noon-model", "--format", "json")
     assert listed.exit_code == 0, listed.output
     prices = json.loads(listed.stdout)["prices"]
     assert [p["prompt_usd_per_mtok"] for p in prices] == ["1.50000000", "10.00000000"]
     # A model without a price is written at 0 with no price id: visible, not hidden.
-    (unpriced,) = write_calls(shared, [system_call("p-user", "no-price-model", 5, 5)])
+    (unpriced,) = write_calls(module_env, [system_call("p-user", "no-price-model", 5, 5)])
     assert unpriced.cost_usd == 0 and unpriced.price_id is None
 
 
-def test_a_call_written_twice_counts_once(shared: Settings) -> None:
+def test_a_call_written_twice_counts_once(module_env: Settings) -> None:
     (run,) = db_rows(
-        shared,
+        module_env,
         "WITH s AS (INSERT INTO sessions (id, user_id) VALUES ('s-twice', 'twice') RETURNING id)"
         " INSERT INTO runs (id, session_id, user_id, idempotency_key, input)"
         " SELECT 'run-twice', id, 'twice', 'k-twice', '{}'::jsonb FROM s RETURNING id",
@@ -150,10 +99,10 @@ def test_a_call_written_twice_counts_once(shared: Settings) -> None:
     calls = [
         LedgerCall("twice", run.id, 1, i, Usage("demo-1", 10, 20), Outcome.OK) for i in range(3)
     ]
-    assert len(write_calls(shared, calls)) == 3
-    assert write_calls(shared, calls) == []  # a redelivered finish, a retried group
+    assert len(write_calls(module_env, calls)) == 3
+    assert write_calls(module_env, calls) == []  # a redelivered finish, a retried group
     (row,) = db_rows(
-        shared,
+        module_env,
         "SELECT (SELECT count(*) FROM ledger WHERE user_id = 'twice') AS n,"
         " (SELECT sum(cost_usd) FROM ledger WHERE user_id = 'twice') AS cost,"
         " (SELECT spend_usd FROM spend_periods WHERE user_id = 'twice' AND period = 'month')"
@@ -174,9 +123,12 @@ def independent(settings: Settings, key: str, where: str = "") -> dict[str, dict
     return {str(r.k): r._asdict() for r in rows}
 
 
-def test_100k_ledger_rows_sum_to_the_report_total_exactly(shared: Settings, client) -> None:
+def test_100k_ledger_rows_sum_to_the_report_total_exactly(module_env: Settings, client) -> None:
     for model, p, c in (("m-small", "0.15", "0.6"), ("m-large", "2.5", "10"), ("e-1", "0.02", "0")):
-        assert koda(shared, "prices", "set", model, "--prompt", p, "--completion", c).exit_code == 0
+        assert (
+            koda(module_env, "prices", "set", model, "--prompt", p, "--completion", c).exit_code
+            == 0
+        )
     rng = random.Random(14)
     users = [f"bulk-{i}" for i in range(37)]
     batch: list[LedgerCall] = []
@@ -196,16 +148,16 @@ def test_100k_ledger_rows_sum_to_the_report_total_exactly(shared: Settings, clie
         )
         batch.append(LedgerCall(rng.choice(users), None, 0, 0, usage, outcome))
         if len(batch) == 20_000:
-            written += len(write_calls(shared, batch))
+            written += len(write_calls(module_env, batch))
             batch = []
     assert written == 100_000
     bulk = "WHERE user_id LIKE 'bulk-%'"
-    (truth,) = db_rows(shared, f"SELECT sum(cost_usd) AS s, count(*) AS n FROM ledger {bulk}")  # noqa: S608
-    rows = db_rows(shared, f"SELECT cost_usd FROM ledger {bulk}")  # noqa: S608
+    (truth,) = db_rows(module_env, f"SELECT sum(cost_usd) AS s, count(*) AS n FROM ledger {bulk}")  # noqa: S608
+    rows = db_rows(module_env, f"SELECT cost_usd FROM ledger {bulk}")  # noqa: S608
     assert sum((r.cost_usd for r in rows), Decimal(0)) == truth.s
     # The budget summary rows are the ledger's sum exactly, kept by the writes themselves.
     (spend,) = db_rows(
-        shared,
+        module_env,
         "SELECT sum(spend_usd) AS s, sum(calls) AS n FROM spend_periods"
         " WHERE user_id LIKE 'bulk-%' AND period = 'month'",
     )
@@ -216,7 +168,7 @@ def test_100k_ledger_rows_sum_to_the_report_total_exactly(shared: Settings, clie
     report = admin.json()
     by_user = {r["user_id"]: r for r in report["rows"] if r["user_id"].startswith("bulk-")}
     assert sum(Decimal(r["cost_usd"]) for r in by_user.values()) == truth.s
-    expected = independent(shared, "user_id", bulk)
+    expected = independent(module_env, "user_id", bulk)
     assert set(by_user) == set(expected)
     for user, row in by_user.items():
         want = expected[user]
@@ -226,7 +178,7 @@ def test_100k_ledger_rows_sum_to_the_report_total_exactly(shared: Settings, clie
         share = (want["wasted"] / want["cost"]).quantize(Decimal("0.0001"))
         assert Decimal(row["failed_or_cancelled_share"]) == share
     # The whole table's total, every grouping: equal to the independent sums.
-    (whole,) = db_rows(shared, "SELECT sum(cost_usd) AS s, count(*) AS n FROM ledger")
+    (whole,) = db_rows(module_env, "SELECT sum(cost_usd) AS s, count(*) AS n FROM ledger")
     for group, key in (
         ("day", "to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD')"),
         ("model", "model"),
@@ -236,7 +188,7 @@ def test_100k_ledger_rows_sum_to_the_report_total_exactly(shared: Settings, clie
         assert Decimal(got["totals"]["cost_usd"]) == whole.s
         assert got["totals"]["calls"] == whole.n
         name = {"day": "day"}.get(group, group)
-        want_rows = independent(shared, key)
+        want_rows = independent(module_env, key)
         assert {r[name]: Decimal(r["cost_usd"]) for r in got["rows"]} == {
             k: v["cost"] for k, v in want_rows.items()
         }
@@ -244,18 +196,18 @@ def test_100k_ledger_rows_sum_to_the_report_total_exactly(shared: Settings, clie
     assert isinstance(report["totals"]["cost_usd"], str)
     assert isinstance(report["totals"]["cost_per_run_usd"], str | None)
     # The CLI prints the same report.
-    out = koda(shared, "usage", "report", "--by", "kind", "--format", "json")
+    out = koda(module_env, "usage", "report", "--by", "kind", "--format", "json")
     assert out.exit_code == 0, out.output
     assert Decimal(json.loads(out.stdout)["totals"]["cost_usd"]) == whole.s
-    csv_out = koda(shared, "usage", "report", "--by", "model", "--format", "csv")
+    csv_out = koda(module_env, "usage", "report", "--by", "model", "--format", "csv")
     assert csv_out.exit_code == 0 and csv_out.stdout.splitlines()[0].startswith("model,cost_usd")
-    table = koda(shared, "usage", "report", "--by", "user", "--user", "bulk-3")
+    table = koda(module_env, "usage", "report", "--by", "user", "--user", "bulk-3")
     assert table.exit_code == 0 and "bulk-3" in table.stdout and "TOTAL" in table.stdout
 
 
-def test_v1_usage_shows_only_the_callers_own_calls(shared: Settings, client) -> None:
+def test_v1_usage_shows_only_the_callers_own_calls(module_env: Settings, client) -> None:
     write_calls(
-        shared,
+        module_env,
         [
             system_call("own-a", "m-small", 100, 100),
             system_call("own-a", "e-1", 100, 0, kind="embedding"),
@@ -266,7 +218,7 @@ def test_v1_usage_shows_only_the_callers_own_calls(shared: Settings, client) -> 
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert {r["kind"]: r["calls"] for r in body["rows"]} == {"chat": 1, "embedding": 1}
-    (want,) = db_rows(shared, "SELECT sum(cost_usd) AS s FROM ledger WHERE user_id = 'own-a'")
+    (want,) = db_rows(module_env, "SELECT sum(cost_usd) AS s FROM ledger WHERE user_id = 'own-a'")
     assert Decimal(body["totals"]["cost_usd"]) == want.s
     today = datetime.now(UTC).date()
     window = {
@@ -322,15 +274,15 @@ def test_v1_usage_needs_a_token(client) -> None:
     ],
 )
 def test_bad_budget_bodies_are_named_and_write_nothing(
-    shared: Settings, client, body: dict, field: str
+    module_env: Settings, client, body: dict, field: str
 ) -> None:
     resp = client.put("/admin/budgets/bad-budget", json=body)
     assert resp.status_code == 422, resp.text
     assert resp.json()["error"]["field"] == field
-    assert db_rows(shared, "SELECT 1 FROM budgets WHERE user_id = 'bad-budget'") == []
+    assert db_rows(module_env, "SELECT 1 FROM budgets WHERE user_id = 'bad-budget'") == []
 
 
-def test_budget_api_round_trip(shared: Settings, client) -> None:
+def test_budget_api_round_trip(module_env: Settings, client) -> None:
     bad = client.put(
         "/admin/budgets/api-user",
         content=b"{not json",
@@ -373,29 +325,31 @@ def test_budget_api_round_trip(shared: Settings, client) -> None:
     ],
 )
 def test_bad_command_input_is_one_line_and_writes_nothing(
-    shared: Settings, args: list[str], message: str
+    module_env: Settings, args: list[str], message: str
 ) -> None:
-    before = db_rows(shared, "SELECT (SELECT count(*) FROM prices), (SELECT count(*) FROM budgets)")
-    result = koda(shared, *args)
+    before = db_rows(
+        module_env, "SELECT (SELECT count(*) FROM prices), (SELECT count(*) FROM budgets)"
+    )
+    result = koda(module_env, *args)
     assert result.exit_code == 2, result.output
     assert message in result.output and result.output.startswith("koda: ")
     assert len(result.output.strip().splitlines()) == 1
     assert (
-        db_rows(shared, "SELECT (SELECT count(*) FROM prices), (SELECT count(*) FROM budgets)")
+        db_rows(module_env, "SELECT (SELECT count(*) FROM prices), (SELECT count(*) FROM budgets)")
         == before
     )
 
 
-def test_budgets_set_and_list(shared: Settings) -> None:
-    out = koda(shared, "budgets", "set", "cli-user", "--monthly", "20.00", "--daily", "2")
+def test_budgets_set_and_list(module_env: Settings) -> None:
+    out = koda(module_env, "budgets", "set", "cli-user", "--monthly", "20.00", "--daily", "2")
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout)["monthly_usd"] == "20.00000000"
-    listed = koda(shared, "budgets", "list", "--format", "json")
+    listed = koda(module_env, "budgets", "list", "--format", "json")
     assert any(b["user_id"] == "cli-user" for b in json.loads(listed.stdout)["budgets"])
-    assert "cli-user" in koda(shared, "budgets", "list").stdout
+    assert "cli-user" in koda(module_env, "budgets", "list").stdout
 
 
-def test_the_migration_copies_existing_usage_rows_into_the_ledger(stack) -> None:  # type: ignore[no-untyped-def]
+def test_the_migration_copies_existing_usage_rows_into_the_ledger(stack) -> None:
     settings = make_settings(stack)
     try:
         upgrade(settings, "0003")
@@ -428,8 +382,8 @@ def test_the_migration_copies_existing_usage_rows_into_the_ledger(stack) -> None
         drop_schema(settings)
 
 
-def test_admin_usage_and_budgets_need_the_admin_token_when_one_is_set(shared: Settings) -> None:
-    with running(create_app(shared.with_(admin_token="s3cret-admin"))) as base:
+def test_admin_usage_and_budgets_need_the_admin_token_when_one_is_set(module_env: Settings) -> None:
+    with serve_app(create_app(module_env.with_(admin_token="s3cret-admin"))) as base:
         with httpx.Client(base_url=base, timeout=30) as c:
             for method, path in (
                 ("GET", "/admin/usage?group_by=user"),
@@ -447,4 +401,4 @@ def test_admin_usage_and_budgets_need_the_admin_token_when_one_is_set(shared: Se
                 headers={"Authorization": "Bearer s3cret-admin"},
             )
             assert ok.status_code == 200 and "totals" in ok.json()
-    assert db_rows(shared, "SELECT 1 FROM budgets WHERE user_id = 'someone'") == []
+    assert db_rows(module_env, "SELECT 1 FROM budgets WHERE user_id = 'someone'") == []

@@ -3,32 +3,13 @@ and partitions that appear while it runs."""
 
 from __future__ import annotations
 
-from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewPartitions
+from confluent_kafka.admin import AdminClient, NewPartitions  # type: ignore[attr-defined]
 
-from gateway.livefeed import LiveEvent, LiveFeed, Viewer
-from koda.kafka import producer_config
-from koda.lifecycle.chunks import chunk_key
+from gateway.livefeed import LiveEvent, LiveFeed
 from koda.settings import Settings
-from schemas.records import chunk_value
+from tests.fixtures.livefeed import collect, produce
 from tests.support import async_wait_until
 from topics.catalogue import RUN_CHUNKS
-
-
-def produce(settings: Settings, run_id: str, seq: int, partition: int, kind: str = "chunk") -> None:
-    producer = Producer(producer_config(settings, "test"))
-    producer.produce(
-        settings.names.topic(RUN_CHUNKS),
-        key=chunk_key(run_id, seq).encode(),
-        value=chunk_value(run_id, seq, kind, f"c{seq}", 1),
-        partition=partition,
-    )
-    assert producer.flush(20) == 0
-
-
-async def collect(viewer: Viewer, into: list[LiveEvent], want: int) -> bool:
-    into += await viewer.next_batch(0.2)
-    return len(into) >= want
 
 
 async def test_feed_starts_at_the_end_and_notices_new_partitions(kafka_topics: Settings) -> None:

@@ -18,7 +18,7 @@ from processors.memory import store, tool
 from processors.memory.distil import demo_statements, statements_to_chunks
 from processors.memory.embedders import OpenAIEmbedder, wordllama
 from processors.memory.service import MemoryService
-from tests.integration.test_openai_handler import ScriptedModel, serve_scripted_model
+from tests.fixtures.model_server import ScriptedModel, serve_scripted_model
 from tests.memory_corpus import PAIRS
 
 # recall@5 of WordLlama on tests/memory_corpus.py (exact plan, tool.MIN_SCORE), measured

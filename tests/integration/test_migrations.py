@@ -10,7 +10,7 @@ from sqlalchemy.exc import IntegrityError
 from koda.db import sync_engine
 from koda.settings import Settings
 from schemas.migrate import upgrade
-from tests.integration.conftest import drop_schema
+from tests.fixtures.namespaces import drop_schema, make_settings
 
 TABLES = {"sessions", "runs", "messages", "usage", "prices", "partition_epochs", "memories"}
 
@@ -65,7 +65,7 @@ def test_upgrades_started_together_on_an_empty_schema_all_succeed(settings: Sett
         drop_schema(settings)
 
 
-def _insert_run(conn, run_id: str, key: str) -> None:  # type: ignore[no-untyped-def]
+def _insert_run(conn, run_id: str, key: str) -> None:
     conn.execute(
         text(
             "INSERT INTO runs (id, session_id, user_id, idempotency_key, input)"
@@ -107,9 +107,7 @@ def test_unique_constraints_reject_duplicates(database: Settings) -> None:
     engine.dispose()
 
 
-def test_namespaces_are_isolated(database: Settings, stack) -> None:  # type: ignore[no-untyped-def]
-    from tests.integration.conftest import make_settings
-
+def test_namespaces_are_isolated(database: Settings, stack) -> None:
     other = make_settings(stack)
     try:
         upgrade(other)

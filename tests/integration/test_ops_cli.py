@@ -20,8 +20,9 @@ from schemas.records import (
     dead_letter_value,
     headers_for,
 )
+from tests.fixtures.processes import settings_env
+from tests.fixtures.runs import read_topic
 from tests.support import wait_until
-from tests.workers import read_topic, settings_env
 from topics.admin import apply_topics
 from topics.catalogue import RUNS, RUNS_DLQ, catalogue, partition_for_key
 
@@ -92,7 +93,7 @@ def test_dlq_replay_republishes_the_original_records(kafka_topics) -> None:
         dead_letter(settings, "dave", "run-d", "unknown_schema_version"),
     ]
     for key, value in letters:
-        producer.produce(dlq, key=key, value=value, headers=headers_for(DEAD_LETTER))
+        producer.produce(dlq, key=key, value=value, headers=list(headers_for(DEAD_LETTER)))
     assert producer.flush(30) == 0
     env = settings_env(settings)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from aiokafka import AIOKafkaProducer
-from confluent_kafka import Producer
+from confluent_kafka import Message, Producer
 
 from koda.kafka import producer_config
 from koda.settings import Settings
@@ -14,11 +14,17 @@ from topics.catalogue import RUNS, partition_for_key
 KEYS = [f"user-{i}" for i in range(200)] + ["", "a", "ünïcode-ユーザー", "x" * 300]
 
 
+def key_and_partition(msg: Message) -> tuple[str, int]:
+    key, partition = msg.key(), msg.partition()
+    assert key is not None and partition is not None, "a delivered record has both"
+    return key.decode(), partition
+
+
 def produce_with_librdkafka(settings: Settings, topic: str) -> dict[str, int]:
     producer = Producer(producer_config(settings, "test"))
     placed: dict[str, int] = {}
 
-    def on_delivery(err, msg) -> None:  # type: ignore[no-untyped-def]
+    def on_delivery(err, msg) -> None:
         assert err is None, err
         placed[msg.key().decode()] = msg.partition()
 
@@ -64,7 +70,7 @@ def test_librdkafka_default_partitioner_would_disagree(kafka_topics: Settings) -
             topic,
             key=key.encode(),
             value=b"x",
-            on_delivery=lambda err, msg: placed.__setitem__(msg.key().decode(), msg.partition()),
+            on_delivery=lambda err, msg: placed.__setitem__(*key_and_partition(msg)),
         )
     assert producer.flush(30) == 0
     expected = {k: partition_for_key(k.encode(), kafka_topics.partitions) for k in KEYS}

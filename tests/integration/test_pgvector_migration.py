@@ -15,7 +15,7 @@ from koda.errors import PrerequisiteError
 from koda.localstack import StackInfo, postgres
 from koda.settings import Settings
 from schemas.migrate import upgrade
-from tests.integration.conftest import drop_schema, make_settings
+from tests.fixtures.namespaces import drop_schema, make_settings
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_the_migration_creates_pgvector_and_the_memories_index(database: Setting
                 )
             ).one()
             assert ext[1] == "public" and tuple(map(int, ext[0].split("."))) >= (0, 8, 0)
-            indexes = dict(
+            indexes: dict[str, str] = dict(
                 conn.execute(
                     text("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'memories'")
                 ).all()

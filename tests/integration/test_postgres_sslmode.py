@@ -14,7 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from koda.db import async_engine, sqlalchemy_url, sync_engine
-from tests.integration.conftest import make_settings
+from tests.fixtures.namespaces import make_settings
 
 
 def with_sslmode(url: str, mode: str) -> str:
@@ -26,7 +26,7 @@ def test_the_url_keeps_its_query() -> None:
     assert sqlalchemy_url(url).endswith("?sslmode=verify-full&sslrootcert=/ca.pem")
 
 
-def test_sslmode_reaches_psycopg(stack) -> None:  # type: ignore[no-untyped-def]
+def test_sslmode_reaches_psycopg(stack) -> None:
     required = make_settings(stack, database_url=with_sslmode(stack.database_url, "require"))
     disabled = make_settings(stack, database_url=with_sslmode(stack.database_url, "disable"))
 
@@ -40,7 +40,7 @@ def test_sslmode_reaches_psycopg(stack) -> None:  # type: ignore[no-untyped-def]
         assert conn.execute(text("SELECT 1")).scalar() == 1
     engine.dispose()
 
-    async def probe(settings) -> int:  # type: ignore[no-untyped-def]
+    async def probe(settings) -> int:
         aengine = async_engine(settings)
         try:
             async with aengine.connect() as conn:

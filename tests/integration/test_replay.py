@@ -26,6 +26,8 @@ from koda.kafka import consumer_config
 from schemas import record_specs
 from schemas.json_schemas import DIRECTORY, file_name
 from schemas.records import header_value
+from tests.fixtures.processes import ROOT
+from tests.fixtures.runs import committed_offsets, read_topic
 from tests.integration.replay_stack import (
     END_KIND,
     Populated,
@@ -36,7 +38,6 @@ from tests.integration.replay_stack import (
     postgres_truth,
 )
 from tests.support import wait_until
-from tests.workers import ROOT, committed_offsets, read_topic
 from topics.catalogue import (
     RUN_CHUNKS,
     RUN_EVENTS,

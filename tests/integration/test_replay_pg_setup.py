@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 
 from koda.naming import AppEnv, Names
-from tests.integration.conftest import new_namespace
+from tests.fixtures.namespaces import new_namespace
 from topics.replay import tables as t
 from topics.replay.sinks.postgres import PostgresSink
 

@@ -12,8 +12,9 @@ import json
 
 from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
+from tests.fixtures.processes import WorkerProcess
+from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from tests.workers import Submitter, WorkerProcess, read_topic
 from topics.catalogue import RUNS_DLQ
 
 

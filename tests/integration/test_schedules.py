@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -19,11 +19,9 @@ from zoneinfo import ZoneInfo
 import duckdb
 import httpx
 import pytest
-from confluent_kafka import KafkaException
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from gateway import create_app
 from gateway.publisher import RunPublisher
 from gateway.scheduled import ScheduleStore, fire_key, scheduled_run
 from gateway.schedules_cli import schedules_app
@@ -35,10 +33,11 @@ from koda.scheduling import CronSpec
 from koda.settings import Settings
 from scheduler.service import Scheduler
 from schemas.migrate import downgrade, upgrade
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
-from tests.integration.test_gateway import bearer, db_rows, read_runs_topic, records_of, running
+from tests.fixtures.gateway import db_rows, records_of
+from tests.fixtures.namespaces import drop_schema, make_settings
+from tests.fixtures.runs import payload
+from tests.sse_client import bearer
 from tests.support import wait_until
-from topics.admin import apply_topics
 from topics.catalogue import RUNS
 from topics.replay import tables as t
 from topics.replay.engine import ReplayOptions, run_replay
@@ -61,37 +60,6 @@ KEYS = {
 }
 
 
-def _readable(settings: Settings) -> bool:
-    try:
-        read_runs_topic(settings, timeout=5)
-    except KafkaException:
-        return False
-    return True
-
-
-@pytest.fixture(scope="module")
-def shared(stack) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
-    settings = make_settings(stack, rate_per_s=1000.0, rate_burst=1000)
-    apply_topics(settings)
-    upgrade(settings)
-    wait_until(lambda: _readable(settings), timeout=30, what="the new runs topic's leaders")
-    yield settings
-    delete_topics(settings)
-    drop_schema(settings)
-
-
-@pytest.fixture(scope="module")
-def url(shared: Settings) -> Iterator[str]:
-    with running(create_app(shared)) as base:
-        yield base
-
-
-@pytest.fixture
-def client(url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=url, timeout=30) as c:
-        yield c
-
-
 def user() -> str:
     return "u" + uuid.uuid4().hex[:10]
 
@@ -109,7 +77,7 @@ def schedule_count(settings: Settings) -> int:
 
 
 def test_create_answers_the_schedule_with_defaults_and_its_next_fire(
-    client: httpx.Client, shared: Settings
+    client: httpx.Client, module_env: Settings
 ) -> None:
     who = user()
     before = datetime.now(UTC)
@@ -197,7 +165,7 @@ def test_patch_recomputes_the_next_fire_and_pause_resume_toggle(client: httpx.Cl
 
 
 def test_run_now_creates_a_scheduled_run_shown_by_get_run_and_on_the_topic(
-    client: httpx.Client, shared: Settings
+    client: httpx.Client, module_env: Settings
 ) -> None:
     who = user()
     sid = create(client, who, input={"text": "now"}).json()["id"]
@@ -208,8 +176,8 @@ def test_run_now_creates_a_scheduled_run_shown_by_get_run_and_on_the_topic(
     run = client.get(f"/v1/runs/{body['run_id']}", headers=bearer(who)).json()
     assert run["schedule_id"] == sid
     assert run["scheduled_for"] == body["scheduled_for"]
-    (record,) = records_of(shared, body["run_id"])
-    value = json.loads(record.value())
+    (record,) = records_of(module_env, body["run_id"])
+    value = json.loads(payload(record))
     assert value["schedule_id"] == sid
     assert datetime.fromisoformat(value["scheduled_for"]) == datetime.fromisoformat(
         body["scheduled_for"]
@@ -219,7 +187,7 @@ def test_run_now_creates_a_scheduled_run_shown_by_get_run_and_on_the_topic(
 
 
 def test_delete_removes_the_schedule_and_keeps_its_runs(
-    client: httpx.Client, shared: Settings
+    client: httpx.Client, module_env: Settings
 ) -> None:
     who = user()
     sid = create(client, who).json()["id"]
@@ -268,15 +236,15 @@ BAD_FIELDS = [
 
 @pytest.mark.parametrize(("fields", "field", "hint"), BAD_FIELDS)
 def test_bad_input_on_every_field_is_a_422_naming_it_and_writes_nothing(
-    client: httpx.Client, shared: Settings, fields: dict[str, Any], field: str, hint: str
+    client: httpx.Client, module_env: Settings, fields: dict[str, Any], field: str, hint: str
 ) -> None:
     who = user()
-    before = schedule_count(shared)
+    before = schedule_count(module_env)
     r = create(client, who, **fields)
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert error["field"] == field and hint in error["message"], error
-    assert schedule_count(shared) == before
+    assert schedule_count(module_env) == before
     # The same value in a PATCH (where it can be changed) is refused the same way.
     sid = create(client, who).json()["id"]
     if field not in ("next_fire_at", "id") and fields.get(field.split(".")[0]) is not None:
@@ -369,11 +337,11 @@ class Harness:
 
 
 @pytest.fixture
-async def harness(shared: Settings) -> AsyncIterator[Harness]:
+async def harness(module_env: Settings) -> AsyncIterator[Harness]:
     # The pass tests count the due minutes from a start taken before the pass: a minute
     # boundary crossed in between would add a due minute. Start well inside a minute.
     wait_until(lambda: datetime.now(UTC).second < 45, timeout=20, what="a point early in a minute")
-    h = Harness(shared)
+    h = Harness(module_env)
     await h.publisher.start()
     yield h
     await h.publisher.stop(5)
@@ -536,19 +504,21 @@ async def test_a_fixed_session_collects_every_fire(harness: Harness) -> None:
 
 
 def test_the_warehouse_replay_shows_a_scheduled_runs_schedule_and_minute(
-    client: httpx.Client, shared: Settings, tmp_path: Path
+    client: httpx.Client, module_env: Settings, tmp_path: Path
 ) -> None:
     who = user()
     sid = create(client, who).json()["id"]
     fired = client.post(f"/v1/schedules/{sid}/run-now", headers=bearer(who)).json()
     person = client.post("/v1/runs", json={"input": "by hand"}, headers=bearer(who)).json()
     wait_until(
-        lambda: records_of(shared, fired["run_id"]) and records_of(shared, person["run_id"]),
+        lambda: (
+            records_of(module_env, fired["run_id"]) and records_of(module_env, person["run_id"])
+        ),
         timeout=30,
         what="both triggers on the topic",
     )
     target = tmp_path / "w.duckdb"
-    run_replay(shared, ReplayOptions(topics=(RUNS,), sink_url=f"duckdb:///{target}"))
+    run_replay(module_env, ReplayOptions(topics=(RUNS,), sink_url=f"duckdb:///{target}"))
     with duckdb.connect(str(target)) as conn:
         rows = dict(
             (r[0], (r[1], r[2]))
@@ -563,13 +533,15 @@ def test_the_warehouse_replay_shows_a_scheduled_runs_schedule_and_minute(
     assert rows[person["run_id"]] == (None, None)
 
 
-def test_an_older_warehouse_gains_the_schedule_columns(shared: Settings, tmp_path: Path) -> None:
+def test_an_older_warehouse_gains_the_schedule_columns(
+    module_env: Settings, tmp_path: Path
+) -> None:
     """A warehouse written before the columns existed must take the new rows."""
     target = tmp_path / "old.duckdb"
     old = [c for c in t.RUNS.columns if c.name not in ("schedule_id", "scheduled_for")]
     with duckdb.connect(str(target)) as conn:
         conn.execute(create_table(t.Table("runs", tuple(old)), DUCKDB_TYPES))
-    run_replay(shared, ReplayOptions(topics=(RUNS,), sink_url=f"duckdb:///{target}"))
+    run_replay(module_env, ReplayOptions(topics=(RUNS,), sink_url=f"duckdb:///{target}"))
     with duckdb.connect(str(target)) as conn:
         names = [r[0] for r in conn.execute("DESCRIBE runs").fetchall()]
         scheduled = conn.execute(
@@ -579,7 +551,7 @@ def test_an_older_warehouse_gains_the_schedule_columns(shared: Settings, tmp_pat
     assert scheduled is not None and scheduled[0] > 0
 
 
-def test_migration_0005_downgrades_and_upgrades_again(stack) -> None:  # type: ignore[no-untyped-def]
+def test_migration_0005_downgrades_and_upgrades_again(stack) -> None:
     settings = make_settings(stack)
     try:
         upgrade(settings)
@@ -621,12 +593,12 @@ async def test_admit_many_keeps_nothing_of_a_run_whose_key_exists(harness: Harne
     assert sorted(k.idempotency_key for k in keys) == sorted(fire_key(sid, m) for m in minutes)
 
 
-def test_the_schedules_cli_creates_lists_pauses_resumes_and_deletes(url: str) -> None:
+def test_the_schedules_cli_creates_lists_pauses_resumes_and_deletes(gateway_url: str) -> None:
     who = user()
     runner = CliRunner()
 
     def koda(*args: str) -> str:
-        result = runner.invoke(schedules_app, [*args, "--user", who, "--gateway", url])
+        result = runner.invoke(schedules_app, [*args, "--user", who, "--gateway", gateway_url])
         assert result.exit_code == 0, result.output
         return result.output
 
@@ -641,6 +613,6 @@ def test_the_schedules_cli_creates_lists_pauses_resumes_and_deletes(url: str) ->
     assert sid in koda("delete", sid)
     assert koda("list") == ""
     bad = runner.invoke(
-        schedules_app, ["create", "61 * * * *", "x", "--user", who, "--gateway", url]
+        schedules_app, ["create", "61 * * * *", "x", "--user", who, "--gateway", gateway_url]
     )
     assert bad.exit_code == 2 and "(cron)" in bad.output and "30 2 * * 1-5" in bad.output

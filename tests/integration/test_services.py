@@ -13,7 +13,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from koda.localstack import (
     StackInfo,

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from gateway.app import create_app
 from gateway.cli import runs_app
-from gateway.eventstream import TERMINAL_KINDS, EventParser
+from gateway.eventstream import TERMINAL_KINDS, Event, EventParser
 from koda import metrics
 from koda.kafka import producer_config
 from koda.lifecycle.chunks import chunk_key, visible_output
@@ -33,10 +33,12 @@ from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
 from schemas.migrate import upgrade
 from schemas.records import chunk_value
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
-from tests.sse_client import bearer, contents, follow_run, read_stream, serve_in_thread
+from tests.fixtures.gateway import serve_app
+from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.processes import GatewayProcess, WorkerProcess
+from tests.fixtures.runs import Submitter
+from tests.sse_client import bearer, contents, follow_run, numbered, read_stream
 from tests.support import async_wait_until, wait_until
-from tests.workers import GatewayProcess, Submitter, WorkerProcess
 from topics.admin import apply_topics
 from topics.catalogue import RUN_CHUNKS, partition_for_key
 
@@ -88,7 +90,7 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live(stack) -> Iterator[Live]:  # type: ignore[no-untyped-def]
+def live(stack) -> Iterator[Live]:
     settings = make_settings(stack, max_inflight=16)
     upgrade(settings)
     apply_topics(settings)
@@ -172,7 +174,7 @@ async def test_two_viewers_get_everything_and_a_late_viewer_gets_it_all_then_clo
         for s in streams:
             assert s.status == 200 and s.closed_by_server and s.retry == 200
             assert_exact(s.events, rows)
-        assert visible_output(contents(streams[0].events)) == "".join(demo_tokens(inp))
+        assert visible_output(numbered(contents(streams[0].events))) == "".join(demo_tokens(inp))
         late = await read_stream(c, run_id, headers=bearer("viewer-user"))
         assert late.closed_by_server
         assert_exact(late.events, rows)
@@ -243,7 +245,7 @@ def test_any_disconnects_and_resume_points_give_exactly_the_output(
     run_id = live.run("prop-user", inp)
 
     async def client(plan: dict[str, Any]) -> tuple[int, list[Any]]:
-        await asyncio.sleep(plan["delay_ms"] / 1000)
+        await asyncio.sleep(plan["delay_ms"] / 1000)  # the plan's drawn join time, not a wait
         start, last = plan["start"], plan["start"]
         received: list[Any] = []
         async with live.client() as c:
@@ -265,7 +267,7 @@ def test_any_disconnects_and_resume_points_give_exactly_the_output(
                 received += s.events
                 if s.terminal or (cut is None and s.closed_by_server):
                     break
-                await asyncio.sleep(plan["pause_ms"] / 1000)
+                await asyncio.sleep(plan["pause_ms"] / 1000)  # the drawn pause between cuts
         return start, received
 
     async def scenario() -> list[tuple[int, list[Any]]]:
@@ -408,10 +410,10 @@ async def test_a_live_seq_that_skips_ahead_is_backfilled_from_postgres(live: Liv
     gaps_before = gaps._value.get()
     # No idle catch-up during this test: only a gap can bring seqs 3 and 4.
     app = create_app(live.settings.with_(sse_keepalive_s=60), run_sweeper=False)
-    with serve_in_thread(app) as url:
+    with serve_app(app) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
             async with c.stream("GET", f"/v1/runs/{run_id}/events", headers=bearer(user)) as r:
-                parser, events = EventParser(), []
+                parser, events = EventParser(), list[Event]()
                 chunks = r.aiter_bytes()
                 while len(events) < 3:  # the replay is done once 0..2 arrived
                     events += parser.feed(await anext(chunks))

@@ -10,9 +10,10 @@ import httpx
 from koda.lifecycle.chunks import visible_output
 from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
-from tests.sse_client import bearer, contents, follow_run, read_stream
+from tests.fixtures.processes import GatewayProcess, WorkerProcess
+from tests.fixtures.runs import Submitter
+from tests.sse_client import bearer, contents, follow_run, numbered, read_stream
 from tests.support import wait_until
-from tests.workers import GatewayProcess, Submitter, WorkerProcess
 
 
 async def test_viewers_follow_a_run_across_a_worker_kill(env: Settings) -> None:
@@ -52,7 +53,7 @@ async def test_viewers_follow_a_run_across_a_worker_kill(env: Settings) -> None:
         resumed = contents(first.events) + contents(gap.events) + contents(rest.events)
         for got in (resumed, contents(steady_result.events)):
             assert got == stored  # every seq once, in order, reset included
-            assert visible_output(got) == "".join(demo_tokens(inp))
+            assert visible_output(numbered(got)) == "".join(demo_tokens(inp))
         reset = next(e for e in steady_result.events if e.event == "reset")
         assert json.loads(reset.data)["attempt"] == 2
     finally:

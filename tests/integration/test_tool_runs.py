@@ -17,19 +17,17 @@ from koda.db import async_engine
 from koda.settings import Settings
 from processors.memory import store
 from processors.memory.embedders import wordllama
-from schemas.migrate import upgrade
-from tests.integration.conftest import delete_topics, drop_schema, make_settings
-from tests.integration.test_gateway import running
-from tests.integration.test_openai_handler import (
+from tests.fixtures.gateway import serve_app
+from tests.fixtures.model_server import (
     DISTILLED,
     FINAL_ANSWER,
     TOOL_SCRIPT,
     ScriptedModel,
     serve_scripted_model,
 )
+from tests.fixtures.processes import WorkerProcess, settings_env
+from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from tests.workers import Submitter, WorkerProcess, settings_env
-from topics.admin import apply_topics
 
 
 @pytest.fixture(scope="module")
@@ -37,23 +35,6 @@ def model_url() -> Iterator[str]:
     url, httpd = serve_scripted_model()
     yield url
     httpd.shutdown()
-
-
-@pytest.fixture(scope="module")
-def space(stack) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
-    settings = make_settings(stack)
-    upgrade(settings)
-    apply_topics(settings)
-    yield settings
-    delete_topics(settings)
-    drop_schema(settings)
-
-
-@pytest.fixture(scope="module")
-def submitter(space: Settings) -> Iterator[Submitter]:
-    s = Submitter(space)
-    yield s
-    s.close()
 
 
 async def _seed(settings: Settings, user: str, statements: list[str]) -> None:
@@ -79,9 +60,9 @@ def seed(settings: Settings, user: str, *statements: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def worker(space: Settings, model_url: str) -> Iterator[WorkerProcess]:
+def worker(module_env: Settings, model_url: str) -> Iterator[WorkerProcess]:
     w = WorkerProcess(
-        space,
+        module_env,
         "tools-w1",
         {"KODA_HANDLER": "openai", "KODA_OPENAI_BASE_URL": model_url, "KODA_MAX_TOOL_TURNS": "5"},
     ).start()
@@ -99,16 +80,16 @@ def finished(submitter: Submitter, run_id: str, w: WorkerProcess, timeout: float
 
 
 def test_a_run_with_tool_calls_streams_every_turn_and_remembers(
-    space: Settings, submitter: Submitter, worker: WorkerProcess
+    module_env: Settings, module_submitter: Submitter, worker: WorkerProcess
 ) -> None:
-    seed(space, "ana", "I live in Lisbon, near the river.", "My dog Bolt is a border collie.")
-    seed(space, "mallory", "My bank PIN is 4821.")
+    seed(module_env, "ana", "I live in Lisbon, near the river.", "My dog Bolt is a border collie.")
+    seed(module_env, "mallory", "My bank PIN is 4821.")
     ScriptedModel.seen.clear()
-    run_id = submitter.submit(
+    run_id = module_submitter.submit(
         "ana", {"text": "Where do I live, and my dog's name? I am learning the cello."}
     )
-    assert finished(submitter, run_id, worker) == "done", worker.log()[-3000:]
-    rows = submitter.messages(run_id)
+    assert finished(module_submitter, run_id, worker) == "done", worker.log()[-3000:]
+    rows = module_submitter.messages(run_id)
     assert [r.seq for r in rows] == list(range(len(rows)))
     text = "".join(r.content for r in rows if r.kind == "chunk")
     assert text == TOOL_SCRIPT[0][0] + "".join(FINAL_ANSWER)
@@ -131,7 +112,7 @@ def test_a_run_with_tool_calls_streams_every_turn_and_remembers(
     assert [m["tool_call_id"] for m in fed] == ["call_0", "call_1", "call_2"]
     assert last_turn["tools"][0]["function"]["name"] == "memory_search"
     # One usage row per model call (4 turns + the distillation), one per embedding.
-    usage = submitter.query(
+    usage = module_submitter.query(
         "SELECT call_index, model, prompt_tokens FROM usage WHERE run_id = :r ORDER BY call_index",
         r=run_id,
     )
@@ -141,17 +122,19 @@ def test_a_run_with_tool_calls_streams_every_turn_and_remembers(
         "embedding:wordllama-l2-supercat-256"
     ] * 3  # query 1, query 3 (the refused call embeds nothing), the new memory
     assert [u.call_index for u in usage] == list(range(len(usage)))
-    memories = submitter.query("SELECT user_id, text, run_id FROM memories ORDER BY user_id, text")
+    memories = module_submitter.query(
+        "SELECT user_id, text, run_id FROM memories ORDER BY user_id, text"
+    )
     assert [(m.user_id, m.text) for m in memories if m.run_id == run_id] == [("ana", DISTILLED[0])]
     assert [m.text for m in memories if m.user_id == "mallory"] == ["My bank PIN is 4821."]
 
 
 def test_reaching_the_tool_turn_limit_fails_the_run_saying_so(
-    space: Settings, submitter: Submitter, worker: WorkerProcess, model_url: str
+    module_env: Settings, module_submitter: Submitter, worker: WorkerProcess, model_url: str
 ) -> None:
     # The worker's model is chosen per process; this one asks for tools for ever.
     w = WorkerProcess(
-        space.with_(namespace=space.namespace),
+        module_env.with_(namespace=module_env.namespace),
         "tools-forever",
         {
             "KODA_HANDLER": "openai",
@@ -163,12 +146,12 @@ def test_reaching_the_tool_turn_limit_fails_the_run_saying_so(
     worker.stop()  # hand the partitions to the new worker
     w.start()
     try:
-        run_id = submitter.submit("ben", {"text": "hi"})
-        assert finished(submitter, run_id, w) == "failed"
-        (row,) = submitter.query("SELECT error, failures FROM runs WHERE id = :r", r=run_id)
+        run_id = module_submitter.submit("ben", {"text": "hi"})
+        assert finished(module_submitter, run_id, w) == "failed"
+        (row,) = module_submitter.query("SELECT error, failures FROM runs WHERE id = :r", r=run_id)
         assert "KODA_MAX_TOOL_TURNS" in row.error and "all 3 model turns" in row.error
         assert (row.failures or 0) == 1  # not retried: more turns would not help
-        kinds = [r.kind for r in submitter.messages(run_id)]
+        kinds = [r.kind for r in module_submitter.messages(run_id)]
         assert kinds.count("tool") == 6 and kinds[-1] == "error"
     finally:
         w.stop()
@@ -180,14 +163,14 @@ def memories_of(submitter: Submitter, user: str) -> list[str]:
 
 
 def test_a_worker_killed_between_distillation_and_insert_duplicates_nothing(
-    space: Settings, submitter: Submitter
+    module_env: Settings, module_submitter: Submitter
 ) -> None:
     said = "I live in Lisbon. My dog is Bolt."
     demo = {"tokens": 3, "delay_ms": 0, "remember_pause_ms": 60000}
     started: list[WorkerProcess] = []
 
     def worker(name: str) -> WorkerProcess:
-        started.append(WorkerProcess(space, name, {"KODA_HANDLER": "demo"}).start())
+        started.append(WorkerProcess(module_env, name, {"KODA_HANDLER": "demo"}).start())
         return started[-1]
 
     def paused(w: WorkerProcess, run_id: str, where: str) -> None:
@@ -199,30 +182,30 @@ def test_a_worker_killed_between_distillation_and_insert_duplicates_nothing(
 
     try:
         d1 = worker("mem-d1")
-        first = submitter.submit(
+        first = module_submitter.submit(
             "kim", {"text": said, "demo": {**demo, "remember_pause": "before_insert"}}
         )
         paused(d1, first, "before_insert")  # distilled and embedded, not inserted
-        assert memories_of(submitter, "kim") == []
+        assert memories_of(module_submitter, "kim") == []
         d1.kill()
         d2 = worker("mem-d2")
-        assert finished(submitter, first, d2) == "done"
-        assert memories_of(submitter, "kim") == [said]
+        assert finished(module_submitter, first, d2) == "done"
+        assert memories_of(module_submitter, "kim") == [said]
         # Killed after the insert and before the run is done: the successor runs the
         # whole attempt again, and its insert finds the memories already there.
         more = said + " I play chess."
-        second = submitter.submit(
+        second = module_submitter.submit(
             "kim", {"text": more, "demo": {**demo, "remember_pause": "after_insert"}}
         )
         paused(d2, second, "after_insert")
-        assert memories_of(submitter, "kim") == [said, more]
+        assert memories_of(module_submitter, "kim") == [said, more]
         d2.kill()
         d3 = worker("mem-d3")
-        assert finished(submitter, second, d3) == "done"
-        assert memories_of(submitter, "kim") == [said, more]
-        (attempt,) = submitter.query("SELECT attempt FROM runs WHERE id = :r", r=second)
+        assert finished(module_submitter, second, d3) == "done"
+        assert memories_of(module_submitter, "kim") == [said, more]
+        (attempt,) = module_submitter.query("SELECT attempt FROM runs WHERE id = :r", r=second)
         assert attempt.attempt == 2
-        embedding_rows = submitter.query(
+        embedding_rows = module_submitter.query(
             "SELECT model FROM usage WHERE run_id = :r AND model LIKE 'embedding:%'", r=second
         )
         assert len(embedding_rows) == 1  # the finished attempt's
@@ -232,11 +215,14 @@ def test_a_worker_killed_between_distillation_and_insert_duplicates_nothing(
 
 
 def test_the_memories_api_and_cli_show_only_the_users_own_and_forget(
-    space: Settings, submitter: Submitter, monkeypatch: pytest.MonkeyPatch
+    module_env: Settings, module_submitter: Submitter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seed(space, "cy", "I live in Lisbon, near the river.", "I drive a blue Volvo.")
-    seed(space, "dee", "My bank PIN is 4821.")
-    with running(create_app(space, run_sweeper=False)) as url, httpx.Client(base_url=url) as c:
+    seed(module_env, "cy", "I live in Lisbon, near the river.", "I drive a blue Volvo.")
+    seed(module_env, "dee", "My bank PIN is 4821.")
+    with (
+        serve_app(create_app(module_env, run_sweeper=False)) as url,
+        httpx.Client(base_url=url) as c,
+    ):
         mine = c.get("/v1/memories", headers={"Authorization": "Bearer dev:cy"}).json()["memories"]
         assert sorted(m["text"] for m in mine) == [
             "I drive a blue Volvo.",
@@ -246,7 +232,7 @@ def test_the_memories_api_and_cli_show_only_the_users_own_and_forget(
         (pin,) = theirs["memories"]
         as_cy = {"Authorization": "Bearer dev:cy"}
         assert c.delete(f"/v1/memories/{pin['id']}", headers=as_cy).status_code == 404
-        assert memories_of(submitter, "dee") == ["My bank PIN is 4821."]
+        assert memories_of(module_submitter, "dee") == ["My bank PIN is 4821."]
         (lisbon,) = [m for m in mine if "Lisbon" in m["text"]]
         assert c.delete(f"/v1/memories/{lisbon['id']}", headers=as_cy).status_code == 204
         assert c.delete(f"/v1/memories/{lisbon['id']}", headers=as_cy).status_code == 404
@@ -256,7 +242,7 @@ def test_the_memories_api_and_cli_show_only_the_users_own_and_forget(
         left = c.get("/v1/memories", headers=as_cy).json()["memories"]
         assert [m["text"] for m in left] == ["I drive a blue Volvo."]
     # The operators' CLI, against the same database.
-    for key, value in settings_env(space).items():
+    for key, value in settings_env(module_env).items():
         monkeypatch.setenv(key, value)
     cli = CliRunner()
     listed = cli.invoke(memories_app, ["list", "--user", "dee"])
@@ -264,4 +250,4 @@ def test_the_memories_api_and_cli_show_only_the_users_own_and_forget(
     assert cli.invoke(memories_app, ["delete", pin["id"], "--user", "cy"]).exit_code == 1
     gone = cli.invoke(memories_app, ["delete", pin["id"], "--user", "dee"])
     assert gone.exit_code == 0, gone.output
-    assert memories_of(submitter, "dee") == []
+    assert memories_of(module_submitter, "dee") == []

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-from confluent_kafka.admin import NewTopic
+from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 
 from koda.settings import Settings
-from tests.integration.conftest import delete_topics
+from tests.fixtures.namespaces import delete_topics
 from tests.support import wait_until
 from topics.admin import admin_client, apply_topics, check_topics
 from topics.catalogue import RUN_CHUNKS, RUNS, catalogue

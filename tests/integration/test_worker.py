@@ -3,71 +3,18 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from decimal import Decimal
 
-import pytest
 from sqlalchemy import text
 
-from koda.settings import Settings
 from processors.handlers.demo import demo_tokens
+from tests.fixtures.runs import committed_offsets, read_topic, wait_terminal
 from tests.support import wait_until
-from tests.workers import Submitter, WorkerProcess, committed_offsets, read_topic
 from topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ, WORKER_GROUP, partition_for_key
 
 
-@pytest.fixture
-def submitter(env: Settings) -> Iterator[Submitter]:
-    s = Submitter(env)
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def workers(env: Settings) -> Iterator[list[WorkerProcess]]:
-    started: list[WorkerProcess] = []
-    yield started
-    for w in started:
-        if w.alive():
-            w.stop()
-
-
-def start(
-    env: Settings, workers: list[WorkerProcess], worker_id: str, **extra: str
-) -> WorkerProcess:
-    w = WorkerProcess(env, worker_id, extra).start()
-    workers.append(w)
-    return w
-
-
-def wait_terminal(
-    submitter: Submitter, ids: list[str], timeout: float = 90.0, *procs: WorkerProcess
-) -> None:
-    def done() -> bool:
-        for p in procs:
-            assert p.alive(), f"worker {p.worker_id} died:\n{p.log()[-3000:]}"
-            log = p.log()
-            assert "Crashed" not in log and "Traceback" not in log, log[-4000:]
-        return submitter.all_terminal(ids)
-
-    try:
-        wait_until(done, timeout=timeout, interval=0.2, what=f"{len(ids)} runs terminal")
-    except AssertionError as exc:
-        counts: dict[str, int] = {}
-        for status in submitter.statuses(ids).values():
-            counts[status] = counts.get(status, 0) + 1
-        logs = "\n".join(f"--- {p.worker_id}\n{p.log()[-4000:]}" for p in procs)
-        raise AssertionError(f"{exc}; statuses={counts}\n{logs}") from None
-
-
-def output_of(submitter: Submitter, run_id: str) -> str:
-    rows = submitter.messages(run_id)
-    last_reset = max((r.seq for r in rows if r.kind == "reset"), default=-1)
-    return "".join(r.content for r in rows if r.kind == "chunk" and r.seq > last_reset)
-
-
 def test_runs_reach_done_with_contiguous_chunks_and_events(env, submitter, workers) -> None:
-    w = start(env, workers, "w1")
+    w = workers.start("w1")
     inputs = [{"text": f"hello {i}", "demo": {"tokens": 7, "delay_ms": 1}} for i in range(6)]
     ids = [submitter.submit(f"user-{i % 3}", inp) for i, inp in enumerate(inputs)]
     wait_terminal(submitter, ids, 60, w)
@@ -76,7 +23,7 @@ def test_runs_reach_done_with_contiguous_chunks_and_events(env, submitter, worke
         rows = submitter.messages(run_id)
         assert [r.seq for r in rows] == list(range(len(rows)))
         assert [r.kind for r in rows] == ["chunk"] * 7 + ["done"]
-        assert output_of(submitter, run_id) == "".join(demo_tokens(inp))
+        assert submitter.output(run_id) == "".join(demo_tokens(inp))
     # Postgres first, then the topic: every row is on the chunk topic under <run_id>:<seq>.
     chunks = read_topic(env, env.names.topic(RUN_CHUNKS))
     keys = {m.key().decode() for m in chunks}
@@ -106,8 +53,8 @@ def test_runs_reach_done_with_contiguous_chunks_and_events(env, submitter, worke
 def test_per_user_order_with_two_workers(env, submitter, workers) -> None:
     # A tiny high-water mark makes the chains pause and resume their partitions.
     ws = [
-        start(env, workers, "w1", KODA_CHAIN_HIGH_WATER="4"),
-        start(env, workers, "w2", KODA_CHAIN_HIGH_WATER="4"),
+        workers.start("w1", KODA_CHAIN_HIGH_WATER="4"),
+        workers.start("w2", KODA_CHAIN_HIGH_WATER="4"),
     ]
     ids_by_user: dict[str, list[str]] = {}
     for i in range(10):
@@ -129,7 +76,7 @@ def test_per_user_order_with_two_workers(env, submitter, workers) -> None:
 
 
 def test_a_long_run_does_not_delay_other_partitions(env, submitter, workers) -> None:
-    w = start(env, workers, "w1")
+    w = workers.start("w1")
     slow_user = "slow-user"
     slow_p = partition_for_key(slow_user.encode(), env.partitions)
     others = [
@@ -150,7 +97,7 @@ def test_a_long_run_does_not_delay_other_partitions(env, submitter, workers) -> 
 
 
 def test_redelivery_into_a_fresh_group_changes_nothing(env, submitter, workers) -> None:
-    w = start(env, workers, "w1")
+    w = workers.start("w1")
     ids = [
         submitter.submit(f"redo-{i}", {"text": str(i), "demo": {"tokens": 4, "delay_ms": 1}})
         for i in range(8)
@@ -162,7 +109,7 @@ def test_redelivery_into_a_fresh_group_changes_nothing(env, submitter, workers) 
     before_events = len(read_topic(env, events_topic))
     assert w.stop() == 0
     # A fresh consumer group replays the runs topic from offset 0.
-    w2 = start(env, workers, "w2", KODA_WORKER_GROUP="workers-replay")
+    w2 = workers.start("w2", KODA_WORKER_GROUP="workers-replay")
     group = env.names.group("workers-replay")
     runs_topic = env.names.topic(RUNS)
     total = sum(1 for _ in read_topic(env, runs_topic))
@@ -195,7 +142,7 @@ POISON = [
 
 
 def test_poison_records_go_to_the_dlq_and_the_worker_carries_on(env, submitter, workers) -> None:
-    w = start(env, workers, "w1")
+    w = workers.start("w1")
     before = submitter.submit("p-user", {"text": "before", "demo": {"tokens": 2, "delay_ms": 1}})
     for key, value, headers, _ in POISON:
         submitter.produce_raw(key, value, headers)
@@ -219,7 +166,7 @@ def test_poison_records_go_to_the_dlq_and_the_worker_carries_on(env, submitter, 
 
 
 def test_retries_then_success_and_exhaustion(env, submitter, workers) -> None:
-    w = start(env, workers, "w1")
+    w = workers.start("w1")
     flaky = submitter.submit(
         "retry-user", {"text": "flaky", "demo": {"tokens": 6, "delay_ms": 1, "fail_attempts": 2}}
     )
@@ -242,16 +189,14 @@ def test_retries_then_success_and_exhaustion(env, submitter, workers) -> None:
     kinds = [m.kind for m in submitter.messages(flaky)]
     assert kinds.count("reset") == 2 and kinds[-1] == "done"
     assert [m.seq for m in submitter.messages(flaky)] == list(range(len(kinds)))
-    assert output_of(submitter, flaky) == "".join(
-        demo_tokens({"text": "flaky", "demo": {"tokens": 6}})
-    )
+    assert submitter.output(flaky) == "".join(demo_tokens({"text": "flaky", "demo": {"tokens": 6}}))
     assert submitter.messages(broken)[-1].kind == "error"
     dead = [json.loads(m.value()) for m in read_topic(env, env.names.topic(RUNS_DLQ))]
     assert [(d["reason"], d["attempts"]) for d in dead] == [("handler_failed", 3)]
 
 
 def test_kill_9_mid_run_hands_the_run_to_another_worker(env, submitter, workers) -> None:
-    w1 = start(env, workers, "w1")
+    w1 = workers.start("w1")
     user = "kill-user"
     inp = {"text": "survive", "demo": {"tokens": 30, "delay_ms": 200}}
     run_id = submitter.submit(user, inp)
@@ -260,7 +205,7 @@ def test_kill_9_mid_run_hands_the_run_to_another_worker(env, submitter, workers)
     w1.kill()
     group, runs_topic = env.names.group(WORKER_GROUP), env.names.topic(RUNS)
     assert committed_offsets(env, group, runs_topic)[partition] < 1  # the run was not committed
-    w2 = start(env, workers, "w2")
+    w2 = workers.start("w2")
     wait_terminal(submitter, [run_id], 90, w2)
     rows = submitter.messages(run_id)
     assert [r.seq for r in rows] == list(range(len(rows)))  # 0..n exactly once
@@ -269,7 +214,7 @@ def test_kill_9_mid_run_hands_the_run_to_another_worker(env, submitter, workers)
     reset_at = kinds.index("reset")
     assert {r.attempt for r in rows[:reset_at]} == {1}
     assert {r.attempt for r in rows[reset_at:]} == {2}
-    assert output_of(submitter, run_id) == "".join(demo_tokens(inp))
+    assert submitter.output(run_id) == "".join(demo_tokens(inp))
     run = submitter.query("SELECT status, attempt, worker_id FROM runs WHERE id = :r", r=run_id)[0]
     assert (run.status, run.attempt, run.worker_id) == ("done", 2, "w2")
     wait_until(
@@ -282,7 +227,7 @@ def test_kill_9_mid_run_hands_the_run_to_another_worker(env, submitter, workers)
 def test_a_run_whose_trigger_is_late_still_runs_before_the_users_later_runs(
     env, submitter, workers
 ) -> None:
-    w = start(env, workers, "w1")
+    w = workers.start("w1")
     user = "late-trigger-user"
     first = submitter.submit(
         user, {"text": "first", "demo": {"tokens": 2, "delay_ms": 1}}, publish=False
@@ -317,7 +262,7 @@ def test_an_older_run_a_dead_worker_left_running_runs_before_the_users_later_run
             {"r": first},
         )
     second = submitter.submit(user, {"text": "second", "demo": {"tokens": 2, "delay_ms": 1}})
-    w = start(env, workers, "w1")
+    w = workers.start("w1")
     wait_terminal(submitter, [first, second], 60, w)
     rows = {
         r.id: r
@@ -328,6 +273,6 @@ def test_an_older_run_a_dead_worker_left_running_runs_before_the_users_later_run
     }
     assert rows[first].status == "done" and rows[first].attempt == 2  # resumed, not rerun anew
     assert rows[first].finished_at <= rows[second].started_at
-    assert output_of(submitter, first) == "".join(
+    assert submitter.output(first) == "".join(
         demo_tokens({"text": "first", "demo": {"tokens": 3, "delay_ms": 1}})
     )

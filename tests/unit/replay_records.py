@@ -1,10 +1,12 @@
 """Records as the replay reads them, without a broker: a stand-in for confluent-kafka's
-``Message`` and builders for every record type koda writes."""
+``Message``, builders for every record type koda writes, and ``decode`` into rows."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from koda.lifecycle.chunks import chunk_key, final_key
@@ -22,6 +24,8 @@ from schemas.records import (
     headers_for,
 )
 from topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
+from topics.replay.prices import Price, PriceBook
+from topics.replay.rows import RecordDecoder, RowBatch
 
 NAMES = Names(AppEnv.DEV, "unit")
 TS = 1_764_000_000_000  # 2025-11-24, a record timestamp in ms
@@ -153,3 +157,17 @@ def letter(offset: int, run_id: str, user: str, reason: str) -> FakeMessage:
     return FakeMessage(
         NAMES.topic(RUNS_DLQ), 0, offset, user.encode(), value, headers_for(DEAD_LETTER)
     )
+
+
+PRICES = PriceBook(
+    {"demo-1": [Price(datetime(2000, 1, 1, tzinfo=UTC), Decimal("0.15"), Decimal("0.60"))]}
+)
+AT = "2025-11-24T10:00:00+00:00"
+
+
+def decode(*messages: Any, prices: PriceBook = PRICES) -> RowBatch:
+    batch = RowBatch()
+    decoder = RecordDecoder(NAMES, prices)
+    for m in messages:
+        decoder.add(m, batch)
+    return batch

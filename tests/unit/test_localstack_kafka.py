@@ -120,7 +120,7 @@ def test_prepare_cluster_refuses_data_of_another_cluster(tmp_path: Path) -> None
 
 
 def test_missing_java_names_the_package_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kafka.shutil, "which", lambda name: None)
+    monkeypatch.setattr("koda.localstack.kafka.shutil.which", lambda name: None)
     kafka.java_path.cache_clear()
     try:
         with pytest.raises(PrerequisiteError, match="apt-get install openjdk-17-jre-headless"):

@@ -31,7 +31,7 @@ SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), 
 
 def exposed_names() -> set[str]:
     """Every sample name the koda_* families of koda/metrics.py put on /metrics."""
-    names = set()
+    names: set[str] = set()
     for value in vars(metrics).values():
         if isinstance(value, MetricWrapperBase):
             for family in value.describe():

@@ -87,7 +87,12 @@ def test_destructive_commands_refuse_in_prod_without_the_flag(argv: list[str]) -
 
 def test_with_the_flag_prod_goes_on_to_the_broker(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
-    monkeypatch.setattr("topics.admin.delete_topics", lambda s: calls.append(s) or ["x"])
+
+    def delete(s: Any) -> list[str]:
+        calls.append(s)
+        return ["x"]
+
+    monkeypatch.setattr("topics.admin.delete_topics", delete)
     monkeypatch.setattr("koda.reach.require_kafka", lambda s: None)  # no broker here
     result = runner.invoke(cli.app, ["topics", "delete", "--confirm-prod"], env=PROD_ENV)
     assert result.exit_code == 0, result.output
@@ -96,7 +101,12 @@ def test_with_the_flag_prod_goes_on_to_the_broker(monkeypatch: pytest.MonkeyPatc
 
 def test_dev_asks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
-    monkeypatch.setattr("topics.admin.delete_topics", lambda s: calls.append(s) or [])
+
+    def delete(s: Any) -> list[str]:
+        calls.append(s)
+        return []
+
+    monkeypatch.setattr("topics.admin.delete_topics", delete)
     monkeypatch.setattr("koda.reach.require_kafka", lambda s: None)  # no broker here
     result = runner.invoke(
         cli.app, ["topics", "delete"], env={"APP_ENV": "dev", **UNREACHABLE}, input=""

@@ -29,9 +29,10 @@ from schemas.records import (
     event_value,
     headers_for,
 )
+from schemas.specs import RecordSpec
 
 
-def validator(spec: record_specs.RecordSpec) -> jsonschema.Draft202012Validator:
+def validator(spec: RecordSpec) -> jsonschema.Draft202012Validator:
     schema = json.loads((DIRECTORY / file_name(spec)).read_text())
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema)
@@ -114,7 +115,7 @@ def letter() -> bytes:
     )
 
 
-def written_records() -> list[tuple[record_specs.RecordSpec, bytes]]:
+def written_records() -> list[tuple[RecordSpec, bytes]]:
     return [
         (
             record_specs.RUN_REQUESTED,

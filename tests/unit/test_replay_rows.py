@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from koda.lifecycle.ids import uuid7
 from tests.unit.replay_records import (
-    NAMES,
+    AT,
     chunk,
+    decode,
     event,
     final,
     letter,
@@ -26,21 +27,8 @@ from tests.unit.replay_records import (
 )
 from topics.replay import tables as t
 from topics.replay.prices import Price, PriceBook
-from topics.replay.rows import RecordDecoder, RowBatch, run_day
+from topics.replay.rows import RowBatch, run_day
 from topics.replay.sinks.duckdb import DuckDBSink
-
-PRICES = PriceBook(
-    {"demo-1": [Price(datetime(2000, 1, 1, tzinfo=UTC), Decimal("0.15"), Decimal("0.60"))]}
-)
-AT = "2025-11-24T10:00:00+00:00"
-
-
-def decode(*messages: Any, prices: PriceBook = PRICES) -> RowBatch:
-    batch = RowBatch()
-    decoder = RecordDecoder(NAMES, prices)
-    for m in messages:
-        decoder.add(m, batch)
-    return batch
 
 
 def rows(batch: RowBatch, table: t.Table) -> list[dict[str, Any]]:

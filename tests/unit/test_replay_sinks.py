@@ -15,9 +15,18 @@ import pyarrow.dataset as ds
 import pytest
 
 from koda.lifecycle.ids import uuid7
-from tests.unit.replay_records import NAMES, chunk, final, letter, requested, transition, usage
-from tests.unit.test_replay_rows import AT, decode
-from tests.workers import ROOT
+from tests.fixtures.processes import ROOT
+from tests.unit.replay_records import (
+    AT,
+    NAMES,
+    chunk,
+    decode,
+    final,
+    letter,
+    requested,
+    transition,
+    usage,
+)
 from topics.replay import tables as t
 from topics.replay.errors import ReplayOptionError, SinkError
 from topics.replay.sinks import open_sink, redact

@@ -25,8 +25,10 @@ SPRING_2026 = date(2026, 3, 29)  # 02:00 CET -> 03:00 CEST
 FALL_2026 = date(2026, 10, 25)  # 03:00 CEST -> 02:00 CET
 
 
-def utc(*args: int) -> datetime:
-    return datetime(*args, tzinfo=UTC)
+def utc(
+    year: int, month: int, day: int, hour: int = 0, minute: int = 0, second: int = 0
+) -> datetime:
+    return datetime(year, month, day, hour, minute, second, tzinfo=UTC)
 
 
 def fires(spec: CronSpec, after: datetime, n: int) -> list[datetime]:
@@ -106,7 +108,7 @@ def test_bad_cron_or_zone_names_the_field_and_shows_an_example(
     assert ("30 2 * * 1-5" if field == "cron" else "Europe/Berlin") in err.value.message
 
 
-def _plan(spec: CronSpec, policy: Policy, first: datetime, now: datetime, **facts: object):  # type: ignore[no-untyped-def]
+def _plan(spec: CronSpec, policy: Policy, first: datetime, now: datetime, **facts: object):
     return plan(spec, policy, first, now, Facts(**facts))  # type: ignore[arg-type]
 
 

@@ -84,7 +84,7 @@ def sql_built_from_strings(source: str, path: str) -> list[tuple[str, int, str]]
     found: list[tuple[str, int, str]] = []
     tree = ast.parse(source)
     for node in ast.walk(tree):
-        if _dynamic(node) and SQL.search(_literal_text(node)):
+        if isinstance(node, ast.expr) and _dynamic(node) and SQL.search(_literal_text(node)):
             found.append((path, node.lineno, ast.unparse(node)))
         elif isinstance(node, ast.Call):
             fn = node.func

@@ -121,7 +121,10 @@ async def test_a_viewer_queue_is_bounded_and_overflow_cuts_it() -> None:
 async def test_next_batch_waits_for_an_offer() -> None:
     viewer = Viewer("r", max_bytes=1000)
     waiter = asyncio.create_task(viewer.next_batch(5))
-    await asyncio.sleep(0.01)
+    # One turn of the loop runs the task up to its wait on the wake event (nothing in
+    # next_batch yields before it): from here on it is provably waiting.
+    await asyncio.sleep(0)
+    assert not waiter.done()
     viewer.offer(LiveEvent(0, "chunk", b"a"))
     viewer.offer(LiveEvent(1, "chunk", b"b"))
     assert [e.seq for e in await waiter] == [0, 1]
@@ -140,7 +143,7 @@ def _chunk(run_id: str, seq: int, kind: str, content: str, attempt: int = 1) -> 
 )
 def test_chunk_log_gives_the_same_output_at_every_cleaning_stage(
     reset_at: int, tail: int, rnd
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     run = "run-a"
     records = [_chunk(run, i, "chunk", f"a{i} ") for i in range(reset_at)]
     records.append(_chunk(run, reset_at, "reset", "{}", 2))
@@ -149,7 +152,7 @@ def test_chunk_log_gives_the_same_output_at_every_cleaning_stage(
     records.append(_chunk(run, last, "done", "{}", 2))
     expected = "".join(f"b{i} " for i in range(tail))
     final = FinalRecord(run, last, "done", "{}", expected, 2)
-    compaction = [(final_key(run).encode(), final.encode())]
+    compaction: list[tuple[bytes, bytes | None]] = [(final_key(run).encode(), final.encode())]
     compaction += [(chunk_key(run, s).encode(), None) for s in range(last + 1)]
     log = records + [records[rnd.randrange(len(records))]] + compaction  # a redelivery
     # The cleaner keeps the latest record per key; any prefix of the log is a reader's view.

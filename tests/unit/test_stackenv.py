@@ -56,7 +56,7 @@ def test_without_a_file_app_env_is_still_required(tmp_path: Path) -> None:
         Settings.from_env({}, cwd=tmp_path)
 
 
-def test_an_explicit_environ_alone_is_taken_as_it_is(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_an_explicit_environ_alone_is_taken_as_it_is(tmp_path: Path, monkeypatch) -> None:
     stack_dir(tmp_path)
     monkeypatch.chdir(tmp_path)
     settings = Settings.from_env({"APP_ENV": "dev"})

@@ -102,7 +102,8 @@ async def test_health_server_answers_the_probes_and_metrics() -> None:
     state = {"live": Check(True, {"loop_lag_s": 0.0}), "ready": Check(False, {"reason": "x"})}
     server = HealthServer("127.0.0.1", 0, live=lambda: state["live"], ready=lambda: state["ready"])
     app = server.app()
-    assert {r.resource.canonical for r in app.router.routes()} == set(ROUTES)
+    routes = {r.resource.canonical if r.resource else None for r in app.router.routes()}
+    assert routes == set(ROUTES)
     async with TestClient(TestServer(app)) as client:
         live = await client.get("/livez")
         assert live.status == 200 and (await live.json())["status"] == "ok"
@@ -215,7 +216,7 @@ def test_stale_threshold_must_exceed_the_interval() -> None:
 
 
 def beat(worker_id: str, age_s: float, **kw: Any) -> bytes:
-    fields = {"in_flight": 0, "version": "v1", "partitions": (), "host": "h"} | kw
+    fields: dict[str, Any] = {"in_flight": 0, "version": "v1", "partitions": (), "host": "h"} | kw
     return Beat(worker_id, T0 - timedelta(seconds=age_s), **fields).encode()
 
 
