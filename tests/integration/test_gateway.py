@@ -483,7 +483,6 @@ def test_dev_tokens_are_refused_in_prod_and_prod_tokens_work(stack) -> None:  # 
         stack,
         app_env=AppEnv.PROD,
         handler="openai",
-        allow_topic_autocreate=False,
         prod_tokens={"prod-secret-token-1": "prod-user"},
     )
     apply_topics(settings)

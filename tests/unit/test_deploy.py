@@ -299,7 +299,7 @@ def test_k8s_config_and_secrets_are_apart_and_prod_is_safe(k8s) -> None:
         "KODA_OPENAI_API_KEY",
     } <= set(secret)
     assert not {k for k in config if "TOKEN" in k or "KEY" in k or "PASSWORD" in k}
-    # The ConfigMap is a valid prod configuration (no demo handler, no auto-creation).
+    # The ConfigMap is a valid prod configuration (no demo handler).
     settings = Settings.from_env({**config, **secret})
     assert settings.app_env is AppEnv.PROD
     for (kind, _), doc in k8s.items():

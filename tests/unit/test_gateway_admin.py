@@ -31,7 +31,7 @@ BASE = Settings(
     namespace="unit",
     expected_workers=2,
 )
-PROD = BASE.with_(app_env=AppEnv.PROD, handler="openai", allow_topic_autocreate=False)
+PROD = BASE.with_(app_env=AppEnv.PROD, handler="openai")
 
 
 @asynccontextmanager
