@@ -6,10 +6,10 @@ its ``.koda/services.env`` (found by :mod:`koda.stackenv`) unless the environmen
 names them; every setting's origin is kept for error messages.
 
 Each knob is declared once, as a field of :class:`Settings` (or :class:`KafkaSecurity`)
-made by :func:`knob`: its environment variable, type (the annotation), default, unit,
-bounds or choices and a one-line meaning sit together. :func:`load` is the one loop
-that reads them all, and README's settings table is rendered from the same fields
-(:func:`markdown_table`; ``python -m koda.settingsdoc`` rewrites it). Cross-field rules
+made by :func:`koda.knobs.knob`: its environment variable, type (the annotation),
+default, unit, bounds or choices and a one-line meaning sit together.
+:func:`koda.knobs.load` is the one loop that reads them all, and README's settings
+table is rendered from the same fields (``python -m koda.settingsdoc``). Cross-field rules
 (a power-of-two partition count, the handoff ceiling below the rebalance timeout, prod's
 refusals) stay in ``__post_init__``.
 """
@@ -20,14 +20,14 @@ import os
 import re
 import secrets
 import socket
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import MISSING, dataclass, field, fields, replace
-from functools import cache
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal
 
 from koda import __version__, stackenv
 from koda.errors import ConfigError
+from koda.knobs import check_choices, knob, load
 from koda.naming import AppEnv, Names
 
 DEFAULT_DATABASE_URL = "postgresql://koda@127.0.0.1:5432/koda"
@@ -39,150 +39,6 @@ WorkerIdSource = Literal["configured", "pod", "generated"]
 _INSTANCE_ID = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _WORKER_ID_MAX = 200
 _process_worker_id: tuple[int, str] | None = None
-KNOB = "koda.knob"  # the field metadata key of a knob's declaration
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-# A reader for a knob whose value is not one int, float, bool or string: it raises
-# ValueError for a value it cannot read.
-Parser = Callable[[str], Any]
-
-
-@dataclass(frozen=True)
-class Knob:
-    """One setting's declaration: where it is read from and what it may be.
-
-    ``unit`` is said in docs and errors (``s``, ``ms``, ``bytes``); ``lo``/``hi`` bound a
-    number (inclusive); ``choices`` list the strings accepted; ``secret`` keeps the value
-    out of errors and ``repr``; ``parse`` reads a structured value, ``shape`` says in
-    words what it accepts.
-    """
-
-    env: str
-    doc: str
-    unit: str = ""
-    lo: float | None = None
-    hi: float | None = None
-    choices: tuple[str, ...] = ()
-    secret: bool = False
-    parse: Parser | None = None
-    shape: str = ""
-
-    def allowed(self, kind: type) -> str:
-        """What a value may be, in words: ``an integer in 1..4096``, ``one of a, b``."""
-        if self.choices:
-            return f"one of {', '.join(self.choices)}"
-        if self.parse is not None:
-            return self.shape
-        if kind is bool:
-            return "true or false"
-        noun = {int: "an integer", float: "a number"}.get(kind, "a string")
-        unit = f" ({self.unit})" if self.unit else ""
-        if self.lo is None or self.hi is None:
-            return noun + unit
-        return f"{noun} in {_num(self.lo)}..{_num(self.hi)}{unit}"
-
-    def read(self, raw: str, kind: type) -> Any:
-        """``raw`` as a value of ``kind``; ConfigError naming the variable when it is not one."""
-        try:
-            value = self._convert(raw, kind)
-        except ValueError:
-            value = None
-        else:
-            if self._fits(value):
-                return value
-        raise self.refusal(raw, kind)
-
-    def refusal(self, value: object, kind: type) -> ConfigError:
-        """The one error format: the variable, the bad value (unless secret), what is allowed."""
-        shown = "<hidden>" if self.secret else repr(value)
-        return ConfigError(f"{self.env}={shown}: use {self.allowed(kind)}")
-
-    def _convert(self, raw: str, kind: type) -> Any:
-        if self.parse is not None:
-            return self.parse(raw)
-        if kind is bool:
-            if raw.lower() in _TRUE + _FALSE:
-                return raw.lower() in _TRUE
-            raise ValueError(raw)
-        if kind is int:
-            return int(raw)
-        if kind is float:
-            return float(raw)
-        return raw
-
-    def _fits(self, value: Any) -> bool:
-        if self.choices and value not in self.choices:
-            return False
-        if self.lo is not None and not self.lo <= value:
-            return False
-        return self.hi is None or bool(value <= self.hi)
-
-
-def knob(
-    default: Any = MISSING,
-    env: str = "",
-    doc: str = "",
-    *,
-    factory: Callable[[], Any] | None = None,
-    unit: str = "",
-    lo: float | None = None,
-    hi: float | None = None,
-    choices: tuple[str, ...] = (),
-    secret: bool = False,
-    parse: Parser | None = None,
-    shape: str = "",
-) -> Any:
-    """A dataclass field that is a setting read from ``env`` (see :class:`Knob`).
-
-    An unset or empty variable leaves the field's ``default`` (or ``factory()``).
-    """
-    spec = Knob(env, doc, unit, lo, hi, choices, secret, parse, shape)
-    meta = {KNOB: spec}
-    if factory is not None:
-        return field(default_factory=factory, repr=not secret, metadata=meta)
-    return field(default=default, repr=not secret, metadata=meta)
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-def knobs(cls: type) -> Iterator[tuple[str, type, Knob]]:
-    """``(field name, type, declaration)`` of every knob of dataclass ``cls``, in order."""
-    hints = _hints(cls)
-    for f in fields(cls):
-        spec = f.metadata.get(KNOB)
-        if spec is not None:
-            yield f.name, hints[f.name], spec
-
-
-@cache
-def _hints(cls: type) -> dict[str, type]:
-    """Field types, with ``X | None`` read as ``X`` (None is what an unset knob may be)."""
-    out: dict[str, type] = {}
-    for name, hint in get_type_hints(cls).items():
-        args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
-        out[name] = args[0] if len(args) == 1 and type(None) in hint.__args__ else hint
-    return out
-
-
-def load(cls: type, env: Mapping[str, str]) -> dict[str, Any]:
-    """The one loop: each knob of ``cls`` that ``env`` sets, read and checked by its
-    declaration. Unset and empty variables are left out, so the field default applies."""
-    values: dict[str, Any] = {}
-    for name, kind, spec in knobs(cls):
-        raw = env.get(spec.env)
-        if raw is not None and raw != "":
-            values[name] = spec.read(raw, kind)
-    return values
-
-
-def check_choices(obj: Any) -> None:
-    """Refuse a field outside its knob's choices, however the object was built."""
-    for name, kind, spec in knobs(type(obj)):
-        value = getattr(obj, name)
-        if spec.choices and value is not None and value not in spec.choices:
-            raise spec.refusal(value, kind)
 
 
 def _api_tokens(raw: str) -> dict[str, str]:
@@ -707,31 +563,3 @@ class Settings:
             origins=origins,
             **load(cls, env),
         )
-
-
-def markdown_table() -> str:
-    """README's settings table, rendered from the knob declarations (one row each)."""
-    rows = ["| variable | default | allowed | meaning |", "| --- | --- | --- | --- |"]
-    for env, default, doc in OTHER_VARIABLES:
-        rows.append(f"| `{env}` | {default} | | {doc} |")
-    for cls in (Settings, KafkaSecurity):
-        defaults = {f.name: f for f in fields(cls)}
-        for name, kind, spec in knobs(cls):
-            rows.append(
-                f"| `{spec.env}` | {_shown_default(defaults[name], spec)} "
-                f"| {spec.allowed(kind)} | {spec.doc} |"
-            )
-    return "\n".join(rows) + "\n"
-
-
-def _shown_default(f: Any, spec: Knob) -> str:
-    if f.default_factory is not MISSING or f.default is None:
-        return ""
-    if spec.env == "KODA_VERSION":
-        return "the package version"
-    value = f.default
-    if isinstance(value, bool):
-        value = str(value).lower()
-    elif isinstance(value, float):
-        value = _num(value)
-    return f"`{value}`"

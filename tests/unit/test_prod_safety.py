@@ -62,7 +62,7 @@ def test_no_client_auto_creates_a_topic_and_no_setting_turns_it_on() -> None:
     topic is an error, never a topic with the broker's default partitions."""
     from gateway.livefeed import LiveFeed
     from gateway.publisher import RunPublisher
-    from koda.settings import knobs
+    from koda.knobs import knobs
 
     for env in (AppEnv.DEV, AppEnv.PROD):
         settings = Settings(app_env=env, handler="openai")

@@ -16,8 +16,9 @@ import yaml
 
 from koda import settingsdoc
 from koda.errors import ConfigError
+from koda.knobs import Knob, knobs
 from koda.naming import AppEnv
-from koda.settings import OTHER_VARIABLES, KafkaSecurity, Knob, Settings, knobs
+from koda.settings import OTHER_VARIABLES, KafkaSecurity, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV = {"APP_ENV": "dev"}
