@@ -16,12 +16,11 @@ import re
 from datetime import datetime
 from typing import Any
 
-from fastapi import APIRouter, Query, Request, Response, Security
-from fastapi.security import HTTPBearer
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from gateway.admission import payment_required
-from gateway.components import Components, components_of
+from gateway.components import Components
+from gateway.dependencies import Gateway, User
 from gateway.errors import InvalidField, NotFound
 from gateway.intake import (
     SESSION_ID,
@@ -31,9 +30,8 @@ from gateway.intake import (
     parse_run_request,
     read_body,
 )
-from gateway.models import ErrorBody
+from gateway.models import error_responses
 from gateway.scheduled import ScheduleRow, ScheduleStore, fire
-from gateway.store import OverBudget
 from koda.errors import KodaError
 from koda.lifecycle.ids import uuid7
 from koda.scheduling import (
@@ -46,8 +44,6 @@ from koda.scheduling import (
     ScheduleInvalid,
     minute_floor,
 )
-
-_bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
 
 DEFAULTS = Policy()
 MAX_DAILY_CAP = 100_000
@@ -68,9 +64,8 @@ FIELDS = (
 _HHMM = re.compile(r"([01][0-9]|2[0-3]):([0-5][0-9])")
 _QUIET_EXAMPLE = '{"start": "22:00", "end": "07:00"}'
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody, "description": description}
-    for status, description in {
+_ERRORS = error_responses(
+    {
         400: "Undecodable body",
         401: "Missing or invalid bearer token",
         404: "Unknown schedule or session (or another user's)",
@@ -79,8 +74,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         402: "run-now: the owner's budget is spent (names the budget, spend and reset)",
         422: "A field is missing or invalid",
         503: "Postgres is unavailable; see Retry-After",
-    }.items()
-}
+    }
+)
 
 
 class QuietHoursBody(BaseModel):
@@ -268,13 +263,6 @@ async def _read_json(request: Request, gw: Components) -> Any:
     return decode_json(body)
 
 
-def _owner(request: Request) -> tuple[Components, ScheduleStore, str]:
-    gw = components_of(request)
-    user_id = gw.auth.authenticate(request.headers.get("authorization"))
-    request.state.user_id = user_id
-    return gw, ScheduleStore(gw.store.engine), user_id
-
-
 def _not_found() -> NotFound:
     return NotFound("schedule not found: check the id and the token's user", field="schedule_id")
 
@@ -288,14 +276,14 @@ async def _owned(store: ScheduleStore, schedule_id: str, user_id: str) -> Schedu
     return row
 
 
-router = APIRouter(dependencies=[Security(_bearer)], responses=_ERRORS, tags=["schedules"])
+router = APIRouter(responses=_ERRORS, tags=["schedules"])
 
 
 @router.post(
     "/v1/schedules", status_code=201, response_model=ScheduleBody, summary="Create a schedule"
 )
-async def create_schedule(request: Request) -> ScheduleBody:
-    gw, store, user_id = _owner(request)
+async def create_schedule(request: Request, gw: Gateway, user_id: User) -> ScheduleBody:
+    store = gw.schedules
     fields = parse_fields(await _read_json(request, gw), creating=True)
     spec = _spec(fields["cron"], fields["timezone"])
     values = {
@@ -318,15 +306,17 @@ async def create_schedule(request: Request) -> ScheduleBody:
 
 @router.get("/v1/schedules", response_model=ScheduleList, summary="Your schedules")
 async def list_schedules(
-    request: Request, limit: int = Query(100, ge=1, le=1000, description="At most this many.")
+    gw: Gateway,
+    user_id: User,
+    limit: int = Query(100, ge=1, le=1000, description="At most this many."),
 ) -> ScheduleList:
-    _gw, store, user_id = _owner(request)
+    store = gw.schedules
     return ScheduleList(schedules=[_body(r) for r in await store.owned(user_id, limit)])
 
 
 @router.get("/v1/schedules/{schedule_id}", response_model=ScheduleBody, summary="Read a schedule")
-async def get_schedule(schedule_id: str, request: Request) -> ScheduleBody:
-    _gw, store, user_id = _owner(request)
+async def get_schedule(schedule_id: str, gw: Gateway, user_id: User) -> ScheduleBody:
+    store = gw.schedules
     return _body(await _owned(store, schedule_id, user_id))
 
 
@@ -335,8 +325,10 @@ async def get_schedule(schedule_id: str, request: Request) -> ScheduleBody:
     response_model=ScheduleBody,
     summary="Change a schedule (a new cron or zone recomputes the next fire from now)",
 )
-async def update_schedule(schedule_id: str, request: Request) -> ScheduleBody:
-    gw, store, user_id = _owner(request)
+async def update_schedule(
+    schedule_id: str, request: Request, gw: Gateway, user_id: User
+) -> ScheduleBody:
+    store = gw.schedules
     current = await _owned(store, schedule_id, user_id)
     changes = parse_fields(await _read_json(request, gw), creating=False)
     if "cron" in changes or "timezone" in changes:
@@ -351,8 +343,8 @@ async def update_schedule(schedule_id: str, request: Request) -> ScheduleBody:
 
 
 @router.delete("/v1/schedules/{schedule_id}", status_code=204, summary="Delete a schedule")
-async def delete_schedule(schedule_id: str, request: Request) -> Response:
-    _gw, store, user_id = _owner(request)
+async def delete_schedule(schedule_id: str, gw: Gateway, user_id: User) -> Response:
+    store = gw.schedules
     await _owned(store, schedule_id, user_id)
     if not await store.delete(schedule_id, user_id):
         raise _not_found()
@@ -364,8 +356,8 @@ async def delete_schedule(schedule_id: str, request: Request) -> Response:
     response_model=ScheduleBody,
     summary="Pause: due minutes are skipped (reason paused) until resumed",
 )
-async def pause_schedule(schedule_id: str, request: Request) -> ScheduleBody:
-    _gw, store, user_id = _owner(request)
+async def pause_schedule(schedule_id: str, gw: Gateway, user_id: User) -> ScheduleBody:
+    store = gw.schedules
     await _owned(store, schedule_id, user_id)
     row = await store.update(schedule_id, user_id, {"enabled": False})
     if row is None:
@@ -378,8 +370,8 @@ async def pause_schedule(schedule_id: str, request: Request) -> ScheduleBody:
     response_model=ScheduleBody,
     summary="Resume from the next fire after now (paused minutes are not replayed)",
 )
-async def resume_schedule(schedule_id: str, request: Request) -> ScheduleBody:
-    _gw, store, user_id = _owner(request)
+async def resume_schedule(schedule_id: str, gw: Gateway, user_id: User) -> ScheduleBody:
+    store = gw.schedules
     current = await _owned(store, schedule_id, user_id)
     changes: dict[str, Any] = {"enabled": True}
     if not current.enabled:
@@ -396,22 +388,19 @@ async def resume_schedule(schedule_id: str, request: Request) -> ScheduleBody:
     response_model=ScheduledRun,
     summary="Fire once now, whatever the cron, quiet hours or pause (counts toward the cap)",
 )
-async def run_schedule_now(schedule_id: str, request: Request) -> ScheduledRun:
-    gw, store, user_id = _owner(request)
+async def run_schedule_now(schedule_id: str, gw: Gateway, user_id: User) -> ScheduledRun:
+    store = gw.schedules
     row = await _owned(store, schedule_id, user_id)
     minute = minute_floor(await store.now())
-    try:
-        fired = await fire(
-            gw.store,
-            gw.publisher,
-            row,
-            minute,
-            partitions=gw.settings.partitions,
-            key=f"sched:{row.id}:now:{uuid7()}",
-            budgets=gw.settings.cost_ledger,
-        )
-    except OverBudget as exc:
-        raise payment_required(exc) from None
+    fired = await fire(
+        gw.store,
+        gw.publisher,
+        row,
+        minute,
+        partitions=gw.settings.partitions,
+        key=f"sched:{row.id}:now:{uuid7()}",
+        budgets=gw.settings.cost_ledger,
+    )
     if fired.delivery is not None:
         # As POST /v1/runs: wait briefly for the ack; a slow or failed publish is the
         # sweeper's to repeat, the run is durable already.
