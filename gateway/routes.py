@@ -141,20 +141,7 @@ async def get_run(run_id: str, gw: Gateway, user_id: User) -> RunDetail:
     if view is None:
         # Another user's run answers exactly like a run that does not exist.
         raise NotFound("run not found: check the run id and the token's user", field="run_id")
-    return RunDetail(
-        run_id=view.run_id,
-        status=view.status,
-        attempt=view.attempt,
-        session_id=view.session_id,
-        created_at=view.created_at,
-        started_at=view.started_at,
-        first_chunk_at=view.first_chunk_at,
-        finished_at=view.finished_at,
-        error=view.error,
-        output=view.output,
-        schedule_id=view.schedule_id,
-        scheduled_for=view.scheduled_for,
-    )
+    return RunDetail.model_validate(view, from_attributes=True)
 
 
 @router.get("/livez", response_model=Health, summary="The process is alive")

@@ -14,9 +14,9 @@ import asyncio
 import contextlib
 import re
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from gateway.components import Components
@@ -26,6 +26,7 @@ from gateway.intake import (
     SESSION_ID,
     check_content_type,
     decode_json,
+    json_object,
     json_type,
     parse_run_request,
     read_body,
@@ -185,14 +186,7 @@ def parse_fields(obj: Any, *, creating: bool) -> dict[str, Any]:
 
     ``cron`` and ``timezone`` are returned as given (checked together by the caller,
     which knows the stored one of a partial update)."""
-    if not isinstance(obj, dict):
-        raise InvalidField(f"the body must be a JSON object, got {json_type(obj)}", field="body")
-    for name in obj:
-        if name not in FIELDS:
-            raise InvalidField(
-                f"unknown field {name[:64]!r}: accepted fields are {', '.join(FIELDS)}",
-                field=name[:64],
-            )
+    obj = json_object(obj, FIELDS)
     if creating:
         for name in ("cron", "timezone", "input"):
             if obj.get(name) is None:
@@ -267,13 +261,24 @@ def _not_found() -> NotFound:
     return NotFound("schedule not found: check the id and the token's user", field="schedule_id")
 
 
-async def _owned(store: ScheduleStore, schedule_id: str, user_id: str) -> ScheduleRow:
+async def owned_schedule(schedule_id: str, gw: Gateway, user_id: User) -> ScheduleRow:
+    """The caller's schedule ``schedule_id``; 404 for an unknown one or another user's."""
     row = None
     if len(schedule_id) <= MAX_ID_CHARS and "\x00" not in schedule_id:
-        row = await store.get(schedule_id, user_id)
+        row = await gw.schedules.get(schedule_id, user_id)
     if row is None:
         raise _not_found()
     return row
+
+
+Owned = Annotated[ScheduleRow, Depends(owned_schedule)]
+
+
+async def _changed(gw: Components, row: ScheduleRow, changes: dict[str, Any]) -> ScheduleBody:
+    updated = await gw.schedules.update(row.id, row.user_id, changes)
+    if updated is None:  # deleted since it was read
+        raise _not_found()
+    return _body(updated)
 
 
 router = APIRouter(responses=_ERRORS, tags=["schedules"])
@@ -283,7 +288,6 @@ router = APIRouter(responses=_ERRORS, tags=["schedules"])
     "/v1/schedules", status_code=201, response_model=ScheduleBody, summary="Create a schedule"
 )
 async def create_schedule(request: Request, gw: Gateway, user_id: User) -> ScheduleBody:
-    store = gw.schedules
     fields = parse_fields(await _read_json(request, gw), creating=True)
     spec = _spec(fields["cron"], fields["timezone"])
     values = {
@@ -299,9 +303,9 @@ async def create_schedule(request: Request, gw: Gateway, user_id: User) -> Sched
         **fields,
         "cron": spec.expression,
         "timezone": spec.timezone,
-        "next_fire_at": await _next_fire(store, spec),
+        "next_fire_at": await _next_fire(gw.schedules, spec),
     }
-    return _body(await store.create(values))
+    return _body(await gw.schedules.create(values))
 
 
 @router.get("/v1/schedules", response_model=ScheduleList, summary="Your schedules")
@@ -310,14 +314,12 @@ async def list_schedules(
     user_id: User,
     limit: int = Query(100, ge=1, le=1000, description="At most this many."),
 ) -> ScheduleList:
-    store = gw.schedules
-    return ScheduleList(schedules=[_body(r) for r in await store.owned(user_id, limit)])
+    return ScheduleList(schedules=[_body(r) for r in await gw.schedules.owned(user_id, limit)])
 
 
 @router.get("/v1/schedules/{schedule_id}", response_model=ScheduleBody, summary="Read a schedule")
-async def get_schedule(schedule_id: str, gw: Gateway, user_id: User) -> ScheduleBody:
-    store = gw.schedules
-    return _body(await _owned(store, schedule_id, user_id))
+async def get_schedule(row: Owned) -> ScheduleBody:
+    return _body(row)
 
 
 @router.patch(
@@ -325,28 +327,21 @@ async def get_schedule(schedule_id: str, gw: Gateway, user_id: User) -> Schedule
     response_model=ScheduleBody,
     summary="Change a schedule (a new cron or zone recomputes the next fire from now)",
 )
-async def update_schedule(
-    schedule_id: str, request: Request, gw: Gateway, user_id: User
-) -> ScheduleBody:
-    store = gw.schedules
-    current = await _owned(store, schedule_id, user_id)
+async def update_schedule(current: Owned, request: Request, gw: Gateway) -> ScheduleBody:
     changes = parse_fields(await _read_json(request, gw), creating=False)
     if "cron" in changes or "timezone" in changes:
         spec = _spec(changes.get("cron", current.cron), changes.get("timezone", current.timezone))
         changes.update(
-            cron=spec.expression, timezone=spec.timezone, next_fire_at=await _next_fire(store, spec)
+            cron=spec.expression,
+            timezone=spec.timezone,
+            next_fire_at=await _next_fire(gw.schedules, spec),
         )
-    row = await store.update(schedule_id, user_id, changes)
-    if row is None:
-        raise _not_found()
-    return _body(row)
+    return await _changed(gw, current, changes)
 
 
 @router.delete("/v1/schedules/{schedule_id}", status_code=204, summary="Delete a schedule")
-async def delete_schedule(schedule_id: str, gw: Gateway, user_id: User) -> Response:
-    store = gw.schedules
-    await _owned(store, schedule_id, user_id)
-    if not await store.delete(schedule_id, user_id):
+async def delete_schedule(row: Owned, gw: Gateway) -> Response:
+    if not await gw.schedules.delete(row.id, row.user_id):
         raise _not_found()
     return Response(status_code=204)
 
@@ -356,13 +351,8 @@ async def delete_schedule(schedule_id: str, gw: Gateway, user_id: User) -> Respo
     response_model=ScheduleBody,
     summary="Pause: due minutes are skipped (reason paused) until resumed",
 )
-async def pause_schedule(schedule_id: str, gw: Gateway, user_id: User) -> ScheduleBody:
-    store = gw.schedules
-    await _owned(store, schedule_id, user_id)
-    row = await store.update(schedule_id, user_id, {"enabled": False})
-    if row is None:
-        raise _not_found()
-    return _body(row)
+async def pause_schedule(row: Owned, gw: Gateway) -> ScheduleBody:
+    return await _changed(gw, row, {"enabled": False})
 
 
 @router.post(
@@ -370,16 +360,12 @@ async def pause_schedule(schedule_id: str, gw: Gateway, user_id: User) -> Schedu
     response_model=ScheduleBody,
     summary="Resume from the next fire after now (paused minutes are not replayed)",
 )
-async def resume_schedule(schedule_id: str, gw: Gateway, user_id: User) -> ScheduleBody:
-    store = gw.schedules
-    current = await _owned(store, schedule_id, user_id)
+async def resume_schedule(current: Owned, gw: Gateway) -> ScheduleBody:
     changes: dict[str, Any] = {"enabled": True}
     if not current.enabled:
-        changes["next_fire_at"] = await _next_fire(store, _spec(current.cron, current.timezone))
-    row = await store.update(schedule_id, user_id, changes)
-    if row is None:
-        raise _not_found()
-    return _body(row)
+        spec = _spec(current.cron, current.timezone)
+        changes["next_fire_at"] = await _next_fire(gw.schedules, spec)
+    return await _changed(gw, current, changes)
 
 
 @router.post(
@@ -388,10 +374,8 @@ async def resume_schedule(schedule_id: str, gw: Gateway, user_id: User) -> Sched
     response_model=ScheduledRun,
     summary="Fire once now, whatever the cron, quiet hours or pause (counts toward the cap)",
 )
-async def run_schedule_now(schedule_id: str, gw: Gateway, user_id: User) -> ScheduledRun:
-    store = gw.schedules
-    row = await _owned(store, schedule_id, user_id)
-    minute = minute_floor(await store.now())
+async def run_schedule_now(row: Owned, gw: Gateway) -> ScheduledRun:
+    minute = minute_floor(await gw.schedules.now())
     fired = await fire(
         gw.store,
         gw.publisher,

@@ -9,10 +9,10 @@ means midnight UTC). Bad parameters are 422 naming the parameter; nothing is wri
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from decimal import Decimal
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -44,6 +44,7 @@ _ERRORS = error_responses(
 )
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 
 async def _ledger(gw: Components, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
@@ -52,6 +53,21 @@ async def _ledger(gw: Components, work: Callable[[AsyncConnection], Awaitable[T]
             return await work(conn)
     except SQLAlchemyError as exc:
         raise DatabaseError(f"the ledger could not be read: {type(exc).__name__}") from exc
+
+
+def _parsed(
+    given: Mapping[str, Any], names: tuple[str, ...], parse: Callable[[Any, str], V]
+) -> dict[str, V | None]:
+    """Each of ``names`` parsed from ``given`` (None when absent); InvalidField names the
+    first that ``parse`` refuses."""
+    out: dict[str, V | None] = {}
+    for name in names:
+        raw = given.get(name)
+        try:
+            out[name] = None if raw is None else parse(raw, name)
+        except ValueError as exc:
+            raise InvalidField(str(exc), field=name) from None
+    return out
 
 
 def _params(
@@ -70,13 +86,7 @@ def _params(
         raise InvalidField(
             f"group_by must be one of {', '.join(groups)}, got {group_by!r}", field="group_by"
         )
-    bounds: dict[str, datetime | None] = {}
-    for name in ("from", "to"):
-        raw = q.get(name)
-        try:
-            bounds[name] = None if raw is None else parse_time(raw, name)
-        except ValueError as exc:
-            raise InvalidField(str(exc), field=name) from None
+    bounds = _parsed(q, ("from", "to"), parse_time)
     try:
         check_window(bounds["from"], bounds["to"])
     except ValueError as exc:
@@ -149,13 +159,7 @@ async def _budget_body(request: Request) -> tuple[Decimal | None, Decimal | None
                 f"unknown field {str(name)[:64]!r}: accepted are {', '.join(BUDGET_FIELDS)}",
                 field=str(name)[:64],
             )
-    amounts: dict[str, Decimal | None] = {}
-    for name in ("monthly_usd", "daily_usd"):
-        raw = obj.get(name)
-        try:
-            amounts[name] = None if raw is None else parse_usd(raw, name)
-        except ValueError as exc:
-            raise InvalidField(str(exc), field=name) from None
+    amounts = _parsed(obj, ("monthly_usd", "daily_usd"), parse_usd)
     if amounts["monthly_usd"] is None and amounts["daily_usd"] is None:
         raise InvalidField(
             "give monthly_usd and/or daily_usd (DELETE removes a user's budgets)",
