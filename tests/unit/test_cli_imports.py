@@ -1,4 +1,5 @@
-"""The command line's gateway clients load no server code (FastAPI, uvicorn, the app)."""
+"""The command line's gateway clients, and the scheduler, load no server code (FastAPI,
+uvicorn, the app): they use the gateway's stores and producer, never its HTTP side."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def test_the_gateway_clients_import_no_server_module() -> None:
 
 def test_the_koda_command_with_its_subcommands_imports_no_server_module() -> None:
     assert _loaded_after("import koda.cli\nkoda.cli._add_optional_apps()") == []
+
+
+def test_the_scheduler_imports_no_server_module() -> None:
+    assert _loaded_after("import scheduler.app") == []
 
 
 def test_the_probe_sees_a_server_import() -> None:
