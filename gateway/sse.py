@@ -43,7 +43,7 @@ from gateway.eventstream import (
     json_data,
     retry_frame,
 )
-from gateway.livefeed import LiveFeed, Viewer
+from gateway.livefeed import Viewer
 from gateway.models import ErrorBody
 from gateway.store import StoredEvent
 from koda import metrics
@@ -152,7 +152,7 @@ async def run_events(
     except BaseException:
         feed.unsubscribe(viewer)
         raise
-    return RunEventStream(gw=gw, feed=feed, viewer=viewer, after=position, user_id=user_id)
+    return RunEventStream(gw=gw, viewer=viewer, after=position, user_id=user_id)
 
 
 class _Stalled(Exception):
@@ -187,7 +187,6 @@ class RunEventStream(Response):
         self,
         *,
         gw: Components,
-        feed: LiveFeed,
         viewer: Viewer,
         after: int,
         user_id: str,
@@ -201,7 +200,7 @@ class RunEventStream(Response):
             }
         )
         self.gw, self.settings = gw, gw.settings
-        self.feed, self.viewer = feed, viewer
+        self.feed, self.viewer = gw.feed, viewer
         self.run_id = viewer.run_id
         self.user_id = user_id
         self.last = after
