@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import create_app
+from gateway.app import create_app
 from koda import metrics
 from koda.settings import Settings
 from schemas.migrate import upgrade

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from gateway import create_app
+from gateway.app import create_app
 from koda import cli
 from koda.db import async_engine
 from koda.lifecycle.handler import Usage

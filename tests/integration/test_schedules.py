@@ -23,7 +23,7 @@ from confluent_kafka import KafkaException
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from gateway import create_app
+from gateway.app import create_app
 from gateway.publisher import RunPublisher
 from gateway.scheduled import ScheduleStore, fire_key, scheduled_run
 from gateway.schedules_cli import schedules_app

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.app import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S, create_app
-from gateway.cli import GRACEFUL_SHUTDOWN_S
+from gateway.app import create_app
+from gateway.components import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S
+from gateway.server import GRACEFUL_SHUTDOWN_S
 from koda.db import async_engine
 from koda.naming import AppEnv
 from koda.settings import Settings
