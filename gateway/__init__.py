@@ -1,19 +1,18 @@
 """The HTTP gateway: authenticate, rate-limit/admit, persist, publish (docs/design.md §1, §9).
 
-    create_app(settings)   the ASGI app (composition root; connects in its lifespan)
-    serve(settings)        uvicorn in the foreground, graceful on SIGTERM
-    runs_app               ``koda runs submit|show|follow``
-    Sweeper                republishes pending runs whose publish was lost
+    gateway.app.create_app(settings)          the ASGI app
+    gateway.components.build_components(...)  every collaborator, built once
+    gateway.server.serve(settings)            uvicorn in the foreground, graceful on SIGTERM
+    gateway.client.runs_app                   ``koda runs submit|show|cancel|follow``
 
-Modules: ``app`` (composition), ``routes`` (HTTP), ``intake`` (request checks),
-``auth``, ``ratelimit``, ``admission`` (persist + publish), ``store`` (SQL),
-``sse`` (the events endpoint), ``livefeed`` (chunk-topic tail), ``eventstream`` (SSE wire),
-``publisher`` (producer), ``sweeper``, ``errors``, ``models``, ``cli``.
+Importing this package imports nothing else, so the command line's clients
+(``client``, ``schedules_cli``) load no server code.
+
+Modules: ``app`` (routes + middleware), ``components`` (composition root),
+``dependencies`` (FastAPI ``Depends``), ``routes`` (HTTP), ``intake`` (request
+checks), ``auth``, ``ratelimit``, ``admission`` (persist + publish), ``store``
+(SQL), ``sse`` (the events endpoint), ``livefeed`` (chunk-topic tail),
+``eventstream`` (SSE wire), ``publisher`` (producer), ``sweeper``, ``exceptions``
+(domain errors), ``errors`` (HTTP errors and the mapping), ``models``, ``server``,
+``client``.
 """
-
-from gateway.app import create_app
-from gateway.cli import runs_app, serve
-from gateway.publisher import RunPublisher
-from gateway.sweeper import Sweeper
-
-__all__ = ["RunPublisher", "Sweeper", "create_app", "runs_app", "serve"]

@@ -1,34 +1,21 @@
 """``GET /admin/workers``: the heartbeat table, for people and alerts (never routing).
 
-Access:
-
-* ``KODA_ADMIN_TOKEN`` set: every ``/admin`` request needs
-  ``Authorization: Bearer <that token>`` (compared in constant time), in any
-  environment.
-* not set: open in ``dev``; in ``prod`` every ``/admin`` request is refused
-  with 403 until a token is configured.
-
-The admin token is not a user token: ``dev:<user>`` and ``KODA_API_TOKENS``
-never open ``/admin``.
+Access as every ``/admin`` route (gateway/auth.py ``check_admin``): with
+``KODA_ADMIN_TOKEN`` set, ``Authorization: Bearer <that token>``; without it, open
+in ``dev`` and refused (403) in ``prod``.
 """
 
 from __future__ import annotations
 
-import hmac
-
-from fastapi import APIRouter, Request, Security
-from fastapi.security import HTTPBearer
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from gateway.components import components_of
-from gateway.errors import Forbidden, Unauthorized
-from gateway.models import ErrorBody
-from gateway.workers import WorkerDirectory
-from koda.naming import AppEnv
+from gateway.dependencies import ADMIN, Gateway
+from gateway.models import error_responses
 
 router = APIRouter(prefix="/admin", tags=["admin"])
-_admin_bearer = HTTPBearer(
-    auto_error=False, scheme_name="AdminToken", description="KODA_ADMIN_TOKEN (prod: required)"
+_ERRORS = error_responses(
+    {401: "Missing or wrong admin token", 403: "prod without KODA_ADMIN_TOKEN"}
 )
 
 
@@ -73,38 +60,12 @@ class WorkersReport(BaseModel):
     workers: list[WorkerRow]
 
 
-def require_admin(request: Request) -> None:
-    """Raise unless this request may read ``/admin`` (see the module docstring)."""
-    settings = components_of(request).settings
-    token = settings.admin_token
-    if token is None:
-        if settings.app_env is AppEnv.PROD:
-            raise Forbidden("/admin is closed in prod until KODA_ADMIN_TOKEN is configured")
-        return
-    scheme, _, presented = (request.headers.get("authorization") or "").strip().partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        presented.strip().encode(), token.encode()
-    ):
-        raise Unauthorized("/admin needs 'Authorization: Bearer <KODA_ADMIN_TOKEN>'")
-
-
-def directory_of(request: Request) -> WorkerDirectory:
-    directory = getattr(request.app.state, "workers", None)
-    if not isinstance(directory, WorkerDirectory):
-        raise RuntimeError("the gateway is not started: its lifespan did not run")
-    return directory
-
-
 @router.get(
     "/workers",
     response_model=WorkersReport,
-    responses={
-        401: {"model": ErrorBody, "description": "Missing or wrong admin token"},
-        403: {"model": ErrorBody, "description": "prod without KODA_ADMIN_TOKEN"},
-    },
-    dependencies=[Security(_admin_bearer)],
+    responses=_ERRORS,
+    dependencies=[ADMIN],
     summary="Workers' heartbeats: who is alive, stale, and what each holds",
 )
-async def workers(request: Request) -> WorkersReport:
-    require_admin(request)
-    return WorkersReport.model_validate(directory_of(request).report())
+async def workers(gw: Gateway) -> WorkersReport:
+    return WorkersReport.model_validate(gw.workers.report())

@@ -13,36 +13,20 @@ import contextlib
 import logging
 
 from gateway.control_store import ControlStore
-from gateway.errors import PaymentRequired, PublishError
+from gateway.exceptions import PublishError
 from gateway.intake import RunRequest
 from gateway.publisher import RunPublisher
-from gateway.store import AdmittedRun, NewRun, OverBudget, RunStore
+from gateway.store import AdmittedRun, NewRun, RunStore
 from koda import metrics
 from koda.errors import DatabaseError
 from koda.lifecycle.control import MERGE, ControlRecord
 from koda.lifecycle.ids import derived_idempotency_key, scoped_idempotency_key, uuid7
 from koda.lifecycle.ledger import Period
 from koda.naming import Names
-from schemas.ledger import money
 from schemas.records import RunRequested
 from topics.catalogue import RUN_CONTROL, partition_for_key
 
 log = logging.getLogger(__name__)
-
-
-def payment_required(exc: OverBudget) -> PaymentRequired:
-    """The 402 answer to a run a spent budget refused: the budget, the spend, the reset."""
-    over = exc.over
-    return PaymentRequired(
-        f"the {over.period.value}ly budget of {money(over.limit_usd)} USD is spent "
-        f"({money(over.spend_usd)} USD so far); it resets at {over.resets_at.isoformat()}",
-        {
-            "period": over.period.value,
-            "limit_usd": money(over.limit_usd) or "",
-            "spend_usd": money(over.spend_usd) or "",
-            "resets_at": over.resets_at.isoformat(),
-        },
-    )
 
 
 PUBLISH_WAIT_S = 2.0
@@ -133,7 +117,7 @@ class Admissions:
     ) -> AdmittedRun:
         """Persist the run for this key (or find the existing one) and publish a new one.
 
-        Raises NotFound when the session belongs to another user, PaymentRequired when
+        Raises SessionNotOwned when the session belongs to another user, OverBudget when
         the user has spent a budget, DatabaseError when Postgres fails. Nothing is
         written in any of these cases.
 
@@ -181,10 +165,7 @@ class Admissions:
             metadata=request.metadata,
             partition=partition_for_key(user_id.encode(), self.partitions),
         )
-        try:
-            run = await self.store.admit(new, budgets=self.budgets)
-        except OverBudget as exc:
-            raise payment_required(exc) from None
+        run = await self.store.admit(new, budgets=self.budgets)
         for period in run.soft_alerts:
             await self._soft_alert(user_id, period)
         if not run.created:

@@ -1,15 +1,12 @@
-"""The gateway's composition root: :func:`create_app` builds everything from Settings.
+"""The gateway's ASGI app: :func:`create_app` wires routes to built components.
 
-Nothing connects at import or in ``create_app``: the lifespan creates the engine
-and the producer, probes both (a failure is logged and shows on ``/readyz``; the
-gateway still starts so it can recover without a restart), starts the sweeper,
-and on shutdown drains deliveries, stops the producer and disposes the engine.
+The components (gateway/components.py) are built without connecting; the app's
+lifespan runs them (:meth:`~gateway.components.Components.serving`): connect, probe,
+serve, and on shutdown drain deliveries, stop the producer and dispose the engine.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -17,37 +14,21 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.admin import router as admin_router
-from gateway.admission import Admissions
-from gateway.auth import Authenticator
-from gateway.components import Components
+from gateway.components import Components, build_components
 from gateway.console import install_console
 from gateway.control import router as control_router
-from gateway.control_store import ControlStore
 from gateway.errors import install_error_handlers
 from gateway.memories import router as memories_router
-from gateway.publisher import RunPublisher
-from gateway.ratelimit import TokenBuckets
 from gateway.routes import router
 from gateway.schedules import router as schedules_router
-from gateway.sse import install_live_feed
 from gateway.sse import router as sse_router
-from gateway.store import RunStore
-from gateway.sweeper import Sweeper
 from gateway.usage import router as usage_router
-from gateway.workers import WorkerDirectory
 from koda import metrics
-from koda.db import async_engine
-from koda.errors import KodaError
 from koda.settings import Settings
 
 log = logging.getLogger(__name__)
-
-DRAIN_TIMEOUT_S = 5.0
-FLUSH_TIMEOUT_S = 3.0
-STARTUP_PROBE_TIMEOUT_S = 5.0
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -61,80 +42,21 @@ _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"
 def create_app(
     settings: Settings,
     *,
-    engine: AsyncEngine | None = None,
-    publisher: RunPublisher | None = None,
+    components: Components | None = None,
     run_sweeper: bool = True,
 ) -> FastAPI:
     """The gateway ASGI app for ``settings``.
 
-    ``engine`` and ``publisher`` may be given pre-built (tests); the app starts a
-    given publisher if needed but closes neither: their owner does. With
-    ``run_sweeper`` false no background sweep runs (call ``Sweeper.sweep_once``).
+    ``components`` default to ``build_components(settings)``; tests pass their own
+    (for example with a pre-built publisher). With ``run_sweeper`` false no
+    background sweep runs (call ``components.sweeper.sweep_once``).
     """
+    gw = components if components is not None else build_components(settings)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        own_engine = engine is None
-        own_publisher = publisher is None
-        db = engine if engine is not None else async_engine(settings)
-        pub = publisher if publisher is not None else RunPublisher(settings)
-        sweep_task: asyncio.Task[None] | None = None
-        feed = install_live_feed(app, settings)
-        directory = WorkerDirectory(settings)
-        admissions: Admissions | None = None
-        try:
-            await pub.start()
-            await feed.start()  # before serving: streams must not miss a record
-            store = RunStore(db)
-            await _probe(store, pub)
-            control = ControlStore(db)
-            admissions = Admissions(
-                store,
-                pub,
-                partitions=settings.partitions,
-                control=control,
-                merge_window_s=settings.merge_window_s,
-                names=settings.names,
-                budgets=settings.cost_ledger,
-            )
-            sweeper = Sweeper(
-                store, pub, after_s=settings.sweep_after_s, interval_s=settings.sweep_interval_s
-            )
-            app.state.components = Components(
-                settings=settings,
-                auth=Authenticator.from_settings(settings),
-                limiter=TokenBuckets(settings.rate_per_s, settings.rate_burst),
-                store=store,
-                publisher=pub,
-                admissions=admissions,
-                sweeper=sweeper,
-                control=control,
-            )
-            directory.start()  # the heartbeat table; never a readiness dependency
-            app.state.workers = directory
-            if run_sweeper:
-                sweep_task = asyncio.create_task(sweeper.run_forever(), name="gateway-sweeper")
-            log.info(
-                "event=gateway_started env=%s namespace=%s topic=%s",
-                settings.app_env.value,
-                settings.namespace or "-",
-                pub.topic,
-            )
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        async with gw.serving(sweep=run_sweeper):
             yield
-        finally:
-            await feed.stop()
-            await directory.stop()
-            if sweep_task is not None:
-                sweep_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sweep_task
-            if admissions is not None:
-                await admissions.drain(DRAIN_TIMEOUT_S)
-            if own_publisher:
-                await pub.stop(FLUSH_TIMEOUT_S)
-            if own_engine:
-                await db.dispose()
-            log.info("event=gateway_stopped")
 
     app = FastAPI(
         title="koda gateway",
@@ -142,6 +64,8 @@ def create_app(
         description="Submit long-running runs and read their output.",
         lifespan=lifespan,
     )
+    # Read by gateway.dependencies.get_components, the one place that looks for it.
+    app.state.components = gw
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(control_router)
@@ -153,17 +77,6 @@ def create_app(
     install_console(app)
     app.add_middleware(RequestMetrics)
     return app
-
-
-async def _probe(store: RunStore, publisher: RunPublisher) -> None:
-    for name, probe in (
-        ("postgres", store.ping()),
-        ("kafka", publisher.check(STARTUP_PROBE_TIMEOUT_S)),
-    ):
-        try:
-            await asyncio.wait_for(probe, STARTUP_PROBE_TIMEOUT_S + 1)
-        except (KodaError, TimeoutError) as exc:
-            log.warning("event=dependency_unavailable dependency=%s error=%s", name, exc)
 
 
 class RequestMetrics:

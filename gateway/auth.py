@@ -1,10 +1,12 @@
-"""Bearer tokens to user ids (docs/design.md §11).
+"""Bearer tokens to user ids (docs/design.md §11), and who may open ``/admin``.
 
 * ``dev``: a token ``dev:<user_id>`` authenticates as ``<user_id>``.
 * ``prod``: dev tokens are refused; a token must be one of ``settings.prod_tokens``
   (token -> user_id), compared in constant time.
+* ``/admin``: see :func:`check_admin`.
 
-Tokens never appear in logs or error messages.
+Tokens never appear in logs or error messages. The FastAPI dependencies that apply
+these checks to a request are in gateway/dependencies.py.
 """
 
 from __future__ import annotations
@@ -13,9 +15,18 @@ import hmac
 import re
 from collections.abc import Mapping
 
-from gateway.errors import Unauthorized
+from fastapi import Request
+from fastapi.security import HTTPBearer
+
+from gateway.errors import Forbidden, Unauthorized
 from koda.naming import AppEnv
 from koda.settings import Settings
+
+# The schemes as OpenAPI declares them; the checks themselves are below.
+BEARER = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
+ADMIN_BEARER = HTTPBearer(
+    auto_error=False, scheme_name="AdminToken", description="KODA_ADMIN_TOKEN (prod: required)"
+)
 
 DEV_PREFIX = "dev:"
 USER_ID = re.compile(r"[A-Za-z0-9._@-]{1,128}")
@@ -75,3 +86,41 @@ class Authenticator:
         if found is None:
             raise Unauthorized("invalid bearer token")
         return found
+
+
+def authenticate_request(
+    request: Request, auth: Authenticator, access_token: str | None = None
+) -> str:
+    """The user id of the request's bearer token; noted on the request for its log line.
+
+    ``access_token`` (the events endpoint's query parameter, for clients that cannot
+    set headers) counts only when there is no ``Authorization`` header.
+    """
+    authorization = request.headers.get("authorization")
+    if not authorization and access_token:
+        authorization = f"Bearer {access_token}"
+    user_id = auth.authenticate(authorization)
+    request.state.user_id = user_id
+    return user_id
+
+
+def check_admin(authorization: str | None, settings: Settings) -> None:
+    """Raise unless this ``Authorization`` header may open ``/admin``.
+
+    * ``KODA_ADMIN_TOKEN`` set: the header must be ``Bearer <that token>`` (compared in
+      constant time), in any environment.
+    * not set: open in ``dev``; in ``prod`` refused with 403 until a token is configured.
+
+    The admin token is not a user token: ``dev:<user>`` and ``KODA_API_TOKENS`` never
+    open ``/admin``.
+    """
+    token = settings.admin_token
+    if token is None:
+        if settings.app_env is AppEnv.PROD:
+            raise Forbidden("/admin is closed in prod until KODA_ADMIN_TOKEN is configured")
+        return
+    scheme, _, presented = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        presented.strip().encode(), token.encode()
+    ):
+        raise Unauthorized("/admin needs 'Authorization: Bearer <KODA_ADMIN_TOKEN>'")

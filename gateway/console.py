@@ -21,15 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from confluent_kafka import KafkaException
-from fastapi import APIRouter, FastAPI, Request, Security
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
-from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.admin import require_admin
-from gateway.components import components_of
+from gateway.dependencies import ADMIN, Gateway, User
 from gateway.errors import NotFound, Unavailable
 from koda.errors import DatabaseError
 from processors.offsets import GroupOffsetReader
@@ -39,10 +37,6 @@ STATIC = Path(__file__).with_name("console_static")
 MAX_RUN_ID_CHARS = 128
 
 router = APIRouter()
-_bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
-_admin_bearer = HTTPBearer(
-    auto_error=False, scheme_name="AdminToken", description="KODA_ADMIN_TOKEN (prod: required)"
-)
 
 _RUN = text(
     """
@@ -88,18 +82,14 @@ def _iso(value: Any) -> str | None:
 
 @router.get(
     "/v1/runs/{run_id}/timeline",
-    dependencies=[Security(_bearer)],
     summary="A run's lifecycle: timestamps, worker, partition, attempts, events and cost",
 )
-async def run_timeline(run_id: str, request: Request) -> JSONResponse:
-    gw = components_of(request)
-    user_id = gw.auth.authenticate(request.headers.get("authorization"))
-    request.state.user_id = user_id
+async def run_timeline(run_id: str, gw: Gateway, user_id: User) -> JSONResponse:
     missing = NotFound("run not found: check the run id and the token's user", field="run_id")
     if not run_id or len(run_id) > MAX_RUN_ID_CHARS or "\x00" in run_id:
         raise missing
     try:
-        async with gw.store.engine.connect() as conn:
+        async with gw.engine.connect() as conn:
             run = (await conn.execute(_RUN, {"run_id": run_id, "user_id": user_id})).first()
             if run is None:
                 raise missing
@@ -157,12 +147,11 @@ async def run_timeline(run_id: str, request: Request) -> JSONResponse:
 @router.get(
     "/admin/lag",
     tags=["admin"],
-    dependencies=[Security(_admin_bearer)],
+    dependencies=[ADMIN],
     summary="Per runs partition: end offset, the worker group's committed offset, and lag",
 )
-async def consumer_lag(request: Request) -> JSONResponse:
-    require_admin(request)
-    settings = components_of(request).settings
+async def consumer_lag(gw: Gateway) -> JSONResponse:
+    settings = gw.settings
     topic = settings.names.topic(RUNS)
     group = settings.names.group(settings.worker_group)
     reader = GroupOffsetReader(settings, "console-lag", topic, group)

@@ -15,15 +15,16 @@ import asyncio
 import logging
 from typing import Any
 
-from fastapi import APIRouter, Query, Request, Response, Security
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPBearer
 
-from gateway.components import Components, components_of
+from gateway.components import Components
 from gateway.control_store import CANCELLED, REQUESTED, CancelOutcome
-from gateway.errors import BadRequest, InvalidField, NotFound, PublishError
+from gateway.dependencies import Gateway, User
+from gateway.errors import BadRequest, InvalidField, NotFound
+from gateway.exceptions import PublishError
 from gateway.intake import SESSION_ID, check_content_type, decode_json, read_body
-from gateway.models import CancelRequest, ErrorBody, RunCancel, RunPage, RunSummary
+from gateway.models import CancelRequest, RunCancel, RunPage, RunSummary, error_responses
 from koda import metrics
 from koda.lifecycle.chunks import ChunkKind, chunk_key
 from koda.lifecycle.control import CANCEL, MAX_REASON_CHARS, ControlRecord
@@ -39,25 +40,20 @@ MAX_LIMIT = 100
 CANCEL_BODY_LIMIT = 4096
 
 router = APIRouter()
-_bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
+
+
+_DESCRIBED = {
+    400: "A bad query parameter or body (the field is named)",
+    401: "Missing or invalid bearer token",
+    404: "Unknown run or session (or another user's)",
+    415: "Body is not application/json",
+    422: "A field is missing or invalid",
+    503: "Postgres is unavailable; see Retry-After",
+}
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    described = {
-        400: "A bad query parameter or body (the field is named)",
-        401: "Missing or invalid bearer token",
-        404: "Unknown run or session (or another user's)",
-        415: "Body is not application/json",
-        422: "A field is missing or invalid",
-        503: "Postgres is unavailable; see Retry-After",
-    }
-    return {c: {"model": ErrorBody, "description": described[c]} for c in codes}
-
-
-def _user(request: Request, gw: Components) -> str:
-    user_id = gw.auth.authenticate(request.headers.get("authorization"))
-    request.state.user_id = user_id
-    return user_id
+    return error_responses({c: _DESCRIBED[c] for c in codes})
 
 
 def _not_found() -> NotFound:
@@ -97,7 +93,6 @@ async def _reason(request: Request) -> str | None:
         202: {"model": RunCancel, "description": "Running: the worker ends it cancelled"},
         **_errors(400, 401, 404, 415, 422, 503),
     },
-    dependencies=[Security(_bearer)],
     openapi_extra={
         "requestBody": {
             "required": False,
@@ -106,9 +101,7 @@ async def _reason(request: Request) -> str | None:
     },
     summary="Cancel a run (idempotent)",
 )
-async def cancel_run(run_id: str, request: Request) -> Response:
-    gw = components_of(request)
-    user_id = _user(request, gw)
+async def cancel_run(run_id: str, request: Request, gw: Gateway, user_id: User) -> Response:
     reason = await _reason(request)
     if len(run_id) > MAX_RUN_ID_CHARS:
         raise _not_found()
@@ -226,17 +219,15 @@ async def _page(
     "/v1/sessions/{session_id}/runs",
     response_model=RunPage,
     responses=_errors(400, 401, 404, 503),
-    dependencies=[Security(_bearer)],
     summary="A session's runs, newest first",
 )
 async def session_runs(
     session_id: str,
-    request: Request,
+    gw: Gateway,
+    user_id: User,
     limit: str | None = Query(None, description=f"1-{MAX_LIMIT}, default {DEFAULT_LIMIT}"),
     before: str | None = Query(None, description="next_before of the previous page"),
 ) -> RunPage:
-    gw = components_of(request)
-    user_id = _user(request, gw)
     if not SESSION_ID.fullmatch(session_id) or not await gw.control.session_owned(
         session_id, user_id
     ):
@@ -252,18 +243,16 @@ async def session_runs(
     "/v1/runs",
     response_model=RunPage,
     responses=_errors(400, 401, 503),
-    dependencies=[Security(_bearer)],
     summary="Your runs, newest first, optionally by status and session",
 )
 async def list_runs(
-    request: Request,
+    gw: Gateway,
+    user_id: User,
     status: str | None = Query(None, description="One of " + ", ".join(s.value for s in RunStatus)),
     session_id: str | None = Query(None, description="Only this session's runs"),
     limit: str | None = Query(None, description=f"1-{MAX_LIMIT}, default {DEFAULT_LIMIT}"),
     before: str | None = Query(None, description="next_before of the previous page"),
 ) -> RunPage:
-    gw = components_of(request)
-    user_id = _user(request, gw)
     wanted = None
     if status is not None:
         try:

@@ -1,4 +1,5 @@
-"""Errors the gateway answers with, and the one JSON shape they all take.
+"""Errors the gateway answers with, the one JSON shape they all take, and the mapping
+of domain errors (gateway/exceptions.py) to them.
 
     KodaError
     ├── GatewayError               an HTTP request is refused; carries status and code
@@ -13,8 +14,9 @@
     │   ├── PaymentRequired        402 over a budget; names the budget, spend and reset
     │   ├── RateLimited            429 over the per-user quota; carries Retry-After
     │   └── Unavailable            503 Postgres could not answer; carries Retry-After
-    └── PublishError               the broker did not acknowledge a record (the sweeper
-                                   publishes the run again later)
+    └── (domain errors)            see gateway/exceptions.py; :func:`http_error` maps
+                                   DatabaseError to 503, SessionNotOwned to 404 and
+                                   OverBudget to 402
 
 Every error body is ``{"error": {"code", "message", "field"}}``; ``field`` names
 the body field or header at fault, or is null. Errors raised by FastAPI itself
@@ -32,7 +34,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.exceptions import OverBudget, SessionNotOwned
 from koda.errors import DatabaseError, KodaError
+from schemas.ledger import money
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +141,38 @@ class Unavailable(GatewayError):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
 
-class PublishError(KodaError):
-    """The broker refused or did not acknowledge a record within its delivery timeout."""
+def payment_required(exc: OverBudget) -> PaymentRequired:
+    """The 402 answer to a run a spent budget refused: the budget, the spend, the reset."""
+    over = exc.over
+    return PaymentRequired(
+        f"the {over.period.value}ly budget of {money(over.limit_usd)} USD is spent "
+        f"({money(over.spend_usd)} USD so far); it resets at {over.resets_at.isoformat()}",
+        {
+            "period": over.period.value,
+            "limit_usd": money(over.limit_usd) or "",
+            "spend_usd": money(over.spend_usd) or "",
+            "resets_at": over.resets_at.isoformat(),
+        },
+    )
+
+
+DOMAIN_ERRORS: tuple[type[KodaError], ...] = (DatabaseError, SessionNotOwned, OverBudget)
+
+
+def http_error(exc: KodaError) -> GatewayError:
+    """The answer to ``exc``: a GatewayError as it is, a domain error as its HTTP refusal.
+
+    Raises TypeError for an error no answer is defined for (it stays a 500).
+    """
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, DatabaseError):
+        return Unavailable("the database is unavailable; retry shortly")
+    if isinstance(exc, SessionNotOwned):
+        return NotFound(str(exc), field="session_id")
+    if isinstance(exc, OverBudget):
+        return payment_required(exc)
+    raise TypeError(f"no HTTP answer is defined for {type(exc).__name__}")
 
 
 def error_body(code: str, message: str, field: str | None = None) -> dict[str, Any]:
@@ -175,14 +209,16 @@ async def _on_gateway_error(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc)
 
 
-async def _on_database_error(request: Request, exc: Exception) -> JSONResponse:
-    log.warning(
-        "event=database_unavailable method=%s path=%s error=%s",
-        request.method,
-        request.url.path,
-        exc,
-    )
-    return error_response(Unavailable("the database is unavailable; retry shortly"))
+async def _on_domain_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, DOMAIN_ERRORS)
+    if isinstance(exc, DatabaseError):
+        log.warning(
+            "event=database_unavailable method=%s path=%s error=%s",
+            request.method,
+            request.url.path,
+            exc,
+        )
+    return error_response(http_error(exc))
 
 
 async def _on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -220,7 +256,8 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     """Render every error, ours and FastAPI's, as ``{"error": {...}}``."""
     app.add_exception_handler(GatewayError, _on_gateway_error)
-    app.add_exception_handler(DatabaseError, _on_database_error)
+    for domain_error in DOMAIN_ERRORS:
+        app.add_exception_handler(domain_error, _on_domain_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected)

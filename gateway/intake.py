@@ -201,16 +201,23 @@ def json_type(value: Any) -> str:
     return "null"
 
 
-def parse_run_request(obj: Any) -> RunRequest:
-    """Validate a decoded body against ``{session_id?, input, metadata?, client_message_id?}``."""
+def json_object(obj: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    """``obj`` if it is a JSON object whose names are all in ``fields``; else InvalidField
+    naming the body or the first unknown field."""
     if not isinstance(obj, dict):
         raise InvalidField(f"the body must be a JSON object, got {json_type(obj)}", field="body")
     for name in obj:
-        if name not in FIELDS:
+        if name not in fields:
             raise InvalidField(
-                f"unknown field {name[:64]!r}: accepted fields are {', '.join(FIELDS)}",
+                f"unknown field {name[:64]!r}: accepted fields are {', '.join(fields)}",
                 field=name[:64],
             )
+    return obj
+
+
+def parse_run_request(obj: Any) -> RunRequest:
+    """Validate a decoded body against ``{session_id?, input, metadata?, client_message_id?}``."""
+    obj = json_object(obj, FIELDS)
     for name, value in obj.items():
         _check_value(value, name, 2)
 

@@ -81,6 +81,11 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+def error_responses(described: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for a route: each status answers an :class:`ErrorBody`."""
+    return {status: {"model": ErrorBody, "description": d} for status, d in described.items()}
+
+
 class Health(BaseModel):
     """``/livez`` and ``/readyz``: ``ok`` or ``unavailable``, with one entry per check."""
 

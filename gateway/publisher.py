@@ -23,7 +23,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from gateway.errors import PublishError
+from gateway.exceptions import PublishError
 from koda import metrics
 from koda.kafka import producer_config
 from koda.settings import Settings

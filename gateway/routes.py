@@ -15,11 +15,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response, Security
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPBearer
 from starlette.requests import ClientDisconnect
 
-from gateway.components import Components, components_of
-from gateway.errors import BadRequest, GatewayError, NotFound, RateLimited
+from gateway.auth import BEARER, authenticate_request
+from gateway.dependencies import Gateway, User
+from gateway.errors import BadRequest, GatewayError, NotFound, RateLimited, http_error
+from gateway.exceptions import Refused
 from gateway.intake import (
     check_content_type,
     check_idempotency_key,
@@ -27,8 +28,7 @@ from gateway.intake import (
     parse_run_request,
     read_body,
 )
-from gateway.models import ErrorBody, Health, RunAccepted, RunDetail, RunSubmission
-from gateway.workers import WorkerDirectory
+from gateway.models import Health, RunAccepted, RunDetail, RunSubmission, error_responses
 from koda import metrics
 from koda.errors import DatabaseError, KodaError
 
@@ -38,12 +38,9 @@ READY_TIMEOUT_S = 2.0
 MAX_RUN_ID_CHARS = 128
 
 router = APIRouter()
-# Declares the scheme in OpenAPI; the check itself is Authenticator's.
-_bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody, "description": description}
-    for status, description in {
+_ERRORS = error_responses(
+    {
         400: "Undecodable body or bad header",
         401: "Missing or invalid bearer token",
         402: "Over the user's budget: names the budget, the spend and when it resets",
@@ -53,14 +50,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         422: "A field is missing or invalid",
         429: "Over the per-user quota; see Retry-After",
         503: "Postgres is unavailable; see Retry-After",
-    }.items()
-}
-
-
-def _authenticate(request: Request, gw: Components) -> str:
-    user_id = gw.auth.authenticate(request.headers.get("authorization"))
-    request.state.user_id = user_id  # for the request log line
-    return user_id
+    }
+)
 
 
 def _events_url(run_id: str) -> str:
@@ -72,7 +63,8 @@ def _events_url(run_id: str) -> str:
     status_code=202,
     response_model=RunAccepted,
     responses=_ERRORS,
-    dependencies=[Security(_bearer)],
+    # Authenticated in the handler, so that a refused token is counted like every refusal.
+    dependencies=[Security(BEARER)],
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -92,11 +84,10 @@ def _events_url(run_id: str) -> str:
     },
     summary="Submit a run",
 )
-async def submit_run(request: Request) -> RunAccepted:
-    gw = components_of(request)
+async def submit_run(request: Request, gw: Gateway) -> RunAccepted:
     user_id: str | None = None
     try:
-        user_id = _authenticate(request, gw)
+        user_id = authenticate_request(request, gw.auth)
         decision = gw.limiter.take(user_id)
         if not decision.allowed:
             raise RateLimited(decision.retry_after_s)
@@ -119,13 +110,14 @@ async def submit_run(request: Request) -> RunAccepted:
     except DatabaseError:
         metrics.ADMISSIONS_REJECTED.labels(reason="unavailable").inc()
         raise
-    except GatewayError as exc:
-        metrics.ADMISSIONS_REJECTED.labels(reason=exc.code).inc()
+    except (GatewayError, Refused) as exc:
+        refusal = http_error(exc)
+        metrics.ADMISSIONS_REJECTED.labels(reason=refusal.code).inc()
         log.info(
             "event=admission_rejected user_id=%s reason=%s field=%s",
             user_id or "-",
-            exc.code,
-            exc.field or "-",
+            refusal.code,
+            refusal.field or "-",
         )
         raise
     return RunAccepted(
@@ -140,32 +132,16 @@ async def submit_run(request: Request) -> RunAccepted:
     "/v1/runs/{run_id}",
     response_model=RunDetail,
     responses={k: _ERRORS[k] for k in (401, 404, 503)},
-    dependencies=[Security(_bearer)],
     summary="Read a run and its output so far",
 )
-async def get_run(run_id: str, request: Request) -> RunDetail:
-    gw = components_of(request)
-    user_id = _authenticate(request, gw)
+async def get_run(run_id: str, gw: Gateway, user_id: User) -> RunDetail:
     view = None
     if len(run_id) <= MAX_RUN_ID_CHARS:
         view = await gw.store.get_run(run_id, user_id)
     if view is None:
         # Another user's run answers exactly like a run that does not exist.
         raise NotFound("run not found: check the run id and the token's user", field="run_id")
-    return RunDetail(
-        run_id=view.run_id,
-        status=view.status,
-        attempt=view.attempt,
-        session_id=view.session_id,
-        created_at=view.created_at,
-        started_at=view.started_at,
-        first_chunk_at=view.first_chunk_at,
-        finished_at=view.finished_at,
-        error=view.error,
-        output=view.output,
-        schedule_id=view.schedule_id,
-        scheduled_for=view.scheduled_for,
-    )
+    return RunDetail.model_validate(view, from_attributes=True)
 
 
 @router.get("/livez", response_model=Health, summary="The process is alive")
@@ -179,8 +155,7 @@ async def livez() -> Health:
     responses={503: {"model": Health, "description": "A hard dependency is unavailable"}},
     summary="Postgres answers and the producer reaches a broker that has the runs topic",
 )
-async def readyz(request: Request) -> Response:
-    gw = components_of(request)
+async def readyz(gw: Gateway) -> Response:
 
     async def check(name: str, probe: Any) -> tuple[str, str]:
         try:
@@ -203,10 +178,8 @@ async def readyz(request: Request) -> Response:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def prometheus_metrics(request: Request) -> Response:
-    directory = getattr(request.app.state, "workers", None)
-    if isinstance(directory, WorkerDirectory):
-        # koda_workers{state} as of this scrape: a worker whose beats stopped turns
-        # stale here even while the gateway's tail of the workers topic is down.
-        directory.report()
+async def prometheus_metrics(gw: Gateway) -> Response:
+    # koda_workers{state} as of this scrape: a worker whose beats stopped turns
+    # stale here even while the gateway's tail of the workers topic is down.
+    gw.workers.report()
     return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)

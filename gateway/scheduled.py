@@ -22,7 +22,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.errors import NotFound
+from gateway.exceptions import SessionNotOwned
 from gateway.publisher import Delivery, RunPublisher
 from gateway.store import AdmittedRun, NewRun, RunStore
 from koda.errors import DatabaseError
@@ -165,7 +165,7 @@ class ScheduleStore:
         return now
 
     async def create(self, values: dict[str, Any]) -> ScheduleRow:
-        """Insert a schedule; a fixed session must be the owner's (else NotFound)."""
+        """Insert a schedule; a fixed session must be the owner's (else SessionNotOwned)."""
         try:
             async with self.engine.begin() as conn:
                 if values.get("session_id") is not None:
@@ -180,9 +180,8 @@ class ScheduleStore:
                         )
                     ).scalar_one()
                     if owner != values["user_id"]:
-                        raise NotFound(
-                            "session not found: omit session_id for a new session per fire",
-                            field="session_id",
+                        raise SessionNotOwned(
+                            "session not found: omit session_id for a new session per fire"
                         )
                 row = (
                     await conn.execute(schedules.insert().values(**values).returning(*_SELECTED))

@@ -14,26 +14,25 @@ import asyncio
 import contextlib
 import re
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response, Security
-from fastapi.security import HTTPBearer
+from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from gateway.admission import payment_required
-from gateway.components import Components, components_of
+from gateway.components import Components
+from gateway.dependencies import Gateway, User
 from gateway.errors import InvalidField, NotFound
 from gateway.intake import (
     SESSION_ID,
     check_content_type,
     decode_json,
+    json_object,
     json_type,
     parse_run_request,
     read_body,
 )
-from gateway.models import ErrorBody
+from gateway.models import error_responses
 from gateway.scheduled import ScheduleRow, ScheduleStore, fire
-from gateway.store import OverBudget
 from koda.errors import KodaError
 from koda.lifecycle.ids import uuid7
 from koda.scheduling import (
@@ -46,8 +45,6 @@ from koda.scheduling import (
     ScheduleInvalid,
     minute_floor,
 )
-
-_bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
 
 DEFAULTS = Policy()
 MAX_DAILY_CAP = 100_000
@@ -68,9 +65,8 @@ FIELDS = (
 _HHMM = re.compile(r"([01][0-9]|2[0-3]):([0-5][0-9])")
 _QUIET_EXAMPLE = '{"start": "22:00", "end": "07:00"}'
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody, "description": description}
-    for status, description in {
+_ERRORS = error_responses(
+    {
         400: "Undecodable body",
         401: "Missing or invalid bearer token",
         404: "Unknown schedule or session (or another user's)",
@@ -79,8 +75,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         402: "run-now: the owner's budget is spent (names the budget, spend and reset)",
         422: "A field is missing or invalid",
         503: "Postgres is unavailable; see Retry-After",
-    }.items()
-}
+    }
+)
 
 
 class QuietHoursBody(BaseModel):
@@ -190,14 +186,7 @@ def parse_fields(obj: Any, *, creating: bool) -> dict[str, Any]:
 
     ``cron`` and ``timezone`` are returned as given (checked together by the caller,
     which knows the stored one of a partial update)."""
-    if not isinstance(obj, dict):
-        raise InvalidField(f"the body must be a JSON object, got {json_type(obj)}", field="body")
-    for name in obj:
-        if name not in FIELDS:
-            raise InvalidField(
-                f"unknown field {name[:64]!r}: accepted fields are {', '.join(FIELDS)}",
-                field=name[:64],
-            )
+    obj = json_object(obj, FIELDS)
     if creating:
         for name in ("cron", "timezone", "input"):
             if obj.get(name) is None:
@@ -268,34 +257,37 @@ async def _read_json(request: Request, gw: Components) -> Any:
     return decode_json(body)
 
 
-def _owner(request: Request) -> tuple[Components, ScheduleStore, str]:
-    gw = components_of(request)
-    user_id = gw.auth.authenticate(request.headers.get("authorization"))
-    request.state.user_id = user_id
-    return gw, ScheduleStore(gw.store.engine), user_id
-
-
 def _not_found() -> NotFound:
     return NotFound("schedule not found: check the id and the token's user", field="schedule_id")
 
 
-async def _owned(store: ScheduleStore, schedule_id: str, user_id: str) -> ScheduleRow:
+async def owned_schedule(schedule_id: str, gw: Gateway, user_id: User) -> ScheduleRow:
+    """The caller's schedule ``schedule_id``; 404 for an unknown one or another user's."""
     row = None
     if len(schedule_id) <= MAX_ID_CHARS and "\x00" not in schedule_id:
-        row = await store.get(schedule_id, user_id)
+        row = await gw.schedules.get(schedule_id, user_id)
     if row is None:
         raise _not_found()
     return row
 
 
-router = APIRouter(dependencies=[Security(_bearer)], responses=_ERRORS, tags=["schedules"])
+Owned = Annotated[ScheduleRow, Depends(owned_schedule)]
+
+
+async def _changed(gw: Components, row: ScheduleRow, changes: dict[str, Any]) -> ScheduleBody:
+    updated = await gw.schedules.update(row.id, row.user_id, changes)
+    if updated is None:  # deleted since it was read
+        raise _not_found()
+    return _body(updated)
+
+
+router = APIRouter(responses=_ERRORS, tags=["schedules"])
 
 
 @router.post(
     "/v1/schedules", status_code=201, response_model=ScheduleBody, summary="Create a schedule"
 )
-async def create_schedule(request: Request) -> ScheduleBody:
-    gw, store, user_id = _owner(request)
+async def create_schedule(request: Request, gw: Gateway, user_id: User) -> ScheduleBody:
     fields = parse_fields(await _read_json(request, gw), creating=True)
     spec = _spec(fields["cron"], fields["timezone"])
     values = {
@@ -311,23 +303,23 @@ async def create_schedule(request: Request) -> ScheduleBody:
         **fields,
         "cron": spec.expression,
         "timezone": spec.timezone,
-        "next_fire_at": await _next_fire(store, spec),
+        "next_fire_at": await _next_fire(gw.schedules, spec),
     }
-    return _body(await store.create(values))
+    return _body(await gw.schedules.create(values))
 
 
 @router.get("/v1/schedules", response_model=ScheduleList, summary="Your schedules")
 async def list_schedules(
-    request: Request, limit: int = Query(100, ge=1, le=1000, description="At most this many.")
+    gw: Gateway,
+    user_id: User,
+    limit: int = Query(100, ge=1, le=1000, description="At most this many."),
 ) -> ScheduleList:
-    _gw, store, user_id = _owner(request)
-    return ScheduleList(schedules=[_body(r) for r in await store.owned(user_id, limit)])
+    return ScheduleList(schedules=[_body(r) for r in await gw.schedules.owned(user_id, limit)])
 
 
 @router.get("/v1/schedules/{schedule_id}", response_model=ScheduleBody, summary="Read a schedule")
-async def get_schedule(schedule_id: str, request: Request) -> ScheduleBody:
-    _gw, store, user_id = _owner(request)
-    return _body(await _owned(store, schedule_id, user_id))
+async def get_schedule(row: Owned) -> ScheduleBody:
+    return _body(row)
 
 
 @router.patch(
@@ -335,26 +327,21 @@ async def get_schedule(schedule_id: str, request: Request) -> ScheduleBody:
     response_model=ScheduleBody,
     summary="Change a schedule (a new cron or zone recomputes the next fire from now)",
 )
-async def update_schedule(schedule_id: str, request: Request) -> ScheduleBody:
-    gw, store, user_id = _owner(request)
-    current = await _owned(store, schedule_id, user_id)
+async def update_schedule(current: Owned, request: Request, gw: Gateway) -> ScheduleBody:
     changes = parse_fields(await _read_json(request, gw), creating=False)
     if "cron" in changes or "timezone" in changes:
         spec = _spec(changes.get("cron", current.cron), changes.get("timezone", current.timezone))
         changes.update(
-            cron=spec.expression, timezone=spec.timezone, next_fire_at=await _next_fire(store, spec)
+            cron=spec.expression,
+            timezone=spec.timezone,
+            next_fire_at=await _next_fire(gw.schedules, spec),
         )
-    row = await store.update(schedule_id, user_id, changes)
-    if row is None:
-        raise _not_found()
-    return _body(row)
+    return await _changed(gw, current, changes)
 
 
 @router.delete("/v1/schedules/{schedule_id}", status_code=204, summary="Delete a schedule")
-async def delete_schedule(schedule_id: str, request: Request) -> Response:
-    _gw, store, user_id = _owner(request)
-    await _owned(store, schedule_id, user_id)
-    if not await store.delete(schedule_id, user_id):
+async def delete_schedule(row: Owned, gw: Gateway) -> Response:
+    if not await gw.schedules.delete(row.id, row.user_id):
         raise _not_found()
     return Response(status_code=204)
 
@@ -364,13 +351,8 @@ async def delete_schedule(schedule_id: str, request: Request) -> Response:
     response_model=ScheduleBody,
     summary="Pause: due minutes are skipped (reason paused) until resumed",
 )
-async def pause_schedule(schedule_id: str, request: Request) -> ScheduleBody:
-    _gw, store, user_id = _owner(request)
-    await _owned(store, schedule_id, user_id)
-    row = await store.update(schedule_id, user_id, {"enabled": False})
-    if row is None:
-        raise _not_found()
-    return _body(row)
+async def pause_schedule(row: Owned, gw: Gateway) -> ScheduleBody:
+    return await _changed(gw, row, {"enabled": False})
 
 
 @router.post(
@@ -378,16 +360,12 @@ async def pause_schedule(schedule_id: str, request: Request) -> ScheduleBody:
     response_model=ScheduleBody,
     summary="Resume from the next fire after now (paused minutes are not replayed)",
 )
-async def resume_schedule(schedule_id: str, request: Request) -> ScheduleBody:
-    _gw, store, user_id = _owner(request)
-    current = await _owned(store, schedule_id, user_id)
+async def resume_schedule(current: Owned, gw: Gateway) -> ScheduleBody:
     changes: dict[str, Any] = {"enabled": True}
     if not current.enabled:
-        changes["next_fire_at"] = await _next_fire(store, _spec(current.cron, current.timezone))
-    row = await store.update(schedule_id, user_id, changes)
-    if row is None:
-        raise _not_found()
-    return _body(row)
+        spec = _spec(current.cron, current.timezone)
+        changes["next_fire_at"] = await _next_fire(gw.schedules, spec)
+    return await _changed(gw, current, changes)
 
 
 @router.post(
@@ -396,22 +374,17 @@ async def resume_schedule(schedule_id: str, request: Request) -> ScheduleBody:
     response_model=ScheduledRun,
     summary="Fire once now, whatever the cron, quiet hours or pause (counts toward the cap)",
 )
-async def run_schedule_now(schedule_id: str, request: Request) -> ScheduledRun:
-    gw, store, user_id = _owner(request)
-    row = await _owned(store, schedule_id, user_id)
-    minute = minute_floor(await store.now())
-    try:
-        fired = await fire(
-            gw.store,
-            gw.publisher,
-            row,
-            minute,
-            partitions=gw.settings.partitions,
-            key=f"sched:{row.id}:now:{uuid7()}",
-            budgets=gw.settings.cost_ledger,
-        )
-    except OverBudget as exc:
-        raise payment_required(exc) from None
+async def run_schedule_now(row: Owned, gw: Gateway) -> ScheduledRun:
+    minute = minute_floor(await gw.schedules.now())
+    fired = await fire(
+        gw.store,
+        gw.publisher,
+        row,
+        minute,
+        partitions=gw.settings.partitions,
+        key=f"sched:{row.id}:now:{uuid7()}",
+        budgets=gw.settings.cost_ledger,
+    )
     if fired.delivery is not None:
         # As POST /v1/runs: wait briefly for the ack; a slow or failed publish is the
         # sweeper's to repeat, the run is durable already.

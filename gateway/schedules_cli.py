@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import typer
 
-from gateway.cli import DEFAULT_GATEWAY, _fail, _request
+from gateway.client import DEFAULT_GATEWAY, call, fail
 
 schedules_app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Create and manage scheduled runs."
@@ -39,7 +39,7 @@ def _line(s: dict[str, Any]) -> str:
 def list_command(user: str = USER, gateway: str = GATEWAY) -> None:
     """One line per schedule of USER."""
     with _client(user, gateway) as client:
-        for s in _request(client, "GET", "/v1/schedules")["schedules"]:
+        for s in call(client, "GET", "/v1/schedules")["schedules"]:
             typer.echo(_line(s))
 
 
@@ -62,7 +62,7 @@ def create_command(
     if quiet is not None:
         start, sep, end = quiet.partition("-")
         if not sep:
-            _fail(f"--quiet {quiet!r}: use HH:MM-HH:MM, e.g. 22:00-07:00")
+            fail(f"--quiet {quiet!r}: use HH:MM-HH:MM, e.g. 22:00-07:00")
         body["quiet_hours"] = {"start": start, "end": end}
     for name, value in (
         ("daily_cap", daily_cap),
@@ -75,21 +75,21 @@ def create_command(
     if paused:
         body["enabled"] = False
     with _client(user, gateway) as client:
-        typer.echo(_line(_request(client, "POST", "/v1/schedules", json=body)))
+        typer.echo(_line(call(client, "POST", "/v1/schedules", json=body)))
 
 
 @schedules_app.command("pause")
 def pause_command(schedule_id: str, user: str = USER, gateway: str = GATEWAY) -> None:
     """Pause: due minutes are skipped until resumed."""
     with _client(user, gateway) as client:
-        typer.echo(_line(_request(client, "POST", f"/v1/schedules/{schedule_id}/pause")))
+        typer.echo(_line(call(client, "POST", f"/v1/schedules/{schedule_id}/pause")))
 
 
 @schedules_app.command("resume")
 def resume_command(schedule_id: str, user: str = USER, gateway: str = GATEWAY) -> None:
     """Resume from the next fire after now."""
     with _client(user, gateway) as client:
-        typer.echo(_line(_request(client, "POST", f"/v1/schedules/{schedule_id}/resume")))
+        typer.echo(_line(call(client, "POST", f"/v1/schedules/{schedule_id}/resume")))
 
 
 @schedules_app.command("delete")
@@ -99,11 +99,11 @@ def delete_command(schedule_id: str, user: str = USER, gateway: str = GATEWAY) -
         try:
             response = client.delete(f"/v1/schedules/{schedule_id}")
         except httpx.HTTPError as exc:
-            _fail(f"cannot reach the gateway at {gateway}: {exc}")
+            fail(f"cannot reach the gateway at {gateway}: {exc}")
         if response.status_code != 204:
             try:
                 error = response.json()["error"]
-                _fail(f"HTTP {response.status_code} {error['code']}: {error['message']}")
+                fail(f"HTTP {response.status_code} {error['code']}: {error['message']}")
             except (ValueError, KeyError, TypeError):
-                _fail(f"HTTP {response.status_code}: {response.text[:200]}")
+                fail(f"HTTP {response.status_code}: {response.text[:200]}")
         typer.echo(json.dumps({"deleted": schedule_id}))

@@ -30,10 +30,10 @@ from collections.abc import MutableMapping
 from contextvars import ContextVar
 from typing import Any
 
-from fastapi import APIRouter, Query, Request, Response, Security
-from fastapi.security import HTTPBearer
+from fastapi import APIRouter, Query, Request, Response
 
-from gateway.components import Components, components_of
+from gateway.components import Components
+from gateway.dependencies import Gateway, StreamUser
 from gateway.errors import BadRequest, NotFound
 from gateway.eventstream import (
     MEDIA_TYPE,
@@ -43,14 +43,13 @@ from gateway.eventstream import (
     json_data,
     retry_frame,
 )
-from gateway.livefeed import LiveFeed, Viewer
+from gateway.livefeed import Viewer
 from gateway.models import ErrorBody
 from gateway.store import StoredEvent
 from koda import metrics
 from koda.errors import DatabaseError
 from koda.lifecycle.chunks import ChunkKind
 from koda.lifecycle.states import RunStatus
-from koda.settings import Settings
 from schemas.records import chunk_value
 
 log = logging.getLogger(__name__)
@@ -67,16 +66,8 @@ END_KIND = {
 _END_KINDS = frozenset(END_KIND.values())
 
 router = APIRouter()
-_bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
 
 Scope = MutableMapping[str, Any]
-
-
-def feed_of(request: Request) -> LiveFeed:
-    feed = getattr(request.app.state, "live_feed", None)
-    if not isinstance(feed, LiveFeed):
-        raise RuntimeError("the gateway is not started: its lifespan did not run")
-    return feed
 
 
 def resume_position(last_event_id: str | None, after: str | None) -> int:
@@ -106,15 +97,6 @@ def _seq_param(raw: str, name: str) -> int:
     return value
 
 
-def _authenticate(request: Request, gw: Components, access_token: str | None) -> str:
-    authorization = request.headers.get("authorization")
-    if not authorization and access_token:
-        authorization = f"Bearer {access_token}"
-    user_id = gw.auth.authenticate(authorization)
-    request.state.user_id = user_id
-    return user_id
-
-
 @router.get(
     "/v1/runs/{run_id}/events",
     response_class=Response,
@@ -130,7 +112,6 @@ def _authenticate(request: Request, gw: Components, access_token: str | None) ->
         404: {"model": ErrorBody, "description": "Unknown run (or another user's)"},
         503: {"model": ErrorBody, "description": "Postgres is unavailable; see Retry-After"},
     },
-    dependencies=[Security(_bearer)],
     openapi_extra={
         "parameters": [
             {
@@ -148,20 +129,17 @@ def _authenticate(request: Request, gw: Components, access_token: str | None) ->
 async def run_events(
     run_id: str,
     request: Request,
+    gw: Gateway,
+    user_id: StreamUser,
     after: str | None = Query(
         None, description="Resume after this seq (when there is no Last-Event-ID header)."
     ),
-    access_token: str | None = Query(
-        None, description="The bearer token, for clients that cannot set headers (EventSource)."
-    ),
 ) -> Response:
-    gw = components_of(request)
-    user_id = _authenticate(request, gw, access_token)
     position = resume_position(request.headers.get("last-event-id"), after)
     not_found = NotFound("run not found: check the run id and the token's user", field="run_id")
     if len(run_id) > MAX_RUN_ID_CHARS:
         raise not_found
-    feed = feed_of(request)
+    feed = gw.feed
     viewer = feed.subscribe(run_id, gw.settings.sse_queue_bytes)  # 1. before any read
     try:
         head = await gw.store.stream_head(run_id, user_id)
@@ -174,7 +152,7 @@ async def run_events(
     except BaseException:
         feed.unsubscribe(viewer)
         raise
-    return RunEventStream(gw=gw, feed=feed, viewer=viewer, after=position, user_id=user_id)
+    return RunEventStream(gw=gw, viewer=viewer, after=position, user_id=user_id)
 
 
 class _Stalled(Exception):
@@ -209,7 +187,6 @@ class RunEventStream(Response):
         self,
         *,
         gw: Components,
-        feed: LiveFeed,
         viewer: Viewer,
         after: int,
         user_id: str,
@@ -223,7 +200,7 @@ class RunEventStream(Response):
             }
         )
         self.gw, self.settings = gw, gw.settings
-        self.feed, self.viewer = feed, viewer
+        self.feed, self.viewer = gw.feed, viewer
         self.run_id = viewer.run_id
         self.user_id = user_id
         self.last = after
@@ -372,20 +349,3 @@ class RunEventStream(Response):
             self.user_id,
             self.last,
         )
-
-
-def install_live_feed(app: Any, settings: Settings) -> LiveFeed:
-    """Create the gateway's live feed and put it where :func:`feed_of` finds it."""
-    feed = LiveFeed(settings)
-    app.state.live_feed = feed
-    return feed
-
-
-def close_streams(app: Any) -> None:
-    """Cut every open stream (shutdown): clients reconnect, to another gateway if any.
-
-    Safe to call from a signal handler: the work is scheduled on the gateway's loop.
-    """
-    feed = getattr(app.state, "live_feed", None)
-    if isinstance(feed, LiveFeed):
-        feed.close_all_threadsafe("shutdown")

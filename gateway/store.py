@@ -20,9 +20,9 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.errors import NotFound
-from koda.errors import DatabaseError, KodaError
-from koda.lifecycle.ledger import Exceeded, Period, exceeded, soft_crossed
+from gateway.exceptions import OverBudget, SessionNotOwned
+from koda.errors import DatabaseError
+from koda.lifecycle.ledger import Period, exceeded, soft_crossed
 from koda.lifecycle.states import RunStatus
 from schemas import ledger
 from schemas.tables import runs, sessions
@@ -62,14 +62,6 @@ class AdmittedRun:
     merged: bool = False  # the request was merged into this (running) run
     # Budget periods past their soft threshold whose alert nobody has recorded yet.
     soft_alerts: tuple[Period, ...] = ()
-
-
-class OverBudget(KodaError):
-    """A new run refused: ``exceeded`` is the budget it would break. Nothing was written."""
-
-    def __init__(self, user_id: str, over: Exceeded) -> None:
-        super().__init__(f"user {user_id} is over the {over.period.value}ly budget")
-        self.over = over
 
 
 @dataclass(frozen=True)
@@ -226,7 +218,7 @@ class RunStore:
     async def admit(self, run: NewRun, *, budgets: bool = True) -> AdmittedRun:
         """Insert ``run`` unless its idempotency key exists; either way return the key's run.
 
-        Raises NotFound when ``run.session_id`` belongs to another user, and OverBudget
+        Raises SessionNotOwned when ``run.session_id`` belongs to another user, and OverBudget
         (nothing written) when the user has spent a budget and the key is new: a replay
         of an admitted run still answers with that run. ``budgets=False`` skips the read.
         """
@@ -314,9 +306,8 @@ class RunStore:
                         )
                     ).scalar_one()
                     if owner != run.user_id:
-                        raise NotFound(
-                            "session not found: omit session_id to start a new session",
-                            field="session_id",
+                        raise SessionNotOwned(
+                            "session not found: omit session_id to start a new session"
                         )
                 # The same statement reads the user's budgets and the current periods'
                 # spend (kept by the workers' ledger writes) and inserts only if none is

@@ -9,53 +9,65 @@ means midnight UTC). Bad parameters are 422 naming the parameter; nothing is wri
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from decimal import Decimal
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Request, Security
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPBearer
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from gateway.admin import require_admin
-from gateway.components import components_of
+from gateway.components import Components
+from gateway.dependencies import ADMIN, Gateway, User
 from gateway.errors import BadRequest, InvalidField, NotFound
 from gateway.intake import check_content_type
-from gateway.models import ErrorBody
+from gateway.models import error_responses
 from koda.errors import DatabaseError
 from koda.lifecycle.ledger import check_window, parse_time, parse_usd
 from schemas import ledger
 
 router = APIRouter(tags=["usage"])
-_bearer = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
-_admin_bearer = HTTPBearer(
-    auto_error=False, scheme_name="AdminToken", description="KODA_ADMIN_TOKEN (prod: required)"
-)
 USER_GROUPS = ("day", "model", "kind")
 BUDGET_FIELDS = ("monthly_usd", "daily_usd", "soft_ratio")
 MAX_USER_ID_CHARS = 128
 MAX_BUDGET_BODY = 4096
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorBody, "description": "Missing or wrong token"},
-    403: {"model": ErrorBody, "description": "prod without KODA_ADMIN_TOKEN (/admin)"},
-    422: {"model": ErrorBody, "description": "A parameter is missing or invalid"},
-    503: {"model": ErrorBody, "description": "Postgres is unavailable"},
-}
+_ERRORS = error_responses(
+    {
+        401: "Missing or wrong token",
+        403: "prod without KODA_ADMIN_TOKEN (/admin)",
+        422: "A parameter is missing or invalid",
+        503: "Postgres is unavailable",
+    }
+)
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 
-async def _db(request: Request, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
-    engine = components_of(request).store.engine
+async def _ledger(gw: Components, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
     try:
-        async with engine.begin() as conn:
+        async with gw.engine.begin() as conn:
             return await work(conn)
     except SQLAlchemyError as exc:
         raise DatabaseError(f"the ledger could not be read: {type(exc).__name__}") from exc
+
+
+def _parsed(
+    given: Mapping[str, Any], names: tuple[str, ...], parse: Callable[[Any, str], V]
+) -> dict[str, V | None]:
+    """Each of ``names`` parsed from ``given`` (None when absent); InvalidField names the
+    first that ``parse`` refuses."""
+    out: dict[str, V | None] = {}
+    for name in names:
+        raw = given.get(name)
+        try:
+            out[name] = None if raw is None else parse(raw, name)
+        except ValueError as exc:
+            raise InvalidField(str(exc), field=name) from None
+    return out
 
 
 def _params(
@@ -74,13 +86,7 @@ def _params(
         raise InvalidField(
             f"group_by must be one of {', '.join(groups)}, got {group_by!r}", field="group_by"
         )
-    bounds: dict[str, datetime | None] = {}
-    for name in ("from", "to"):
-        raw = q.get(name)
-        try:
-            bounds[name] = None if raw is None else parse_time(raw, name)
-        except ValueError as exc:
-            raise InvalidField(str(exc), field=name) from None
+    bounds = _parsed(q, ("from", "to"), parse_time)
     try:
         check_window(bounds["from"], bounds["to"])
     except ValueError as exc:
@@ -88,45 +94,44 @@ def _params(
     return group_by, bounds["from"], bounds["to"]
 
 
+async def _report(
+    request: Request, gw: Components, groups: tuple[str, ...], owner: str | None
+) -> JSONResponse:
+    """The usage report the query asks for: of ``owner`` alone (who may not name another
+    user), or, with ``owner`` None, of everyone or of the ``user_id`` parameter."""
+    group_by, since, until = _params(request, groups)
+    user_id = request.query_params.get("user_id")
+    if owner is not None:
+        if user_id is not None:
+            raise InvalidField(
+                "user_id is not a parameter here: the token names the user", field="user_id"
+            )
+        user_id = owner
+    elif user_id is not None and not 0 < len(user_id) <= MAX_USER_ID_CHARS:
+        raise InvalidField(f"user_id must be 1-{MAX_USER_ID_CHARS} chars", field="user_id")
+    report = await _ledger(
+        gw, lambda c: ledger.usage_report(c, group_by, user_id=user_id, since=since, until=until)
+    )
+    return JSONResponse(report)
+
+
 @router.get(
     "/v1/usage",
     responses=_ERRORS,
-    dependencies=[Security(_bearer)],
     summary="The caller's own usage and spend, grouped by day, model or kind",
 )
-async def my_usage(request: Request) -> JSONResponse:
-    gw = components_of(request)
-    user_id = gw.auth.authenticate(request.headers.get("authorization"))
-    request.state.user_id = user_id
-    group_by, since, until = _params(request, USER_GROUPS)
-    if "user_id" in request.query_params:
-        raise InvalidField(
-            "user_id is not a parameter here: the token names the user", field="user_id"
-        )
-    report = await _db(
-        request,
-        lambda c: ledger.usage_report(c, group_by, user_id=user_id, since=since, until=until),
-    )
-    return JSONResponse(report)
+async def my_usage(request: Request, gw: Gateway, user_id: User) -> JSONResponse:
+    return await _report(request, gw, USER_GROUPS, owner=user_id)
 
 
 @router.get(
     "/admin/usage",
     responses=_ERRORS,
-    dependencies=[Security(_admin_bearer)],
+    dependencies=[ADMIN],
     summary="Everyone's usage and spend, grouped by user, day, model or kind",
 )
-async def all_usage(request: Request) -> JSONResponse:
-    require_admin(request)
-    group_by, since, until = _params(request, ledger.GROUPS)
-    user_id = request.query_params.get("user_id")
-    if user_id is not None and not 0 < len(user_id) <= MAX_USER_ID_CHARS:
-        raise InvalidField(f"user_id must be 1-{MAX_USER_ID_CHARS} chars", field="user_id")
-    report = await _db(
-        request,
-        lambda c: ledger.usage_report(c, group_by, user_id=user_id, since=since, until=until),
-    )
-    return JSONResponse(report)
+async def all_usage(request: Request, gw: Gateway) -> JSONResponse:
+    return await _report(request, gw, ledger.GROUPS, owner=None)
 
 
 def _user(user_id: str) -> str:
@@ -154,13 +159,7 @@ async def _budget_body(request: Request) -> tuple[Decimal | None, Decimal | None
                 f"unknown field {str(name)[:64]!r}: accepted are {', '.join(BUDGET_FIELDS)}",
                 field=str(name)[:64],
             )
-    amounts: dict[str, Decimal | None] = {}
-    for name in ("monthly_usd", "daily_usd"):
-        raw = obj.get(name)
-        try:
-            amounts[name] = None if raw is None else parse_usd(raw, name)
-        except ValueError as exc:
-            raise InvalidField(str(exc), field=name) from None
+    amounts = _parsed(obj, ("monthly_usd", "daily_usd"), parse_usd)
     if amounts["monthly_usd"] is None and amounts["daily_usd"] is None:
         raise InvalidField(
             "give monthly_usd and/or daily_usd (DELETE removes a user's budgets)",
@@ -182,38 +181,35 @@ async def _budget_body(request: Request) -> tuple[Decimal | None, Decimal | None
 @router.put(
     "/admin/budgets/{user_id}",
     responses=_ERRORS,
-    dependencies=[Security(_admin_bearer)],
+    dependencies=[ADMIN],
     summary="Set a user's monthly and/or daily budget (USD, decimal strings)",
 )
-async def put_budget(user_id: str, request: Request) -> JSONResponse:
-    require_admin(request)
+async def put_budget(user_id: str, request: Request, gw: Gateway) -> JSONResponse:
     user = _user(user_id)
     monthly, daily, soft = await _budget_body(request)
-    budget = await _db(request, lambda c: ledger.set_budget(c, user, monthly, daily, soft))
+    budget = await _ledger(gw, lambda c: ledger.set_budget(c, user, monthly, daily, soft))
     return JSONResponse(budget.as_json())
 
 
 @router.get(
     "/admin/budgets",
     responses=_ERRORS,
-    dependencies=[Security(_admin_bearer)],
+    dependencies=[ADMIN],
     summary="Every user's budgets with this month's and today's spend",
 )
-async def get_budgets(request: Request) -> JSONResponse:
-    require_admin(request)
-    budgets = await _db(request, lambda c: ledger.list_budgets(c))
+async def get_budgets(gw: Gateway) -> JSONResponse:
+    budgets = await _ledger(gw, lambda c: ledger.list_budgets(c))
     return JSONResponse({"budgets": [b.as_json() for b in budgets]})
 
 
 @router.delete(
     "/admin/budgets/{user_id}",
-    responses={**_ERRORS, 404: {"model": ErrorBody, "description": "No budget for this user"}},
-    dependencies=[Security(_admin_bearer)],
+    responses={**_ERRORS, **error_responses({404: "No budget for this user"})},
+    dependencies=[ADMIN],
     summary="Remove a user's budgets (no cap any more)",
 )
-async def delete_budget(user_id: str, request: Request) -> JSONResponse:
-    require_admin(request)
+async def delete_budget(user_id: str, gw: Gateway) -> JSONResponse:
     user = _user(user_id)
-    if not await _db(request, lambda c: ledger.delete_budget(c, user)):
+    if not await _ledger(gw, lambda c: ledger.delete_budget(c, user)):
         raise NotFound(f"no budget is set for user {user!r}", field="user_id")
     return JSONResponse({"deleted": user})

@@ -428,7 +428,7 @@ def scheduler_command() -> None:
 @friendly
 def gateway_command() -> None:
     """Run the HTTP gateway in the foreground on KODA_GATEWAY_PORT."""
-    from gateway.cli import serve
+    from gateway.server import serve
     from koda.logs import configure_logging
 
     configure_logging()
@@ -451,7 +451,7 @@ def dev_command(
 
 
 def _add_optional_apps() -> None:
-    from gateway.cli import runs_app
+    from gateway.client import runs_app
     from gateway.memories_cli import memories_app
     from gateway.schedules_cli import schedules_app
     from koda.localstack.cli import services_app

@@ -1,9 +1,9 @@
 """The one Prometheus registry of koda, and every metric family in it (docs/design.md §8).
 
-Every process (gateway, workers) imports its metrics from here and exposes
+Every process (gateway, workers, scheduler) imports its metrics from here and exposes
 :data:`REGISTRY` on ``/metrics``; nothing else creates a metric. Creating the
-families does no I/O; :func:`start_metrics_server` is the only function that
-opens a socket.
+families does no I/O; :func:`start_metrics_server` (the scheduler's, on
+``KODA_SCHEDULER_PORT``) is the only function that opens a socket.
 
 Names follow Prometheus conventions: a ``koda_`` prefix, counters end in
 ``_total``, durations are histograms in seconds (``_seconds``). Label values are
@@ -392,8 +392,9 @@ def render() -> bytes:
 def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:  # noqa: S104
     """Serve :data:`REGISTRY` on ``http://host:port/metrics`` from a daemon thread.
 
-    For processes without an HTTP server of their own (workers). ``port`` 0 is
-    refused: pick a port, or skip the server.
+    For a process without an HTTP server of its own: the scheduler (the gateway and
+    the workers serve ``/metrics`` from theirs). ``port`` 0 is refused: pick a port,
+    or skip the server.
     """
     if port <= 0:
         raise ValueError(f"metrics port must be 1..65535, got {port}")

@@ -4,6 +4,14 @@ Nothing else in koda reads ``os.environ``: entrypoints call :meth:`Settings.from
 and pass the result down. In dev, the addresses of a running local stack come from
 its ``.koda/services.env`` (found by :mod:`koda.stackenv`) unless the environment
 names them; every setting's origin is kept for error messages.
+
+Each knob is declared once, as a field of :class:`Settings` (or :class:`KafkaSecurity`)
+made by :func:`koda.knobs.knob`: its environment variable, type (the annotation),
+default, unit, bounds or choices and a one-line meaning sit together.
+:func:`koda.knobs.load` is the one loop that reads them all, and README's settings
+table is rendered from the same fields (``python -m koda.settingsdoc``). Cross-field rules
+(a power-of-two partition count, the handoff ceiling below the rebalance timeout, prod's
+refusals) stay in ``__post_init__``.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import Any, Literal
 
 from koda import __version__, stackenv
 from koda.errors import ConfigError
+from koda.knobs import check_choices, knob, load
 from koda.naming import AppEnv, Names
 
 DEFAULT_DATABASE_URL = "postgresql://koda@127.0.0.1:5432/koda"
@@ -30,6 +39,16 @@ WorkerIdSource = Literal["configured", "pod", "generated"]
 _INSTANCE_ID = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _WORKER_ID_MAX = 200
 _process_worker_id: tuple[int, str] | None = None
+
+
+def _api_tokens(raw: str) -> dict[str, str]:
+    tokens: dict[str, str] = {}
+    for pair in filter(None, raw.split(",")):
+        token, sep, user = pair.partition(":")
+        if not sep or not token or not user:
+            raise ValueError("expected <token>:<user_id>")
+        tokens[token] = user
+    return tokens
 
 
 def generated_worker_id() -> str:
@@ -62,55 +81,29 @@ def _identity(env: Mapping[str, str]) -> tuple[str, WorkerIdSource]:
     return generated_worker_id(), "generated"
 
 
-def _int(env: Mapping[str, str], key: str, default: int, *, lo: int, hi: int) -> int:
-    raw = env.get(key)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{key}={raw!r} is not an integer") from None
-    if not lo <= value <= hi:
-        raise ConfigError(f"{key}={value} is out of range: use {lo}..{hi}")
-    return value
-
-
-def _float(env: Mapping[str, str], key: str, default: float, *, lo: float, hi: float) -> float:
-    raw = env.get(key)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{key}={raw!r} is not a number") from None
-    if not lo <= value <= hi:
-        raise ConfigError(f"{key}={value} is out of range: use {lo}..{hi}")
-    return value
-
-
-def _bool(env: Mapping[str, str], key: str, default: bool) -> bool:
-    raw = env.get(key)
-    if raw is None or raw == "":
-        return default
-    if raw.lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{key}={raw!r} is not a boolean: use true or false")
-
-
 @dataclass(frozen=True)
 class KafkaSecurity:
-    """Client security settings, mapped onto librdkafka and aiokafka configs.
+    """Client security settings, mapped onto librdkafka and aiokafka configs."""
 
-    ``protocol`` is PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL.
-    """
+    protocol: str = knob(
+        "PLAINTEXT",
+        "KODA_KAFKA_SECURITY_PROTOCOL",
+        "how every Kafka client connects",
+        choices=("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
+    )
+    sasl_mechanism: str | None = knob(
+        None, "KODA_KAFKA_SASL_MECHANISM", "the SASL mechanism (e.g. PLAIN, SCRAM-SHA-512)"
+    )
+    sasl_username: str | None = knob(None, "KODA_KAFKA_SASL_USERNAME", "the SASL user")
+    sasl_password: str | None = knob(
+        None, "KODA_KAFKA_SASL_PASSWORD", "the SASL password", secret=True
+    )
+    ssl_cafile: str | None = knob(
+        None, "KODA_KAFKA_SSL_CAFILE", "CA bundle that verifies the brokers (default: the system's)"
+    )
 
-    protocol: str = "PLAINTEXT"
-    sasl_mechanism: str | None = None
-    sasl_username: str | None = None
-    sasl_password: str | None = field(default=None, repr=False)
-    ssl_cafile: str | None = None
+    def __post_init__(self) -> None:
+        check_choices(self)
 
     def librdkafka(self) -> dict[str, Any]:
         conf: dict[str, Any] = {"security.protocol": self.protocol}
@@ -163,12 +156,17 @@ def _with_local_stack(
     return merged, origins
 
 
-_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
-_HANDLERS = ("demo", "openai")
 # Fault points a test can switch on with KODA_TEST_FAULT (see processors/faults.py);
 # prod refuses every one of them.
 TEST_FAULTS = ("kill-after-chunks-commit", "kill-after-finish-commit")
-_EMBEDDERS = ("wordllama", "openai")
+# Variables read outside the knob loop (the environment, the worker's identity, the
+# local stack's state dir), for the settings table: (variable, default, meaning).
+OTHER_VARIABLES = (
+    ("APP_ENV", "(required)", "`dev` or `prod`; in dev a found `.koda/services.env` implies dev"),
+    ("KODA_WORKER_ID", "(generated)", "this worker's id (`<host>-<pid>-<6 hex>` when unset)"),
+    ("KODA_POD_NAME", "", "the worker id when KODA_WORKER_ID is unset (Kubernetes)"),
+    ("KODA_STATE_DIR", "`.koda`", "the local stack's state dir, whose services.env dev reads"),
+)
 
 
 @dataclass(frozen=True)
@@ -176,88 +174,297 @@ class Settings:
     """Every knob koda has; units are in the field names (``_s`` seconds, ``_ms`` ms)."""
 
     app_env: AppEnv
-    kafka_bootstrap: str = DEFAULT_BOOTSTRAP
-    database_url: str = field(default=DEFAULT_DATABASE_URL, repr=False)
-    namespace: str | None = None
+    kafka_bootstrap: str = knob(
+        DEFAULT_BOOTSTRAP, "KODA_KAFKA_BOOTSTRAP", "Kafka bootstrap servers (host:port,...)"
+    )
+    database_url: str = knob(
+        DEFAULT_DATABASE_URL, "KODA_DATABASE_URL", "PostgreSQL URL", secret=True
+    )
+    namespace: str | None = knob(
+        None, "KODA_NAMESPACE", "isolates topics, groups and the Postgres schema"
+    )
     kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
     # topics
-    partitions: int = 32
-    replication_factor: int = 1
-    min_insync_replicas: int = 1
-    allow_topic_autocreate: bool = True
+    partitions: int = knob(
+        32, "KODA_PARTITIONS", "runs topic partitions (a power of two)", lo=1, hi=4096
+    )
+    replication_factor: int = knob(
+        1, "KODA_REPLICATION_FACTOR", "replicas of every topic", lo=1, hi=16
+    )
+    min_insync_replicas: int = knob(
+        1, "KODA_MIN_INSYNC_REPLICAS", "min.insync.replicas of every topic", lo=1, hi=16
+    )
     # gateway
-    gateway_host: str = "127.0.0.1"
-    gateway_port: int = 8080
-    body_limit_bytes: int = 64 * 1024
-    rate_per_s: float = 20.0
-    rate_burst: int = 40
-    sweep_after_s: float = 30.0
-    publish_timeout_s: float = 30.0
-    sweep_interval_s: float = 5.0
-    prod_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
+    gateway_host: str = knob("127.0.0.1", "KODA_GATEWAY_HOST", "the gateway's bind address")
+    gateway_port: int = knob(8080, "KODA_GATEWAY_PORT", "the gateway's port", lo=1, hi=65535)
+    body_limit_bytes: int = knob(
+        64 * 1024, "KODA_BODY_LIMIT", "largest request body", unit="bytes", lo=1024, hi=16 << 20
+    )
+    rate_per_s: float = knob(
+        20.0, "KODA_RATE_PER_S", "submissions per user per second", lo=0.01, hi=1e6
+    )
+    rate_burst: int = knob(40, "KODA_RATE_BURST", "a user's burst of submissions", lo=1, hi=1e6)
+    sweep_after_s: float = knob(
+        30.0,
+        "KODA_SWEEP_AFTER",
+        "a pending run older than this is published again",
+        unit="s",
+        lo=0.1,
+        hi=86400,
+    )
+    publish_timeout_s: float = knob(
+        30.0, "KODA_PUBLISH_TIMEOUT", "how long a produce may take", unit="s", lo=1, hi=600
+    )
+    sweep_interval_s: float = knob(
+        5.0, "KODA_SWEEP_INTERVAL", "how often the sweeper looks", unit="s", lo=0.1, hi=3600
+    )
+    prod_tokens: Mapping[str, str] = knob(
+        env="KODA_API_TOKENS",
+        doc="prod bearer tokens: `token:user,...`",
+        factory=dict,
+        secret=True,
+        parse=_api_tokens,
+        shape="a comma-separated list of token:user_id",
+    )
     # server-sent events and the live feed (gateway)
-    sse_keepalive_s: float = 15.0
-    # A second message into a session whose latest run is running or streaming and
-    # younger than this is merged into that run (README "Steering a run").
-    merge_window_s: float = 30.0
-    sse_retry_ms: int = 2000
-    sse_queue_bytes: int = 256 * 1024
-    sse_write_timeout_s: float = 10.0
-    feed_discovery_interval_s: float = 30.0
+    sse_keepalive_s: float = knob(
+        15.0,
+        "KODA_SSE_KEEPALIVE",
+        "a keep-alive comment after this much silence",
+        unit="s",
+        lo=0.05,
+        hi=3600,
+    )
+    merge_window_s: float = knob(
+        30.0,
+        "KODA_MERGE_WINDOW_S",
+        "a message into a session whose running run is younger than this merges into it",
+        unit="s",
+        lo=0,
+        hi=3600,
+    )
+    sse_retry_ms: int = knob(
+        2000, "KODA_SSE_RETRY_MS", "the `retry:` a stream starts with", unit="ms", lo=0, hi=600_000
+    )
+    sse_queue_bytes: int = knob(
+        256 * 1024,
+        "KODA_SSE_QUEUE_BYTES",
+        "a viewer's queue; beyond it the viewer is cut",
+        unit="bytes",
+        lo=1024,
+        hi=1 << 30,
+    )
+    sse_write_timeout_s: float = knob(
+        10.0,
+        "KODA_SSE_WRITE_TIMEOUT",
+        "a write to a viewer slower than this cuts it",
+        unit="s",
+        lo=0.05,
+        hi=3600,
+    )
+    feed_discovery_interval_s: float = knob(
+        30.0,
+        "KODA_FEED_DISCOVERY_INTERVAL",
+        "how often the live feed looks for new partitions",
+        unit="s",
+        lo=0.1,
+        hi=3600,
+    )
     # compaction of the chunk topic
-    compact_after_s: float = 24 * 3600.0
-    # worker
+    compact_after_s: float = knob(
+        24 * 3600.0,
+        "KODA_COMPACT_AFTER",
+        "runs finished this long ago are compacted",
+        unit="s",
+        lo=0,
+        hi=365 * 86400,
+    )
+    # worker (the id and its source are read by _identity, not by the knob loop)
     worker_id: str = field(default_factory=generated_worker_id)
     worker_id_source: WorkerIdSource = "generated"
-    worker_group: str = "workers"
-    static_membership: bool = False
-    worker_port: int = 0
-    max_inflight: int = 8
-    chain_high_water: int = 64
-    handoff_ceiling_s: float = 20.0
-    session_timeout_s: float = 10.0
-    heartbeat_interval_s: float = 3.0
-    rebalance_timeout_s: float = 60.0
-    max_attempts: int = 3
-    retry_base_s: float = 0.5
-    chunk_batch_size: int = 32
-    chunk_batch_ms: int = 20
-    handler: str = "demo"
-    openai_base_url: str = "https://api.openai.com"
-    openai_api_key: str | None = field(default=None, repr=False)
-    openai_model: str = "gpt-4o-mini"
-    metrics_port: int = 0
+    worker_group: str = knob("workers", "KODA_WORKER_GROUP", "the workers' consumer group")
+    static_membership: bool = knob(
+        False, "KODA_STATIC_MEMBERSHIP", "join with group.instance.id = the worker id"
+    )
+    worker_port: int = knob(
+        0, "KODA_WORKER_PORT", "the worker's health and /metrics port (0: none)", lo=0, hi=65535
+    )
+    max_inflight: int = knob(
+        8, "KODA_MAX_INFLIGHT", "runs a worker executes at once", lo=1, hi=1024
+    )
+    chain_high_water: int = knob(
+        64,
+        "KODA_CHAIN_HIGH_WATER",
+        "a partition's backlog that pauses its fetching",
+        lo=2,
+        hi=100_000,
+    )
+    handoff_ceiling_s: float = knob(
+        20.0,
+        "KODA_HANDOFF_CEILING",
+        "how long a revoked partition's runs may finish",
+        unit="s",
+        lo=0.1,
+        hi=600,
+    )
+    session_timeout_s: float = knob(
+        10.0, "KODA_SESSION_TIMEOUT", "the consumer's session.timeout", unit="s", lo=1, hi=300
+    )
+    heartbeat_interval_s: float = knob(
+        3.0, "KODA_KAFKA_HEARTBEAT", "the consumer's heartbeat interval", unit="s", lo=0.1, hi=60
+    )
+    rebalance_timeout_s: float = knob(
+        60.0,
+        "KODA_REBALANCE_TIMEOUT",
+        "the consumer's rebalance timeout",
+        unit="s",
+        lo=1,
+        hi=3600,
+    )
+    max_attempts: int = knob(3, "KODA_MAX_ATTEMPTS", "handler attempts per run", lo=1, hi=10)
+    retry_base_s: float = knob(
+        0.5,
+        "KODA_RETRY_BASE",
+        "the first retry's backoff (doubling, jittered)",
+        unit="s",
+        lo=0.0,
+        hi=60,
+    )
+    chunk_batch_size: int = knob(
+        32, "KODA_CHUNK_BATCH", "chunks written in one batch at most", lo=1, hi=10_000
+    )
+    chunk_batch_ms: int = knob(
+        20,
+        "KODA_CHUNK_BATCH_MS",
+        "how long a chunk waits for its batch",
+        unit="ms",
+        lo=0,
+        hi=10_000,
+    )
+    handler: str = knob(
+        "demo",
+        "KODA_HANDLER",
+        "the job: `demo`, `openai` or a name in the `koda.handlers` entry point group",
+    )
+    openai_base_url: str = knob(
+        "https://api.openai.com", "KODA_OPENAI_BASE_URL", "an OpenAI-compatible API"
+    )
+    openai_api_key: str | None = knob(
+        None, "KODA_OPENAI_API_KEY", "the `openai` handler's API key", secret=True
+    )
+    openai_model: str = knob("gpt-4o-mini", "KODA_OPENAI_MODEL", "the `openai` handler's model")
     # operations: heartbeats, health endpoints, admin (docs/design.md §8)
-    version: str = __version__
-    worker_host: str = "127.0.0.1"
-    beat_interval_s: float = 5.0
-    beat_stale_after_s: float = 15.0
-    beat_forget_after_s: float = 3600.0
-    expected_workers: int = 1
-    admin_token: str | None = field(default=None, repr=False)
-    loop_stall_s: float = 10.0
-    lag_interval_s: float = 10.0
+    version: str = knob(__version__, "KODA_VERSION", "the version workers report in heartbeats")
+    worker_host: str = knob(
+        "127.0.0.1", "KODA_WORKER_HOST", "the worker's and scheduler's bind address"
+    )
+    beat_interval_s: float = knob(
+        5.0, "KODA_BEAT_INTERVAL", "a worker's heartbeat interval", unit="s", lo=0.05, hi=300
+    )
+    beat_stale_after_s: float = knob(
+        15.0,
+        "KODA_BEAT_STALE_AFTER",
+        "a worker without a beat this long is stale",
+        unit="s",
+        lo=0.1,
+        hi=3600,
+    )
+    beat_forget_after_s: float = knob(
+        3600.0,
+        "KODA_BEAT_FORGET_AFTER",
+        "a silent worker is forgotten after this",
+        unit="s",
+        lo=0,
+        hi=30 * 86400,
+    )
+    expected_workers: int = knob(
+        1, "KODA_EXPECTED_WORKERS", "fewer alive workers is `degraded`", lo=0, hi=10_000
+    )
+    admin_token: str | None = knob(
+        None, "KODA_ADMIN_TOKEN", "the bearer token `/admin` needs (unset: open)", secret=True
+    )
+    loop_stall_s: float = knob(
+        10.0,
+        "KODA_LOOP_STALL",
+        "an event loop blocked this long fails /livez",
+        unit="s",
+        lo=0.1,
+        hi=600,
+    )
+    lag_interval_s: float = knob(
+        10.0,
+        "KODA_LAG_INTERVAL",
+        "how often workers sample consumer lag",
+        unit="s",
+        lo=0.1,
+        hi=3600,
+    )
     # where KODA_KAFKA_BOOTSTRAP, KODA_DATABASE_URL (and a defaulted APP_ENV) came from
     origins: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
     # compaction's completeness pass: finished runs not known to be whole on the topic
-    repair_after_s: float = 30.0
+    repair_after_s: float = knob(
+        30.0,
+        "KODA_REPAIR_AFTER",
+        "runs finished this long ago get the completeness pass",
+        unit="s",
+        lo=0,
+        hi=7 * 86400,
+    )
     # a fault point only tests switch on (one of TEST_FAULTS), None in normal operation
-    test_fault: str | None = None
+    test_fault: str | None = knob(
+        None, "KODA_TEST_FAULT", "a fault point for tests; refused in prod", choices=TEST_FAULTS
+    )
     # koda scheduler
-    scheduler_port: int = 0
-    scheduler_poll_s: float = 5.0
-    scheduler_batch: int = 500
+    scheduler_port: int = knob(
+        0, "KODA_SCHEDULER_PORT", "the scheduler's /metrics port (0: none)", lo=0, hi=65535
+    )
+    scheduler_poll_s: float = knob(
+        5.0,
+        "KODA_SCHEDULER_POLL",
+        "how often a scheduler looks for due schedules",
+        unit="s",
+        lo=0.05,
+        hi=60,
+    )
+    scheduler_batch: int = knob(
+        500, "KODA_SCHEDULER_BATCH", "due schedules fired per batch", lo=1, hi=100_000
+    )
     # The cost ledger and budgets. Off only to measure their cost (benchmarks): no ledger
     # rows, no budget checks, as before the ledger existed.
-    cost_ledger: bool = True
+    cost_ledger: bool = knob(
+        True, "KODA_COST_LEDGER", "ledger rows and budget checks (off only for benchmarks)"
+    )
     # Long-term memory and tools (processors/memory/, processors/handlers/tools.py).
-    memory_enabled: bool = True
-    embedder: str = "wordllama"
-    embeddings_model: str = "text-embedding-3-small"
-    memory_auto_inject: int = 0
-    max_tool_turns: int = 8
+    memory_enabled: bool = knob(True, "KODA_MEMORY", "remember and offer `memory_search`")
+    embedder: str = knob(
+        "wordllama",
+        "KODA_EMBEDDER",
+        "`wordllama` (offline, in the wheel) or `openai` (`/v1/embeddings` of "
+        "KODA_OPENAI_BASE_URL)",
+        choices=("wordllama", "openai"),
+    )
+    embeddings_model: str = knob(
+        "text-embedding-3-small",
+        "KODA_EMBEDDINGS_MODEL",
+        "the `openai` embedder's model (asked for 256 dimensions)",
+    )
+    memory_auto_inject: int = knob(
+        0,
+        "KODA_MEMORY_AUTO_INJECT",
+        "0, or 3 to 5: that many relevant memories in the prompt",
+        lo=0,
+        hi=5,
+    )
+    max_tool_turns: int = knob(
+        8,
+        "KODA_MAX_TOOL_TURNS",
+        "model completions per run; reaching it ends the run `failed`",
+        lo=1,
+        hi=100,
+    )
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.partitions & (self.partitions - 1):
             raise ConfigError(f"KODA_PARTITIONS={self.partitions} must be a power of two")
         if self.handoff_ceiling_s >= self.rebalance_timeout_s:
@@ -266,30 +473,17 @@ class Settings:
                 f"KODA_REBALANCE_TIMEOUT={self.rebalance_timeout_s}s, or a draining worker "
                 "is evicted from the group before its runs finish"
             )
-        if self.kafka_security.protocol not in _PROTOCOLS:
-            raise ConfigError(
-                f"KODA_KAFKA_SECURITY_PROTOCOL={self.kafka_security.protocol!r}: "
-                f"use one of {', '.join(_PROTOCOLS)}"
-            )
         if self.beat_stale_after_s <= self.beat_interval_s:
             raise ConfigError(
                 f"KODA_BEAT_STALE_AFTER={self.beat_stale_after_s}s must be above "
                 f"KODA_BEAT_INTERVAL={self.beat_interval_s}s (three beats is the usual choice)"
             )
-        if self.embedder not in _EMBEDDERS:
-            raise ConfigError(
-                f"KODA_EMBEDDER={self.embedder!r}: use one of {', '.join(_EMBEDDERS)}"
-            )
         if self.memory_auto_inject and not 3 <= self.memory_auto_inject <= 5:
             raise ConfigError(
                 f"KODA_MEMORY_AUTO_INJECT={self.memory_auto_inject}: 0 (off) or 3 to 5 memories"
             )
-        if self.handler not in _HANDLERS:
-            raise ConfigError(f"KODA_HANDLER={self.handler!r}: use one of {', '.join(_HANDLERS)}")
-        if self.test_fault is not None and self.test_fault not in TEST_FAULTS:
-            raise ConfigError(
-                f"KODA_TEST_FAULT={self.test_fault!r}: use one of {', '.join(TEST_FAULTS)}"
-            )
+        if not self.handler:
+            raise ConfigError("KODA_HANDLER is empty: name a handler (demo, openai or a plugin)")
         if self.app_env is AppEnv.PROD:
             if self.test_fault is not None:
                 raise ConfigError(
@@ -300,11 +494,6 @@ class Settings:
                 raise ConfigError(
                     "KODA_HANDLER=demo is refused in prod: configure a real handler "
                     "(KODA_HANDLER=openai)"
-                )
-            if self.allow_topic_autocreate:
-                raise ConfigError(
-                    "topic auto-creation is refused in prod: set KODA_TOPIC_AUTOCREATE=false "
-                    "and create topics with `koda topics apply --confirm-prod`"
                 )
 
     def group_instance_id(self) -> str | None:
@@ -365,91 +554,12 @@ class Settings:
         else:
             origins = _origins(env, None, searched=False)
         app_env = AppEnv.parse(env.get("APP_ENV"))
-        prod = app_env is AppEnv.PROD
-        security = KafkaSecurity(
-            protocol=env.get("KODA_KAFKA_SECURITY_PROTOCOL", "PLAINTEXT"),
-            sasl_mechanism=env.get("KODA_KAFKA_SASL_MECHANISM") or None,
-            sasl_username=env.get("KODA_KAFKA_SASL_USERNAME") or None,
-            sasl_password=env.get("KODA_KAFKA_SASL_PASSWORD") or None,
-            ssl_cafile=env.get("KODA_KAFKA_SSL_CAFILE") or None,
-        )
-        tokens: dict[str, str] = {}
-        for pair in filter(None, env.get("KODA_API_TOKENS", "").split(",")):
-            token, sep, user = pair.partition(":")
-            if not sep or not token or not user:
-                raise ConfigError(
-                    "KODA_API_TOKENS must be a comma-separated list of <token>:<user_id>"
-                )
-            tokens[token] = user
-        ceiling = _float(env, "KODA_HANDOFF_CEILING", 20.0, lo=0.1, hi=600)
         worker_id, worker_id_source = _identity(env)
         return cls(
             app_env=app_env,
-            kafka_bootstrap=env.get("KODA_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
-            database_url=env.get("KODA_DATABASE_URL", DEFAULT_DATABASE_URL),
-            namespace=env.get("KODA_NAMESPACE") or None,
-            kafka_security=security,
-            partitions=_int(env, "KODA_PARTITIONS", 32, lo=1, hi=4096),
-            replication_factor=_int(env, "KODA_REPLICATION_FACTOR", 1, lo=1, hi=16),
-            min_insync_replicas=_int(env, "KODA_MIN_INSYNC_REPLICAS", 1, lo=1, hi=16),
-            allow_topic_autocreate=_bool(env, "KODA_TOPIC_AUTOCREATE", not prod),
-            gateway_host=env.get("KODA_GATEWAY_HOST", "127.0.0.1"),
-            gateway_port=_int(env, "KODA_GATEWAY_PORT", 8080, lo=1, hi=65535),
-            body_limit_bytes=_int(env, "KODA_BODY_LIMIT", 64 * 1024, lo=1024, hi=16 << 20),
-            rate_per_s=_float(env, "KODA_RATE_PER_S", 20.0, lo=0.01, hi=1e6),
-            rate_burst=_int(env, "KODA_RATE_BURST", 40, lo=1, hi=1_000_000),
-            sweep_after_s=_float(env, "KODA_SWEEP_AFTER", 30.0, lo=0.1, hi=86400),
-            sweep_interval_s=_float(env, "KODA_SWEEP_INTERVAL", 5.0, lo=0.1, hi=3600),
-            publish_timeout_s=_float(env, "KODA_PUBLISH_TIMEOUT", 30.0, lo=1, hi=600),
-            prod_tokens=tokens,
-            sse_keepalive_s=_float(env, "KODA_SSE_KEEPALIVE", 15.0, lo=0.05, hi=3600),
-            merge_window_s=_float(env, "KODA_MERGE_WINDOW_S", 30.0, lo=0, hi=3600),
-            sse_retry_ms=_int(env, "KODA_SSE_RETRY_MS", 2000, lo=0, hi=600_000),
-            sse_queue_bytes=_int(env, "KODA_SSE_QUEUE_BYTES", 256 * 1024, lo=1024, hi=1 << 30),
-            sse_write_timeout_s=_float(env, "KODA_SSE_WRITE_TIMEOUT", 10.0, lo=0.05, hi=3600),
-            feed_discovery_interval_s=_float(
-                env, "KODA_FEED_DISCOVERY_INTERVAL", 30.0, lo=0.1, hi=3600
-            ),
-            compact_after_s=_float(env, "KODA_COMPACT_AFTER", 24 * 3600.0, lo=0, hi=365 * 86400),
+            kafka_security=KafkaSecurity(**load(KafkaSecurity, env)),
             worker_id=worker_id,
             worker_id_source=worker_id_source,
-            worker_group=env.get("KODA_WORKER_GROUP") or "workers",
-            static_membership=_bool(env, "KODA_STATIC_MEMBERSHIP", False),
-            worker_port=_int(env, "KODA_WORKER_PORT", 0, lo=0, hi=65535),
-            max_inflight=_int(env, "KODA_MAX_INFLIGHT", 8, lo=1, hi=1024),
-            chain_high_water=_int(env, "KODA_CHAIN_HIGH_WATER", 64, lo=2, hi=100_000),
-            handoff_ceiling_s=ceiling,
-            session_timeout_s=_float(env, "KODA_SESSION_TIMEOUT", 10.0, lo=1, hi=300),
-            heartbeat_interval_s=_float(env, "KODA_KAFKA_HEARTBEAT", 3.0, lo=0.1, hi=60),
-            rebalance_timeout_s=_float(env, "KODA_REBALANCE_TIMEOUT", 60.0, lo=1, hi=3600),
-            max_attempts=_int(env, "KODA_MAX_ATTEMPTS", 3, lo=1, hi=10),
-            retry_base_s=_float(env, "KODA_RETRY_BASE", 0.5, lo=0.0, hi=60),
-            chunk_batch_size=_int(env, "KODA_CHUNK_BATCH", 32, lo=1, hi=10_000),
-            chunk_batch_ms=_int(env, "KODA_CHUNK_BATCH_MS", 20, lo=0, hi=10_000),
-            handler=env.get("KODA_HANDLER", "demo"),
-            openai_base_url=env.get("KODA_OPENAI_BASE_URL", "https://api.openai.com"),
-            openai_api_key=env.get("KODA_OPENAI_API_KEY") or None,
-            openai_model=env.get("KODA_OPENAI_MODEL", "gpt-4o-mini"),
-            metrics_port=_int(env, "KODA_METRICS_PORT", 0, lo=0, hi=65535),
-            version=env.get("KODA_VERSION") or __version__,
-            worker_host=env.get("KODA_WORKER_HOST", "127.0.0.1"),
-            beat_interval_s=_float(env, "KODA_BEAT_INTERVAL", 5.0, lo=0.05, hi=300),
-            beat_stale_after_s=_float(env, "KODA_BEAT_STALE_AFTER", 15.0, lo=0.1, hi=3600),
-            beat_forget_after_s=_float(env, "KODA_BEAT_FORGET_AFTER", 3600.0, lo=0, hi=30 * 86400),
-            expected_workers=_int(env, "KODA_EXPECTED_WORKERS", 1, lo=0, hi=10_000),
-            admin_token=env.get("KODA_ADMIN_TOKEN") or None,
-            loop_stall_s=_float(env, "KODA_LOOP_STALL", 10.0, lo=0.1, hi=600),
-            lag_interval_s=_float(env, "KODA_LAG_INTERVAL", 10.0, lo=0.1, hi=3600),
             origins=origins,
-            repair_after_s=_float(env, "KODA_REPAIR_AFTER", 30.0, lo=0, hi=7 * 86400),
-            test_fault=env.get("KODA_TEST_FAULT") or None,
-            scheduler_port=_int(env, "KODA_SCHEDULER_PORT", 0, lo=0, hi=65535),
-            scheduler_poll_s=_float(env, "KODA_SCHEDULER_POLL", 5.0, lo=0.05, hi=60),
-            scheduler_batch=_int(env, "KODA_SCHEDULER_BATCH", 500, lo=1, hi=100_000),
-            cost_ledger=_bool(env, "KODA_COST_LEDGER", True),
-            memory_enabled=_bool(env, "KODA_MEMORY", True),
-            embedder=env.get("KODA_EMBEDDER", "wordllama"),
-            embeddings_model=env.get("KODA_EMBEDDINGS_MODEL", "text-embedding-3-small"),
-            memory_auto_inject=_int(env, "KODA_MEMORY_AUTO_INJECT", 0, lo=0, hi=5),
-            max_tool_turns=_int(env, "KODA_MAX_TOOL_TURNS", 8, lo=1, hi=100),
+            **load(cls, env),
         )

@@ -38,9 +38,6 @@ class Item(Generic[T]):
     offset: int
 
 
-ProcessFn = Callable[[Any, int, CancelToken], Awaitable[None]]
-
-
 @dataclass
 class Chain:
     """The sequential queue of one partition."""
@@ -52,10 +49,6 @@ class Chain:
     paused: bool = False
     cancel: CancelToken = field(default_factory=CancelToken)
     running: bool = False
-
-
-class FencedOutError(Exception):
-    """Marker the process function raises when the partition was lost."""
 
 
 class ChainSet:

@@ -82,6 +82,12 @@ Item = str | Usage | ToolActivity
 
 @dataclass(frozen=True)
 class RunContext:
+    """One attempt of one run, as a handler sees it.
+
+    ``input`` is the submitted JSON object; ``attempt`` numbers the run's attempts from
+    1; ``cancel`` is set when the attempt must stop (see the module docstring).
+    """
+
     run_id: str
     user_id: str
     input: dict[str, Any]
@@ -90,6 +96,12 @@ class RunContext:
 
 
 class Handler(Protocol):
+    """The job a worker runs: ``stream`` once per attempt, ``aclose`` once at shutdown.
+
+    ``name`` identifies it in logs, and prices an estimated call of a handler without a
+    ``model`` attribute. koda/handlers.py exports this API and says how to plug one in.
+    """
+
     name: str
 
     def stream(self, ctx: RunContext) -> AsyncIterator[Item]:

@@ -2,7 +2,7 @@
 
 Same namespace string, different APP_ENV: every topic, group and Postgres schema name
 differs only through the naming function. prod runs the openai handler against a local
-fake (prod refuses the demo handler) and no topic auto-creation.
+fake (prod refuses the demo handler); no client ever auto-creates a topic.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ def envs(stack, fake_completions: str) -> Iterator[tuple[Settings, Settings]]:
     prod = dev.with_(
         app_env=AppEnv.PROD,
         handler="openai",
-        allow_topic_autocreate=False,
         openai_base_url=fake_completions,
     )
     for s in (dev, prod):
@@ -57,7 +56,7 @@ def test_dev_and_prod_workers_on_one_broker_stay_apart(envs, fake_completions: s
         WorkerProcess(
             prod,
             "iso-prod",
-            {**fast, "KODA_OPENAI_BASE_URL": fake_completions, "KODA_TOPIC_AUTOCREATE": "false"},
+            {**fast, "KODA_OPENAI_BASE_URL": fake_completions},
         ).start(),
     ]
     subs = Submitter(dev), Submitter(prod)

@@ -36,7 +36,6 @@ def test_tokens_and_prompts_never_reach_the_logs(env: Settings) -> None:
     prod = env.with_(
         app_env=AppEnv.PROD,
         handler="openai",
-        allow_topic_autocreate=False,
         prod_tokens={secret: user},
     )
     upgrade(prod)
@@ -44,9 +43,7 @@ def test_tokens_and_prompts_never_reach_the_logs(env: Settings) -> None:
     sub = Submitter(env)
     gateway = GatewayProcess(env).start()
     worker = WorkerProcess(env, "sec").start()
-    prod_gw = GatewayProcess(
-        prod, {"KODA_API_TOKENS": f"{secret}:{user}", "KODA_TOPIC_AUTOCREATE": "false"}
-    ).start()
+    prod_gw = GatewayProcess(prod, {"KODA_API_TOKENS": f"{secret}:{user}"}).start()
     try:
         auth = {"Authorization": f"Bearer {dev_token}"}
         ok = httpx.post(f"{gateway.url}/v1/runs", headers=auth, json={"input": {"text": prompt}})

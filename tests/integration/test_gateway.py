@@ -25,10 +25,11 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from gateway import RunPublisher, Sweeper, create_app, runs_app
-from gateway.store import RunStore
+from gateway.app import create_app
+from gateway.client import runs_app
+from gateway.components import build_components
+from gateway.publisher import RunPublisher
 from koda import metrics
-from koda.db import async_engine
 from koda.kafka import producer_config
 from koda.lifecycle.ids import scoped_idempotency_key, uuid7
 from koda.naming import AppEnv
@@ -210,11 +211,26 @@ def test_sessions_belong_to_their_user(gw: Shared, client: httpx.Client) -> None
     assert rows == [(session,)]
 
     before = counts(gw.settings)
+    refused = {"reason": "not_found"}
+    refused_before = (
+        metrics.REGISTRY.get_sample_value("koda_admissions_rejected_total", refused) or 0.0
+    )
     stolen = submit(client, "sess-mallory", {"input": "x", "session_id": session})
     unknown_for_mallory = submit(client, "sess-mallory", {"input": "x", "session_id": session})
     assert stolen.status_code == unknown_for_mallory.status_code == 404
-    assert stolen.json()["error"]["field"] == "session_id"
+    assert stolen.json() == {
+        "error": {
+            "code": "not_found",
+            "message": "session not found: omit session_id to start a new session",
+            "field": "session_id",
+        }
+    }
     assert counts(gw.settings) == before
+    # Counted like every other refusal of a submission.
+    assert (
+        metrics.REGISTRY.get_sample_value("koda_admissions_rejected_total", refused)
+        == refused_before + 2
+    )
 
 
 # --- refusals: nothing written ---------------------------------------------------
@@ -395,7 +411,6 @@ def test_dev_tokens_are_refused_in_prod_and_prod_tokens_work(stack) -> None:
         stack,
         app_env=AppEnv.PROD,
         handler="openai",
-        allow_topic_autocreate=False,
         prod_tokens={"prod-secret-token-1": "prod-user"},
     )
     apply_topics(settings)
@@ -586,16 +601,14 @@ async def test_sweep_once_republishes_stale_unpublished_pending_runs(env: Settin
     fresh = _insert_run(env, user="sweep-user", age_s=0)
     running_run = _insert_run(env, user="sweep-user", age_s=3600, status="running")
     published = _insert_run(env, user="sweep-user", age_s=3600, published=True)
-    engine = async_engine(env)
-    publisher = RunPublisher(env)
-    await publisher.start()
+    gw = build_components(env.with_(sweep_after_s=30))
+    await gw.publisher.start()
     try:
-        sweeper = Sweeper(RunStore(engine), publisher, after_s=30, interval_s=1)
-        assert await sweeper.sweep_once() == 1
-        assert await sweeper.sweep_once() == 0
+        assert await gw.sweeper.sweep_once() == 1
+        assert await gw.sweeper.sweep_once() == 0
     finally:
-        await publisher.stop()
-        await engine.dispose()
+        await gw.publisher.stop()
+        await gw.engine.dispose()
     assert published_at(env, stale) is not None
     assert published_at(env, fresh) is None
     assert published_at(env, running_run) is None
@@ -609,15 +622,14 @@ async def test_sweep_once_republishes_stale_unpublished_pending_runs(env: Settin
 
 async def test_a_failed_sweep_releases_its_claim(env: Settings) -> None:
     stale = _insert_run(env, user="sweep-fail", age_s=3600)
-    engine = async_engine(env)
     publisher = dead_publisher(env)
+    gw = build_components(env.with_(sweep_after_s=30), publisher=publisher)
     await publisher.start()
     try:
-        sweeper = Sweeper(RunStore(engine), publisher, after_s=30, interval_s=1)
-        assert await sweeper.sweep_once() == 0
+        assert await gw.sweeper.sweep_once() == 0
     finally:
         await publisher.stop(timeout_s=0)
-        await engine.dispose()
+        await gw.engine.dispose()
     assert published_at(env, stale) is None  # eligible for the next sweep
 
 
@@ -628,8 +640,9 @@ def test_a_lost_publish_leaves_the_run_pending_until_the_sweeper_publishes_it(
     failed_before = (
         metrics.REGISTRY.get_sample_value("koda_publish_total", {"outcome": "failed"}) or 0.0
     )
+    app = create_app(env, components=build_components(env, publisher=publisher), run_sweeper=False)
     with (
-        serve_app(create_app(env, publisher=publisher, run_sweeper=False)) as url,
+        serve_app(app) as url,
         httpx.Client(base_url=url, timeout=30) as c,
     ):
         started = time.monotonic()
@@ -654,14 +667,13 @@ def test_a_lost_publish_leaves_the_run_pending_until_the_sweeper_publishes_it(
     assert read_runs_topic(env) == []
 
     async def sweep() -> int:
-        engine = async_engine(env)
-        good = RunPublisher(env)
-        await good.start()
+        gw = build_components(env.with_(sweep_after_s=0.1))
+        await gw.publisher.start()
         try:
-            return await Sweeper(RunStore(engine), good, after_s=0.1, interval_s=1).sweep_once()
+            return await gw.sweeper.sweep_once()
         finally:
-            await good.stop()
-            await engine.dispose()
+            await gw.publisher.stop()
+            await gw.engine.dispose()
 
     assert asyncio.run(sweep()) == 1
     assert published_at(env, run_id) is not None
@@ -730,7 +742,7 @@ def test_serve_stops_gracefully_on_sigterm(env: Settings) -> None:
         "KODA_GATEWAY_PORT": str(port),
     }
     code = (
-        "from gateway.cli import serve; from koda.settings import Settings; "
+        "from gateway.server import serve; from koda.settings import Settings; "
         "serve(Settings.from_env())"
     )
     proc = subprocess.Popen(  # noqa: S603

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import create_app
+from gateway.app import create_app
 from koda.lifecycle.handler import Usage
 from koda.lifecycle.ledger import LedgerCall, Outcome
 from koda.settings import Settings

@@ -24,7 +24,7 @@ from sqlalchemy import text
 from typer.testing import CliRunner
 
 from gateway.app import create_app
-from gateway.cli import runs_app
+from gateway.client import runs_app
 from gateway.eventstream import TERMINAL_KINDS, Event, EventParser
 from koda import metrics
 from koda.kafka import producer_config

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from gateway import create_app
+from gateway.app import create_app
 from gateway.memories_cli import memories_app
 from koda.db import async_engine
 from koda.settings import Settings

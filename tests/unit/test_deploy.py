@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.app import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S, create_app
-from gateway.cli import GRACEFUL_SHUTDOWN_S
+from gateway.app import create_app
+from gateway.components import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S
+from gateway.server import GRACEFUL_SHUTDOWN_S
 from koda.db import async_engine
 from koda.naming import AppEnv
 from koda.settings import Settings
@@ -299,7 +300,7 @@ def test_k8s_config_and_secrets_are_apart_and_prod_is_safe(k8s) -> None:
         "KODA_OPENAI_API_KEY",
     } <= set(secret)
     assert not {k for k in config if "TOKEN" in k or "KEY" in k or "PASSWORD" in k}
-    # The ConfigMap is a valid prod configuration (no demo handler, no auto-creation).
+    # The ConfigMap is a valid prod configuration (no demo handler).
     settings = Settings.from_env({**config, **secret})
     assert settings.app_env is AppEnv.PROD
     for (kind, _), doc in k8s.items():

@@ -8,18 +8,9 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 
-from gateway.admission import Admissions
 from gateway.app import create_app
-from gateway.auth import Authenticator
-from gateway.components import Components
-from gateway.control_store import ControlStore
-from gateway.publisher import RunPublisher
-from gateway.ratelimit import TokenBuckets
-from gateway.store import RunStore
-from gateway.sweeper import Sweeper
-from gateway.workers import WorkerDirectory
+from gateway.components import build_components
 from koda import metrics
-from koda.db import async_engine
 from koda.naming import AppEnv
 from koda.settings import Settings
 from schemas.heartbeats import Beat
@@ -31,27 +22,15 @@ BASE = Settings(
     namespace="unit",
     expected_workers=2,
 )
-PROD = BASE.with_(app_env=AppEnv.PROD, handler="openai", allow_topic_autocreate=False)
+PROD = BASE.with_(app_env=AppEnv.PROD, handler="openai")
 
 
 @asynccontextmanager
 async def client_for(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    """The app with hand-built components (its lifespan does not run: nothing connects)."""
-    app = create_app(settings)
-    engine = async_engine(settings)
-    store = RunStore(engine)
-    publisher = RunPublisher(settings)
-    app.state.components = Components(
-        settings=settings,
-        auth=Authenticator.from_settings(settings),
-        limiter=TokenBuckets(settings.rate_per_s, settings.rate_burst),
-        store=store,
-        publisher=publisher,
-        admissions=Admissions(store, publisher, partitions=settings.partitions),
-        sweeper=Sweeper(store, publisher, after_s=30, interval_s=5),
-        control=ControlStore(engine),
-    )
-    directory = WorkerDirectory(settings)  # not started: filled by hand below
+    """The app with its components built (its lifespan does not run: nothing connects)."""
+    components = build_components(settings)
+    app = create_app(settings, components=components)
+    directory = components.workers  # not started: filled by hand below
     now = datetime.now(UTC)
     # w-1 is claimed by two live processes (their beats interleave): a conflict.
     for worker_id, age_s, pid, instance in (
@@ -64,14 +43,13 @@ async def client_for(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
             worker_id, now - timedelta(seconds=age_s), 1, "v9", (0, 2), "node", pid, instance
         )
         directory.table.apply(worker_id.encode(), beat.encode())
-    app.state.workers = directory
     try:
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://gw"
         ) as client:
             yield client
     finally:
-        await engine.dispose()
+        await components.engine.dispose()
 
 
 def bearer(token: str) -> dict[str, str]:

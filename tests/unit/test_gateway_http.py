@@ -1,7 +1,8 @@
 """The HTTP edge without services: every refusal happens before Postgres or Kafka.
 
-The app's components are built by hand (its lifespan is not run), with an engine
-and a producer that are never connected: a test that reached them would fail.
+The app's components come from ``build_components`` but its lifespan is not run:
+the engine and the producer are never connected, so a test that reached them would
+fail.
 """
 
 from __future__ import annotations
@@ -11,17 +12,9 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from gateway.admission import Admissions
 from gateway.app import create_app
-from gateway.auth import Authenticator
-from gateway.components import Components
-from gateway.control_store import ControlStore
-from gateway.publisher import RunPublisher
-from gateway.ratelimit import TokenBuckets
-from gateway.store import RunStore
-from gateway.sweeper import Sweeper
+from gateway.components import build_components
 from koda import metrics
-from koda.db import async_engine
 from koda.naming import AppEnv
 from koda.settings import Settings
 
@@ -38,25 +31,12 @@ UNREACHABLE = Settings(
 
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
-    settings = UNREACHABLE
-    app = create_app(settings)
-    engine = async_engine(settings)
-    store = RunStore(engine)
-    publisher = RunPublisher(settings)
-    app.state.components = Components(
-        settings=settings,
-        auth=Authenticator.from_settings(settings),
-        limiter=TokenBuckets(settings.rate_per_s, settings.rate_burst),
-        store=store,
-        publisher=publisher,
-        admissions=Admissions(store, publisher, partitions=settings.partitions),
-        sweeper=Sweeper(store, publisher, after_s=30, interval_s=5),
-        control=ControlStore(engine),
-    )
+    components = build_components(UNREACHABLE)
+    app = create_app(UNREACHABLE, components=components)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
         yield c
-    await engine.dispose()
+    await components.engine.dispose()
 
 
 def auth(user: str = "alice") -> dict[str, str]:

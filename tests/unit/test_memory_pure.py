@@ -122,7 +122,7 @@ def test_memory_settings_are_read_and_checked() -> None:
 def test_runs_follow_prints_tool_activity(capsys: pytest.CaptureFixture[str]) -> None:
     import json as _json
 
-    from gateway.cli import _Follower
+    from gateway.client import _Follower
     from gateway.eventstream import Event
 
     follower = _Follower(None)

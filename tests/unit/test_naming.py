@@ -56,7 +56,7 @@ def test_dev_and_prod_names_never_collide() -> None:
             kind, AppEnv.PROD, base, namespace=ns
         )
     dev = {s.name for s in catalogue(Settings(app_env=AppEnv.DEV))}
-    prod_settings = Settings(app_env=AppEnv.PROD, handler="openai", allow_topic_autocreate=False)
+    prod_settings = Settings(app_env=AppEnv.PROD, handler="openai")
     prod = {s.name for s in catalogue(prod_settings)}
     assert len(dev) == 6 and dev.isdisjoint(prod)
 

@@ -1,4 +1,5 @@
-"""prod refuses the demo handler and topic auto-creation; destructive commands need a flag."""
+"""prod refuses the demo handler, no client auto-creates a topic, destructive commands need
+a flag."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ UNREACHABLE = {
 PROD_ENV = {
     "APP_ENV": "prod",
     "KODA_HANDLER": "openai",
-    "KODA_TOPIC_AUTOCREATE": "false",
     **UNREACHABLE,
 }
 
@@ -43,7 +43,7 @@ def test_prod_refuses_the_demo_handler() -> None:
     with pytest.raises(ConfigError, match="KODA_HANDLER=demo is refused in prod"):
         Settings.from_env({**PROD_ENV, "KODA_HANDLER": "demo"})
     with pytest.raises(ConfigError, match="demo is refused in prod"):
-        Settings.from_env({"APP_ENV": "prod", "KODA_TOPIC_AUTOCREATE": "false"})  # the default
+        Settings.from_env({"APP_ENV": "prod"})  # the default
 
 
 def test_prod_refuses_a_test_fault_and_dev_refuses_an_unknown_one() -> None:
@@ -56,17 +56,21 @@ def test_prod_refuses_a_test_fault_and_dev_refuses_an_unknown_one() -> None:
     assert Settings.from_env({"APP_ENV": "dev"}).test_fault is None
 
 
-def test_prod_refuses_topic_autocreation_and_defaults_it_off() -> None:
-    with pytest.raises(ConfigError, match="topic auto-creation is refused in prod"):
-        Settings.from_env({**PROD_ENV, "KODA_TOPIC_AUTOCREATE": "true"})
-    with pytest.raises(ConfigError, match="topic auto-creation"):
-        Settings(app_env=AppEnv.PROD, handler="openai")
-    assert (
-        Settings.from_env({"APP_ENV": "prod", "KODA_HANDLER": "openai"}).allow_topic_autocreate
-        is False
-    )
+def test_no_client_auto_creates_a_topic_and_no_setting_turns_it_on() -> None:
+    """librdkafka's producer auto-creates a missing topic by default; koda's clients turn
+    that off in every environment (topics come from `koda topics apply`), so a missing
+    topic is an error, never a topic with the broker's default partitions."""
+    from gateway.livefeed import LiveFeed
+    from gateway.publisher import RunPublisher
+    from koda.knobs import knobs
+
+    for env in (AppEnv.DEV, AppEnv.PROD):
+        settings = Settings(app_env=env, handler="openai")
+        assert RunPublisher(settings)._config["allow.auto.create.topics"] is False
+        assert LiveFeed(settings)._config["allow.auto.create.topics"] is False
+    assert not [spec.env for _, _, spec in knobs(Settings) if "CREATE" in spec.env]
     dev = Settings.from_env({"APP_ENV": "dev"})
-    assert (dev.handler, dev.allow_topic_autocreate) == ("demo", True)
+    assert dev.handler == "demo"
 
 
 @pytest.mark.parametrize(

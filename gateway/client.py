@@ -1,93 +1,24 @@
-"""Run the gateway (:func:`serve`) and talk to one (``koda runs ...``, :data:`runs_app`).
+"""``koda runs submit|show|cancel|follow``: talk to a gateway over HTTP.
 
-``serve`` runs uvicorn in the foreground. On SIGTERM or Ctrl-C uvicorn stops
-accepting connections, lets in-flight requests finish (up to
-``GRACEFUL_SHUTDOWN_S``), then the lifespan drains deliveries and closes the
-producer and the engine; the process exits 0. A second Ctrl-C forces the exit; a
-second SIGTERM changes nothing (one drain only).
+A client only: it imports no server module (FastAPI, uvicorn, the app), so the
+``koda`` command line does not load the gateway to submit or follow a run.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import httpx
 import typer
-import uvicorn
 
-from gateway.app import create_app
 from gateway.eventstream import RECONNECT, TERMINAL_KINDS, Event, EventParser
-from gateway.sse import StalledStreamLogFilter, close_streams
 from koda.lifecycle.states import RunStatus
-from koda.logs import configure_logging
-from koda.settings import Settings
 
-# In-flight requests get 15 s, then the lifespan drains up to 5 s of deliveries and
-# flushes the producer up to 3 s: within an orchestrator's 25 s grace period.
-GRACEFUL_SHUTDOWN_S = 15
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 POLL_INTERVAL_S = 0.5
-
-
-class _Server(uvicorn.Server):
-    """uvicorn, minus re-raising the signal after a graceful stop.
-
-    uvicorn re-raises SIGTERM once it has shut down, so the process dies by the
-    signal (status 143) even though every request finished; a gateway that
-    drained cleanly exits 0. On the first signal open SSE streams are cut with a
-    ``reconnect`` event, so their clients move on instead of holding the shutdown.
-    """
-
-    on_exit: Callable[[], None] | None = None
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.on_exit is not None and not self.should_exit:
-            self.on_exit()
-        super().handle_exit(sig, frame)
-
-    @contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        handled = (signal.SIGINT, signal.SIGTERM)
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-        try:
-            yield
-        finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)
-
-
-def serve(settings: Settings) -> None:
-    """Serve the gateway on ``settings.gateway_host:gateway_port`` until SIGTERM/SIGINT."""
-    configure_logging()
-    logging.getLogger("uvicorn.error").addFilter(StalledStreamLogFilter())
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.gateway_host,
-        port=settings.gateway_port,
-        lifespan="on",
-        log_config=None,
-        access_log=False,  # RequestMetrics logs one key=value line per request instead
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        server_header=False,
-    )
-    server = _Server(config)
-    server.on_exit = lambda: close_streams(app)
-    server.run()
-    if not server.started:
-        # Startup failed (port taken, lifespan error): uvicorn already logged why.
-        raise SystemExit(3)
 
 
 runs_app = typer.Typer(
@@ -95,7 +26,7 @@ runs_app = typer.Typer(
 )
 
 
-def _fail(message: str) -> NoReturn:
+def fail(message: str) -> NoReturn:
     typer.echo(f"koda: {message}", err=True)
     raise typer.Exit(2)
 
@@ -109,13 +40,13 @@ def _explain(response: httpx.Response) -> str:
         return f"HTTP {response.status_code}: {response.text[:200]}"
 
 
-def _request(client: httpx.Client, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
+def call(client: httpx.Client, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
     try:
         response = client.request(method, url, **kwargs)
     except httpx.HTTPError as exc:
-        _fail(f"cannot reach the gateway at {client.base_url}: {exc}; is `koda gateway` running?")
+        fail(f"cannot reach the gateway at {client.base_url}: {exc}; is `koda gateway` running?")
     if response.status_code >= 400:
-        _fail(_explain(response))
+        fail(_explain(response))
     body: dict[str, Any] = response.json()
     return body
 
@@ -138,7 +69,7 @@ def submit(
     if session is not None:
         body["session_id"] = session
     with httpx.Client(base_url=gateway, headers=headers, timeout=10.0) as client:
-        accepted = _request(client, "POST", "/v1/runs", json=body)
+        accepted = call(client, "POST", "/v1/runs", json=body)
         run_id = str(accepted["run_id"])
         if not wait:
             typer.echo(run_id)
@@ -148,21 +79,21 @@ def submit(
     typer.echo(run["output"])
     if run["status"] != RunStatus.DONE.value:
         detail = f": {run['error']}" if run.get("error") else ""
-        _fail(f"run {run_id} ended {run['status']}{detail}")
+        fail(f"run {run_id} ended {run['status']}{detail}")
 
 
 def _wait_terminal(client: httpx.Client, run_id: str, timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     last_status = None
     while True:
-        run = _request(client, "GET", f"/v1/runs/{run_id}")
+        run = call(client, "GET", f"/v1/runs/{run_id}")
         if run["status"] != last_status:
             last_status = run["status"]
             typer.echo(f"run {run_id} {last_status}", err=True)
         if RunStatus(run["status"]).terminal:
             return run
         if time.monotonic() >= deadline:
-            _fail(f"run {run_id} is still {last_status} after {timeout_s:.0f}s")
+            fail(f"run {run_id} is still {last_status} after {timeout_s:.0f}s")
         time.sleep(POLL_INTERVAL_S)
 
 
@@ -176,7 +107,7 @@ def show(
     with httpx.Client(
         base_url=gateway, headers={"Authorization": f"Bearer dev:{user}"}, timeout=10.0
     ) as client:
-        typer.echo(json.dumps(_request(client, "GET", f"/v1/runs/{run_id}"), indent=2))
+        typer.echo(json.dumps(call(client, "GET", f"/v1/runs/{run_id}"), indent=2))
 
 
 @runs_app.command("cancel")
@@ -195,7 +126,7 @@ def cancel(
     with httpx.Client(
         base_url=gateway, headers={"Authorization": f"Bearer dev:{user}"}, timeout=10.0
     ) as client:
-        answer = _request(client, "POST", f"/v1/runs/{run_id}/cancel", json=body or None)
+        answer = call(client, "POST", f"/v1/runs/{run_id}/cancel", json=body or None)
     typer.echo(json.dumps(answer, indent=2))
 
 
@@ -282,7 +213,7 @@ def follow(
     Exit status: 0 done, 1 failed or cancelled, 2 refused or unreachable.
     """
     if (user is None) == (token is None):
-        _fail("give exactly one of --user (dev token dev:<user>) or --token")
+        fail("give exactly one of --user (dev token dev:<user>) or --token")
     bearer = token if token is not None else f"dev:{user}"
     follower = _Follower(after)
     timeout = httpx.Timeout(10.0, read=FOLLOW_READ_TIMEOUT_S)
@@ -297,7 +228,7 @@ def follow(
                     f"[connection lost ({type(exc).__name__}); resuming after {where}]", err=True
                 )
             if time.monotonic() - follower.heard_at > give_up:
-                _fail(f"gave up: no answer from {gateway} for {give_up:.0f}s")
+                fail(f"gave up: no answer from {gateway} for {give_up:.0f}s")
             time.sleep(follower.retry_s)
     if follower.outcome not in (None, "done"):
         raise typer.Exit(1)
@@ -318,7 +249,7 @@ def _follow_once(client: httpx.Client, run_id: str, bearer: str, follower: _Foll
             )
         if response.status_code >= 400:
             response.read()
-            _fail(_explain(response))
+            fail(_explain(response))
         parser = EventParser()
         for chunk in response.iter_bytes():
             follower.heard_at = time.monotonic()

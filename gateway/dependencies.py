@@ -1,0 +1,63 @@
+"""FastAPI dependencies: the gateway's components, the calling user, admin access.
+
+A handler declares what it needs and FastAPI hands it over::
+
+    async def get_run(run_id: str, gw: Gateway, user_id: User) -> RunDetail: ...
+
+``User`` authenticates the bearer token (401 otherwise) and declares the scheme in
+OpenAPI; ``StreamUser`` also takes ``?access_token=`` (the events endpoint only);
+``ADMIN`` (in ``dependencies=[...]``) guards ``/admin`` routes. The checks themselves
+are gateway/auth.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Query, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials
+
+from gateway.auth import ADMIN_BEARER, BEARER, authenticate_request, check_admin
+from gateway.components import Components
+
+Scheme = HTTPAuthorizationCredentials | None
+
+
+async def get_components(request: Request) -> Components:
+    """The components :func:`gateway.app.create_app` was built with."""
+    components: Components = request.app.state.components
+    return components
+
+
+Gateway = Annotated[Components, Depends(get_components)]
+
+
+async def current_user(
+    request: Request, gw: Gateway, _scheme: Annotated[Scheme, Security(BEARER)]
+) -> str:
+    """The user id of the request's bearer token (401 without a valid one)."""
+    return authenticate_request(request, gw.auth)
+
+
+async def stream_user(
+    request: Request,
+    gw: Gateway,
+    _scheme: Annotated[Scheme, Security(BEARER)],
+    access_token: str | None = Query(
+        None, description="The bearer token, for clients that cannot set headers (EventSource)."
+    ),
+) -> str:
+    """As :func:`current_user`, or from ``?access_token=`` when there is no header."""
+    return authenticate_request(request, gw.auth, access_token)
+
+
+async def admin_access(
+    request: Request, gw: Gateway, _scheme: Annotated[Scheme, Security(ADMIN_BEARER)]
+) -> None:
+    """Refuse (401/403) a request that may not open ``/admin``."""
+    check_admin(request.headers.get("authorization"), gw.settings)
+
+
+User = Annotated[str, Depends(current_user)]
+StreamUser = Annotated[str, Depends(stream_user)]
+ADMIN = Depends(admin_access)

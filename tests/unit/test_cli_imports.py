@@ -1,0 +1,37 @@
+"""The command line's gateway clients, and the scheduler, load no server code (FastAPI,
+uvicorn, the app): they use the gateway's stores and producer, never its HTTP side."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+SERVER_MODULES = ("fastapi", "starlette", "uvicorn", "gateway.app", "gateway.components")
+
+
+def _loaded_after(statements: str) -> list[str]:
+    code = (
+        f"import sys\n{statements}\n"
+        f"print(','.join(m for m in {SERVER_MODULES!r} if m in sys.modules))"
+    )
+    done = subprocess.run(  # noqa: S603 - our own interpreter, a fixed program
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    return [m for m in done.stdout.strip().split(",") if m]
+
+
+def test_the_gateway_clients_import_no_server_module() -> None:
+    assert _loaded_after("import gateway.client, gateway.schedules_cli, gateway.memories_cli") == []
+
+
+def test_the_koda_command_with_its_subcommands_imports_no_server_module() -> None:
+    assert _loaded_after("import koda.cli\nkoda.cli._add_optional_apps()") == []
+
+
+def test_the_scheduler_imports_no_server_module() -> None:
+    assert _loaded_after("import scheduler.app") == []
+
+
+def test_the_probe_sees_a_server_import() -> None:
+    # Without this, a probe that never saw anything would pass the two tests above.
+    assert "gateway.app" in _loaded_after("import gateway.server")
