@@ -19,7 +19,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
 
 from koda.errors import HandlerError, RecordError
@@ -35,24 +34,23 @@ from koda.lifecycle.attempts import (
 )
 from koda.lifecycle.chunks import ChunkKind, SeqCounter
 from koda.lifecycle.handler import CancelToken, Handler, RunContext, RunFailed, Usage
-from koda.lifecycle.ledger import LedgerCall, Outcome, calls_of
+from koda.lifecycle.ledger import Outcome
 from koda.lifecycle.retry import RetryPolicy
 from koda.lifecycle.states import RunStatus
 from koda.metrics import (
-    LEDGER_CALLS,
     QUEUE_AGE_SECONDS,
     RETRIES,
     RUN_DURATION_SECONDS,
     RUNS,
 )
 from koda.settings import Settings
+from processors.billing import Billing
 from processors.control import ControlBoard, RunControl
 from processors.groupcommit import GroupWriter
 from processors.ports import RunOutput, WorkerStore
 from processors.republish import ChunkRepair
 from processors.store import ClaimWrite, Fence, Finished, FinishWrite, RunRow, Superseded
 from processors.streaming import CallTally, ChunkBatcher, FencedOut, stream
-from schemas.ledger import PricedCall
 from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, headers_for
 
 __all__ = [
@@ -134,6 +132,11 @@ Trigger = Record | Predecessor
 _FINISH_VERB = {RunStatus.DONE: "finish", RunStatus.FAILED: "fail", RunStatus.CANCELLED: "cancel"}
 
 
+def _model_of(handler: Handler) -> str:
+    """The model an estimated call is priced as: the handler's, else its name."""
+    return str(getattr(handler, "model", handler.name))
+
+
 class RunExecutor:
     """Runs records through the lifecycle; one instance per worker process."""
 
@@ -150,6 +153,7 @@ class RunExecutor:
         self.worker_id = settings.worker_id
         self.board = ControlBoard()
         store.observer = self.board.observe
+        self.billing = Billing(settings.cost_ledger, store, emitter, _model_of(handler))
 
     async def process(self, record: Record, fence: Fence, cancel: CancelToken) -> None:
         """Do the record's work; return when it may be acked."""
@@ -285,9 +289,9 @@ class RunExecutor:
                     await asyncio.sleep(after.backoff_s)
                     continue
             except (FencedOut, asyncio.CancelledError):
-                await self._record_cut(fence, ctx, tally)
+                await self.billing.record_cut(fence, ctx, tally)
                 raise
-            own = tally.settled(self._model)
+            own = tally.settled(self.billing.model)
             if control.cancel_requested:
                 await self._cancel(batcher, ctx, control.cancel_reason, billed, own)
                 return
@@ -324,7 +328,7 @@ class RunExecutor:
         await batcher.flush()
         # The failed attempt's calls are billed: into the ledger before anything else
         # of the failure (whoever owns the run by now).
-        batcher.futures += await self._record_attempt(fence, ctx, tally, Outcome.FAILED)
+        batcher.futures += await self.billing.record_attempt(fence, ctx, tally, Outcome.FAILED)
         error = str(exc)
         RETRIES.inc()
         failures = await self.store.record_failure(fence, ctx.run_id)
@@ -380,7 +384,7 @@ class RunExecutor:
             error[:ERROR_ROW_CHARS] if status is RunStatus.FAILED else None,
             first_output=first_output(batcher.streaming, final),
             input_version=input_version,
-            ledger=self._calls(ctx, own, outcome),
+            ledger=self.billing.calls(ctx, own, outcome),
         )
         try:
             finished = await self.writer.finish(write)
@@ -389,7 +393,7 @@ class RunExecutor:
         except (FencedOut, asyncio.CancelledError):
             # Rows the finish committed stay as written (ok); the others are cancelled.
             if cut is not None:
-                await self._record_cut(fence, ctx, cut)
+                await self.billing.record_cut(fence, ctx, cut)
             raise
         if isinstance(finished, Superseded):
             batcher.give_back(final)
@@ -405,7 +409,7 @@ class RunExecutor:
                 **({"reason": reason} if reason else {}),
             )
         )
-        sent += await self._finish_events(fence, ctx, billed, own, outcome, finished)
+        sent += await self.billing.finish_events(fence, ctx, billed, own, outcome, finished)
         await asyncio.gather(*sent, *batcher.futures)
         self.repair.published(run_id, final[-1].seq)
         RUNS.labels(outcome=status.value).inc()
@@ -457,107 +461,8 @@ class RunExecutor:
         input and starts with ``reset``. Returns the usage events' deliveries."""
         await batcher.flush()
         await asyncio.gather(*batcher.futures)
-        futures = await self._record_attempt(batcher.fence, ctx, tally, Outcome.CANCELLED)
+        futures = await self.billing.record_attempt(batcher.fence, ctx, tally, Outcome.CANCELLED)
         log.info("run merged run_id=%s attempt=%d: running again", ctx.run_id, ctx.attempt)
-        return futures
-
-    @property
-    def _model(self) -> str:
-        """The model an estimated call is priced as: the handler's, else its name."""
-        return str(getattr(self.handler, "model", self.handler.name))
-
-    def _calls(self, ctx: RunContext, usage: list[Usage], outcome: Outcome) -> list[LedgerCall]:
-        """The ledger rows of ``ctx``'s attempt (none with the ledger switched off)."""
-        if not self.settings.cost_ledger:
-            return []
-        return calls_of(ctx.user_id, ctx.run_id, ctx.attempt, usage, outcome)
-
-    async def _record_attempt(
-        self, fence: Fence, ctx: RunContext, tally: CallTally, outcome: Outcome
-    ) -> list[asyncio.Future[Any]]:
-        """Write an attempt's calls to the ledger with ``outcome``; its usage events."""
-        usage = tally.settled(self._model)
-        if not usage or not self.settings.cost_ledger:
-            return []
-        priced = await self.store.record_calls(self._calls(ctx, usage, outcome))
-        return await self._usage_events(fence, ctx, usage, outcome, priced)
-
-    async def _record_cut(self, fence: Fence, ctx: RunContext, tally: CallTally) -> None:
-        """An attempt cut off (handoff ceiling, fenced out): its calls were billed all the
-        same, so they go to the ledger as ``cancelled``, shielded from the cancellation.
-        A failure here is logged, never raised over the cut itself."""
-        if not tally.settled(self._model) or not self.settings.cost_ledger:
-            return
-        try:
-            await asyncio.shield(self._record_attempt(fence, ctx, tally, Outcome.CANCELLED))
-        except Exception as exc:  # noqa: BLE001 - the cut is what the caller must see
-            log.warning(
-                "ledger write of a cut attempt failed run_id=%s attempt=%d error=%s",
-                ctx.run_id,
-                ctx.attempt,
-                type(exc).__name__,
-            )
-        except asyncio.CancelledError:
-            log.warning(
-                "ledger write of a cut attempt interrupted run_id=%s attempt=%d",
-                ctx.run_id,
-                ctx.attempt,
-            )
-
-    async def _finish_events(
-        self,
-        fence: Fence,
-        ctx: RunContext,
-        billed: list[Usage],
-        own: list[Usage],
-        outcome: Outcome,
-        finished: Finished,
-    ) -> list[asyncio.Future[Any]]:
-        """The usage events of a finish: one per ledger row it wrote (the finishing
-        attempt's calls; a stopped attempt's went out when it stopped), or, with the
-        ledger switched off, one per usage row, priced as the usage table was."""
-        if self.settings.cost_ledger:
-            return await self._usage_events(fence, ctx, own, outcome, finished.ledger)
-        priced = [
-            PricedCall(ctx.run_id, ctx.attempt, i, cost, None) for i, cost in finished.costs.items()
-        ]
-        return await self._usage_events(fence, ctx, [*billed, *own], outcome, priced)
-
-    async def _usage_events(
-        self,
-        fence: Fence,
-        ctx: RunContext,
-        usage: list[Usage],
-        outcome: Outcome,
-        priced: list[PricedCall],
-    ) -> list[asyncio.Future[Any]]:
-        """One ``usage`` event per ledger row written, with the row's cost and price id."""
-        by_index = {p.call_index: p for p in priced}
-        futures = []
-        for i, u in enumerate(usage):
-            row = by_index.get(i)
-            if row is None:
-                continue  # written before (a redelivery): its event went out then
-            if self.settings.cost_ledger:
-                LEDGER_CALLS.labels(outcome=outcome.value, estimated=str(u.estimated).lower()).inc()
-            futures.append(
-                await self.emitter.event(
-                    fence.partition,
-                    ctx.run_id,
-                    "usage",
-                    call_index=i,
-                    model=u.model,
-                    prompt_tokens=u.prompt_tokens,
-                    completion_tokens=u.completion_tokens,
-                    **_cost(row.cost_usd),
-                    user_id=ctx.user_id,
-                    attempt=ctx.attempt,
-                    kind=u.kind,
-                    outcome=outcome.value,
-                    estimated=u.estimated,
-                    price_id=row.price_id,
-                )
-            )
         return futures
 
     async def _dead_letter(self, source: Source, attempts: int, reason: str, error: str) -> None:
@@ -572,8 +477,3 @@ class RunExecutor:
             reason=reason,
             error=error,
         )
-
-
-def _cost(usd: Decimal | None) -> dict[str, str]:
-    """The usage event's ``cost_usd`` field, priced in the same transaction as the row."""
-    return {} if usd is None else {"cost_usd": str(usd)}
