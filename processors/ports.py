@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from koda.lifecycle.chunks import Chunk
@@ -17,6 +18,18 @@ from koda.lifecycle.ledger import LedgerCall
 from processors.groupcommit import GroupStore
 from processors.store import Fence, RunRow, SteerObserver
 from schemas.ledger import PricedCall
+
+
+@dataclass(frozen=True)
+class Record:
+    """The parts of a Kafka message the executor needs (decoupled from Faust)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Any
 
 
 class WorkerStore(GroupStore, Protocol):
@@ -40,7 +53,7 @@ class WorkerStore(GroupStore, Protocol):
 class RunOutput(Protocol):
     """The records a run produces: chunks, run events and dead letters. ``chunks`` and
     ``event`` return delivery futures (the run awaits them before its record is acked);
-    ``dead_letter`` returns once the broker has the letter."""
+    ``dead_letter`` returns once the broker has the letter of ``record``."""
 
     async def chunks(
         self, partition: int, chunks: Sequence[Chunk]
@@ -51,15 +64,5 @@ class RunOutput(Protocol):
     ) -> asyncio.Future[Any]: ...
 
     async def dead_letter(
-        self,
-        *,
-        key: bytes | None,
-        value: bytes | None,
-        headers: Any,
-        topic: str,
-        partition: int,
-        offset: int,
-        attempts: int,
-        reason: str,
-        error: str,
+        self, record: Record, *, attempts: int, reason: str, error: str
     ) -> None: ...

@@ -47,7 +47,7 @@ from koda.settings import Settings
 from processors.billing import Billing
 from processors.control import ControlBoard, RunControl
 from processors.groupcommit import GroupWriter
-from processors.ports import RunOutput, WorkerStore
+from processors.ports import Record, RunOutput, WorkerStore
 from processors.republish import ChunkRepair
 from processors.store import ClaimWrite, Fence, Finished, FinishWrite, RunRow, Superseded
 from processors.streaming import CallTally, ChunkBatcher, FencedOut, stream
@@ -70,33 +70,6 @@ NO_OFFSET = -1
 
 
 @dataclass(frozen=True)
-class Source:
-    """Where a dead letter says its record came from, and that record's bytes."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: Any
-
-
-@dataclass(frozen=True)
-class Record:
-    """The parts of a Kafka message the executor needs (decoupled from Faust)."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: Any
-
-    def source(self) -> Source:
-        return Source(self.topic, self.partition, self.offset, self.key, self.value, self.headers)
-
-
-@dataclass(frozen=True)
 class Predecessor:
     """A user's older unfinished run, run before ``record``'s own: the user's order is
     the order of creation, and its own trigger is late or lost, so none is in hand."""
@@ -112,11 +85,11 @@ class Predecessor:
     def offset(self) -> int:
         return self.record.offset
 
-    def source(self) -> Source:
-        """A ``run.requested`` trigger for the run, as its dead letter carries it: with
-        no offset, as no record of it was read."""
+    def letter(self) -> Record:
+        """What its dead letter carries: a ``run.requested`` trigger for the run, with no
+        offset, as no record of it was read."""
         run = self.run
-        return Source(
+        return Record(
             self.record.topic,
             self.record.partition,
             NO_OFFSET,
@@ -162,18 +135,14 @@ class RunExecutor:
             req = decode_run_requested(record.key, record.value, record.headers)
         except RecordError as exc:
             log.warning("dead-letter reason=%s %s", exc.reason, where)
-            await self._dead_letter(record.source(), 0, exc.reason, exc.detail)
+            await self._dead_letter(record, 0, exc.reason, exc.detail)
             return
         run = await self.store.load_run(req.run_id)
         if run is None:
-            await self._dead_letter(
-                record.source(), 0, "unknown_run", f"no run {req.run_id} in Postgres"
-            )
+            await self._dead_letter(record, 0, "unknown_run", f"no run {req.run_id} in Postgres")
             return
         if run.user_id != req.user_id:
-            await self._dead_letter(
-                record.source(), 0, "user_mismatch", "record user is not the run's"
-            )
+            await self._dead_letter(record, 0, "user_mismatch", "record user is not the run's")
             return
         if run.status.terminal:
             log.info("skip terminal run_id=%s status=%s %s", run.id, run.status.value, where)
@@ -438,7 +407,12 @@ class RunExecutor:
         self, trigger: Trigger, batcher: ChunkBatcher, ctx: RunContext, give_up: GiveUp
     ) -> None:
         """Retries exhausted: DLQ record, ``failed``, an ``error`` event, then ack."""
-        await self._dead_letter(trigger.source(), give_up.attempts, "handler_failed", give_up.error)
+        await self._dead_letter(
+            trigger.letter() if isinstance(trigger, Predecessor) else trigger,
+            give_up.attempts,
+            "handler_failed",
+            give_up.error,
+        )
         finished = await self._end(
             RunStatus.FAILED,
             batcher,
@@ -465,15 +439,5 @@ class RunExecutor:
         log.info("run merged run_id=%s attempt=%d: running again", ctx.run_id, ctx.attempt)
         return futures
 
-    async def _dead_letter(self, source: Source, attempts: int, reason: str, error: str) -> None:
-        await self.emitter.dead_letter(
-            key=source.key,
-            value=source.value,
-            headers=source.headers,
-            topic=source.topic,
-            partition=source.partition,
-            offset=source.offset,
-            attempts=attempts,
-            reason=reason,
-            error=error,
-        )
+    async def _dead_letter(self, record: Record, attempts: int, reason: str, error: str) -> None:
+        await self.emitter.dead_letter(record, attempts=attempts, reason=reason, error=error)

@@ -21,6 +21,7 @@ from koda.lifecycle.chunks import Chunk, ChunkKind
 from koda.lifecycle.handler import Item, RunContext
 from koda.lifecycle.ledger import LedgerCall
 from koda.lifecycle.states import ACTIVE, RunStatus, can_transition
+from processors.ports import Record
 from processors.store import (
     ChunkWrite,
     Claim,
@@ -262,8 +263,8 @@ class FakeOutput:
         self.sent.append(Sent(event, run_id, fields))
         return self._future()
 
-    async def dead_letter(self, **fields: Any) -> None:
-        self.sent.append(Sent("dead_letter", None, fields))
+    async def dead_letter(self, record: Record, **fields: Any) -> None:
+        self.sent.append(Sent("dead_letter", None, {**vars(record), **fields}))
 
     def of(self, run_id: str) -> list[str]:
         """What was produced of the run, in order: chunk kinds and event names."""
