@@ -32,12 +32,10 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from koda.errors import RecordError, TopicError
 from koda.kafka import consumer_config
-from koda.lifecycle.chunks import ChunkKind, split_chunk_key, visible_output
+from koda.lifecycle.chunks import TERMINAL_KINDS, split_chunk_key, visible_output
 from koda.settings import Settings
 from schemas.records import ChunkRecord, FinalRecord, decode_chunk_value, decode_final_value
 from topics.catalogue import RUN_CHUNKS
-
-_TERMINAL = frozenset(k.value for k in ChunkKind if k.terminal)
 
 
 @dataclass
@@ -60,7 +58,7 @@ class RunLog:
         """The seq of the run's terminal event, if the topic holds it (or its final)."""
         if self.final is not None:
             return self.final.last_seq
-        ends = [seq for seq, e in self.events.items() if e.kind in _TERMINAL]
+        ends = [seq for seq, e in self.events.items() if e.kind in TERMINAL_KINDS]
         return max(ends) if ends else None
 
     @property
