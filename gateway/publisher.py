@@ -19,7 +19,7 @@ from koda.kafka import producer_config
 from koda.settings import Settings
 from schemas.records import RUN_REQUESTED, RunRequested, headers_for
 from topics.catalogue import RUNS
-from topics.kafka.producer import AsyncProducer, Delivery, Headers
+from topics.kafka.producer import AsyncProducer, Delivery
 
 ROLE = "gateway"
 
@@ -34,6 +34,10 @@ class RunPublisher:
         conf = dict(config or producer_config(settings, ROLE))
         conf.setdefault("allow.auto.create.topics", False)
         self._producer = AsyncProducer(conf, error=PublishError, name="gateway")
+        # ``send(topic, key, value, headers, partition=None)``: one record for another
+        # koda topic (run control, a gateway-written chunk); the future resolves on the
+        # broker's ack or fails with PublishError.
+        self.send = self._producer.produce
 
     async def start(self) -> None:
         """Create the producer and start the poll thread (no broker round trip yet)."""
@@ -71,17 +75,3 @@ class RunPublisher:
         if future.done() and future.exception() is not None:
             metrics.PUBLISH.labels(outcome="failed").inc()  # not even enqueued
         return future
-
-    def send(
-        self,
-        topic: str,
-        key: bytes,
-        value: bytes,
-        headers: Headers,
-        partition: int | None = None,
-    ) -> asyncio.Future[Delivery]:
-        """Enqueue one record for another koda topic (run control, a gateway-written
-        chunk); the future resolves on the broker's ack or fails with PublishError."""
-        return self._producer.produce(
-            topic, key=key, value=value, headers=headers, partition=partition
-        )

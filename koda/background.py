@@ -1,11 +1,11 @@
 """One asyncio task that runs beside a service until the service stops it.
 
-The worker's heartbeat, loop probe and lag sampler, the gateway's sweeper and the
-run-control listener each run one loop in the background. :class:`BackgroundTask`
-is their start and stop: ``start`` creates the task (again, if the last one ended),
-``stop`` cancels it and waits until it has unwound, so a stopped service leaves no
-task behind. A loop that died of an exception before ``stop`` is logged there, never
-raised: stopping a service must not fail its shutdown.
+The worker's heartbeat, loop probe and lag sampler each run one loop in the
+background beside the Faust app. :class:`BackgroundTask` is their start and stop:
+``start`` creates the task (again, if the last one ended), ``stop`` cancels it and
+waits until it has unwound, so a stopped service leaves no task behind. A loop that
+died of an exception before ``stop`` is logged there, never raised: stopping a
+service must not fail its shutdown.
 """
 
 from __future__ import annotations

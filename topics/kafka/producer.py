@@ -99,11 +99,11 @@ class AsyncProducer:
     def produce(
         self,
         topic: str,
-        *,
         key: bytes,
         value: bytes,
         headers: Headers,
         partition: int | None = None,
+        *,
         what: str = "",
         settle: Callable[[Delivery | KodaError], None] | None = None,
     ) -> asyncio.Future[Delivery]:
