@@ -132,9 +132,7 @@ class ChunkCompactor:
         self._own_engine = engine is None
         self.engine = engine if engine is not None else sync_engine(settings)
         self.producer = (
-            producer
-            if producer is not None
-            else Producer(producer_config(settings, ROLE) | {"allow.auto.create.topics": False})
+            producer if producer is not None else Producer(producer_config(settings, ROLE))
         )
 
     def close(self) -> None:
