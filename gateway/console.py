@@ -12,7 +12,8 @@ token. Two endpoints exist for it:
   from the ledger.
 * ``GET /admin/lag`` (admin access as in gateway/admin.py): per runs partition,
   the end offset, the worker group's committed offset and the lag, asked of the
-  broker when the request comes (the figures ``koda_consumer_lag`` reports).
+  broker when the request comes (the figures ``koda_consumer_lag`` reports), through
+  the worker directory's one offsets reader (gateway/workers.py).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.dependencies import ADMIN, Gateway, User
 from gateway.errors import NotFound, Unavailable
 from koda.errors import DatabaseError
-from processors.offsets import GroupOffsetReader
-from topics.catalogue import RUNS
 
 STATIC = Path(__file__).with_name("console_static")
 MAX_RUN_ID_CHARS = 128
@@ -151,31 +150,15 @@ async def run_timeline(run_id: str, gw: Gateway, user_id: User) -> JSONResponse:
     summary="Per runs partition: end offset, the worker group's committed offset, and lag",
 )
 async def consumer_lag(gw: Gateway) -> JSONResponse:
-    settings = gw.settings
-    topic = settings.names.topic(RUNS)
-    group = settings.names.group(settings.worker_group)
-    reader = GroupOffsetReader(settings, "console-lag", topic, group)
+    directory = gw.workers
     try:
-        rows = await reader.run(_measure, reader, list(range(settings.partitions)))
+        lags = await directory.lag()
     except KafkaException as exc:
         raise Unavailable(f"the broker did not answer for offsets: {exc}") from None
-    finally:
-        await reader.aclose()
-    return JSONResponse({"topic": topic, "group": group, "partitions": rows})
-
-
-def _measure(reader: GroupOffsetReader, partitions: list[int]) -> list[dict[str, Any]]:
-    committed = reader.committed(partitions)
-    rows = []
-    for p in partitions:
-        low, high = reader.watermarks(p)
-        position = committed.get(p)
-        rows.append(
-            {
-                "partition": p,
-                "end_offset": high,
-                "committed": position,
-                "lag": max(0, high - (low if position is None else position)),
-            }
-        )
-    return rows
+    rows = [
+        {"partition": x.partition, "end_offset": x.end, "committed": x.committed, "lag": x.lag}
+        for x in lags
+    ]
+    return JSONResponse(
+        {"topic": directory.runs_topic, "group": directory.group, "partitions": rows}
+    )

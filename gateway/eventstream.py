@@ -23,9 +23,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from koda.lifecycle.chunks import TERMINAL_KINDS as TERMINAL_KINDS
+
 MEDIA_TYPE = "text/event-stream"
 RECONNECT = "reconnect"
-TERMINAL_KINDS = frozenset({"done", "error", "cancelled"})
 
 
 def event_frame(seq: int | None, kind: str, data: bytes) -> bytes:

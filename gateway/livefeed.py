@@ -1,6 +1,6 @@
 """The live feed: every gateway tails the chunk topic and fans records out to its viewers.
 
-    <env>.koda.run-chunks ──consumer thread (assign every partition, no group)──▶ batches
+    <env>.koda.run-chunks ──the no-group tail (topics/kafka/tail.py)──▶ batches
         ──call_soon_threadsafe──▶ event loop: viewers[run_id] ──▶ each viewer's queue
 
 * **Where it starts.** At start-up every partition is assigned at its current high
@@ -8,15 +8,14 @@
   after the gateway accepts connections is seen. Partitions that appear later (the
   topic grew, or did not exist at start-up) are assigned from their beginning.
   Discovery runs every ``feed_discovery_interval_s`` (every 0.5 s while nothing is
-  assigned). Nothing is committed: the feed
-  is not a consumer group member, and ``group.id`` is only a librdkafka formality.
-* **Only watched runs cost anything.** The thread routes by key
+  assigned). Nothing is committed: the feed is not a consumer group member.
+* **Only watched runs cost anything.** The tail's thread routes by key
   (``<run_id>:<seq>``) and skips records of runs nobody on this gateway watches
   before decoding them. A watched record's SSE frame is built once in the thread and
   shared by every viewer of the run.
 * **Bounded everywhere.** librdkafka's pre-fetch queue is capped; the thread stops
-  handing batches to the loop while ``MAX_PENDING_BATCHES`` are unprocessed (so a
-  busy loop pauses fetching instead of growing memory); each viewer's queue holds at
+  handing batches to the loop while 16 are unprocessed (so a busy loop pauses
+  fetching instead of growing memory); each viewer's queue holds at
   most ``sse_queue_bytes`` bytes of frames. A viewer whose queue would overflow is cut
   off (its queue freed at once); the stream then tells the client to reconnect, and it
   resumes from Postgres with Last-Event-ID. A slow viewer never blocks the others.
@@ -31,31 +30,28 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
-
 from gateway.eventstream import TERMINAL_KINDS, event_frame
 from koda import metrics
-from koda.kafka import consumer_config
 from koda.lifecycle.chunks import split_chunk_key
 from koda.settings import Settings
 from topics.catalogue import RUN_CHUNKS
+from topics.kafka.tail import TailEvents, TopicTail
 
 log = logging.getLogger(__name__)
 
 ROLE = "gateway-feed"
-POLL_S = 0.2
-MAX_BATCH = 500
-MAX_PENDING_BATCHES = 16
 START_TIMEOUT_S = 5.0
-METADATA_TIMEOUT_S = 5.0
-ERROR_LOG_INTERVAL_S = 10.0
-RESTART_BACKOFF_MAX_S = 10.0
+EVENTS = TailEvents(
+    error="live_feed_error",
+    restart="live_feed_restart",
+    not_ready="live_feed_not_ready",
+    partitions_added="live_feed_partitions_added",
+    errors_metric=metrics.LIVE_FEED_ERRORS,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,72 +124,45 @@ class Viewer:
 
 
 class LiveFeed:
-    """Tails the chunk topic in a daemon thread; :meth:`subscribe` returns a run's viewer."""
+    """Tails the chunk topic; :meth:`subscribe` returns a run's viewer.
+
+    ``config`` is merged over the tail's librdkafka configuration.
+    """
 
     def __init__(self, settings: Settings, *, config: dict[str, Any] | None = None) -> None:
         self.topic = settings.names.topic(RUN_CHUNKS)
-        self.discovery_interval_s = settings.feed_discovery_interval_s
-        conf = dict(config or consumer_config(settings, ROLE, settings.names.group(ROLE)))
-        conf.update(
-            {
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                # A position lost to truncation resumes at the end: viewers backfill gaps.
-                "auto.offset.reset": "latest",
-                "enable.partition.eof": False,
-                "allow.auto.create.topics": False,
-                "fetch.wait.max.ms": 100,
-                "queued.max.messages.kbytes": 16 * 1024,
-                "topic.metadata.refresh.interval.ms": 30_000,
-            }
-        )
-        self._config = conf
         self._viewers: dict[str, set[Viewer]] = {}
+        self._tail: TopicTail[tuple[str, LiveEvent]] = TopicTail(
+            settings,
+            ROLE,
+            self.topic,
+            # A position lost to truncation resumes at the end: viewers backfill gaps.
+            start="end",
+            route=self._route,
+            deliver=self._dispatch,
+            events=EVENTS,
+            discovery_interval_s=settings.feed_discovery_interval_s,
+            config=config,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._ready = threading.Event()
-        self._pending = 0
-        self._pending_lock = threading.Lock()
-        self._drained = threading.Event()
-        # Owned by the feed thread.
-        self._assigned: set[int] = set()
-        self._positions: dict[int, int] = {}
-        self._start_offsets: dict[int, int] = {}
-        self._initialised = False
-        self._last_error_log = 0.0
 
     # --- the event loop's side ----------------------------------------------------
 
-    async def start(self) -> None:
-        """Start the thread; wait (up to ``START_TIMEOUT_S``) until partitions are assigned.
+    async def start(self) -> bool:
+        """Start tailing; wait (up to ``START_TIMEOUT_S``) until partitions are assigned.
 
-        With the broker unreachable it returns after the timeout and the thread keeps
-        trying; the gateway still serves (replay from Postgres works without Kafka).
+        True once they are: every record produced from now on reaches the viewers.
+        With the broker unreachable it returns False after the timeout and the tail
+        keeps trying; the gateway still serves (replay from Postgres works without Kafka).
         """
-        if self._thread is not None:
-            return
         self._loop = asyncio.get_running_loop()
-        self._stopping.clear()
-        self._thread = threading.Thread(target=self._run, name="koda-live-feed", daemon=True)
-        self._thread.start()
-        if not await asyncio.to_thread(self._ready.wait, START_TIMEOUT_S):
-            log.warning(
-                "event=live_feed_not_ready topic=%s waited_s=%.0f", self.topic, START_TIMEOUT_S
-            )
+        self._tail.start()
+        return await self._tail.wait_ready(START_TIMEOUT_S)
 
     async def stop(self) -> None:
-        """Cut every viewer, stop the thread and close the consumer."""
+        """Cut every viewer, stop the tail and close its consumer."""
         self.close_all("shutdown")
-        self._stopping.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            await asyncio.to_thread(thread.join, 10.0)
-
-    @property
-    def ready(self) -> bool:
-        """Partitions are assigned (the feed sees every record produced from now on)."""
-        return self._ready.is_set()
+        await self._tail.stop()
 
     @property
     def viewer_count(self) -> int:
@@ -230,67 +199,20 @@ class LiveFeed:
             pass  # the loop closed meanwhile
 
     def _dispatch(self, batch: list[tuple[str, LiveEvent]]) -> None:
-        try:
-            for run_id, event in batch:
-                viewers = self._viewers.get(run_id)
-                if viewers:
-                    for viewer in tuple(viewers):
-                        viewer.offer(event)
-        finally:
-            with self._pending_lock:
-                self._pending -= 1
-            self._drained.set()
+        for run_id, event in batch:
+            viewers = self._viewers.get(run_id)
+            if viewers:
+                for viewer in tuple(viewers):
+                    viewer.offer(event)
 
-    # --- the feed thread ------------------------------------------------------------
-
-    def _run(self) -> None:
-        backoff = 0.5
-        while not self._stopping.is_set():
-            consumer: Consumer | None = None
-            try:
-                consumer = Consumer(self._config)
-                self._consume(consumer)
-                backoff = 0.5
-            except Exception as exc:  # noqa: BLE001 - the feed must outlive any error
-                metrics.LIVE_FEED_ERRORS.inc()
-                log.warning("event=live_feed_restart topic=%s error=%s", self.topic, exc)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
-            finally:
-                if consumer is not None:
-                    try:
-                        consumer.close()
-                    except Exception:  # noqa: BLE001, S110 - closing a broken consumer
-                        pass
-
-    def _consume(self, consumer: Consumer) -> None:
-        # A rebuilt consumer resumes where the last one stopped.
-        self._assigned = set()
-        next_discovery = 0.0
-        while not self._stopping.is_set():
-            now = time.monotonic()
-            if now >= next_discovery:
-                interval = self.discovery_interval_s if self._assigned else 0.5
-                next_discovery = now + interval
-                self._discover(consumer)
-            msg = consumer.poll(POLL_S)
-            if msg is None:
-                continue
-            messages = [msg, *consumer.consume(MAX_BATCH - 1, 0)]
-            batch = self._route(messages)
-            if batch:
-                self._hand_over(batch)
+    # --- the tail's thread ----------------------------------------------------------
 
     def _route(self, messages: list[Any]) -> list[tuple[str, LiveEvent]]:
+        # Reads ``_viewers`` while the loop changes it: a membership test of a dict is
+        # atomic under the GIL, and a run subscribed a moment late is backfilled.
+        metrics.LIVE_FEED_RECORDS.inc(len(messages))
         batch: list[tuple[str, LiveEvent]] = []
-        read = 0
         for m in messages:
-            err = m.error()
-            if err is not None:
-                self._on_error(err)
-                continue
-            read += 1
-            self._positions[m.partition()] = m.offset() + 1
             key, value = m.key(), m.value()
             if key is None or value is None:
                 continue  # tombstones of compacted runs
@@ -310,74 +232,4 @@ class LiveFeed:
             if not isinstance(kind, str):
                 continue
             batch.append((run_id, LiveEvent(seq, kind, event_frame(seq, kind, value))))
-        if read:
-            metrics.LIVE_FEED_RECORDS.inc(read)
         return batch
-
-    def _hand_over(self, batch: list[tuple[str, LiveEvent]]) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with self._pending_lock:
-            self._pending += 1
-        try:
-            loop.call_soon_threadsafe(self._dispatch, batch)
-        except RuntimeError:
-            return  # the loop closed under us: the gateway is stopping
-        # Backpressure: a loop that falls behind pauses fetching, not memory.
-        while self._pending > MAX_PENDING_BATCHES and not self._stopping.is_set():
-            self._drained.clear()
-            self._drained.wait(0.1)
-
-    def _discover(self, consumer: Consumer) -> None:
-        try:
-            md = consumer.list_topics(self.topic, timeout=METADATA_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - the broker may be away; try later
-            self._on_error(exc)
-            return
-        topic = md.topics.get(self.topic)
-        if topic is None or topic.error is not None or not topic.partitions:
-            # The broker answered: whatever partitions appear later are new to us.
-            self._initialised = True
-            self._ready.set()
-            self._log_error(f"topic {self.topic} is not available")
-            return
-        new = sorted(set(topic.partitions) - self._assigned)
-        if not new:
-            return
-        assignment = [TopicPartition(self.topic, p, self._offset_for(consumer, p)) for p in new]
-        consumer.incremental_assign(assignment)
-        self._assigned.update(new)
-        if self._initialised:
-            log.info("event=live_feed_partitions_added topic=%s partitions=%s", self.topic, new)
-        self._initialised = True
-        self._ready.set()
-
-    def _offset_for(self, consumer: Consumer, partition: int) -> int:
-        if partition in self._positions:
-            return self._positions[partition]
-        if partition not in self._start_offsets:
-            if self._initialised:
-                # Appeared after start-up: everything on it is new to this gateway.
-                self._start_offsets[partition] = OFFSET_BEGINNING
-            else:
-                try:
-                    _, high = consumer.get_watermark_offsets(
-                        TopicPartition(self.topic, partition), timeout=METADATA_TIMEOUT_S
-                    )
-                    self._start_offsets[partition] = high
-                except Exception:  # noqa: BLE001 - resolved lazily by librdkafka instead
-                    self._start_offsets[partition] = OFFSET_END
-        return self._start_offsets[partition]
-
-    def _on_error(self, err: Any) -> None:
-        metrics.LIVE_FEED_ERRORS.inc()
-        if isinstance(err, KafkaError) and err.fatal():
-            raise RuntimeError(f"fatal consumer error: {err.str()}")
-        self._log_error(err.str() if isinstance(err, KafkaError) else str(err))
-
-    def _log_error(self, text: str) -> None:
-        now = time.monotonic()
-        if now - self._last_error_log >= ERROR_LOG_INTERVAL_S:
-            self._last_error_log = now
-            log.warning("event=live_feed_error topic=%s error=%s", self.topic, text)

@@ -27,14 +27,13 @@ from gateway.publisher import Delivery, RunPublisher
 from gateway.store import AdmittedRun, NewRun, RunStore
 from koda.errors import DatabaseError
 from koda.lifecycle.ids import uuid7
-from koda.lifecycle.states import RunStatus
+from koda.lifecycle.states import TERMINAL
 from koda.scheduling import CronSpec, Overlap, Policy, QuietHours
 from schemas import ledger
 from schemas.records import RunRequested
 from schemas.tables import schedules, sessions
 from topics.catalogue import partition_for_key
 
-_TERMINAL = [s.value for s in RunStatus if s.terminal]
 _COLUMNS = (
     "id",
     "user_id",
@@ -275,7 +274,7 @@ class ScheduleStore:
         )
         by_index = {int(r.i): r.status for r in rows}
         return [
-            (status := by_index[i + 1]) is not None and status not in _TERMINAL
+            (status := by_index[i + 1]) is not None and status not in TERMINAL
             for i in range(len(items))
         ]
 

@@ -48,7 +48,7 @@ from gateway.models import ErrorBody
 from gateway.store import StoredEvent
 from koda import metrics
 from koda.errors import DatabaseError
-from koda.lifecycle.chunks import ChunkKind
+from koda.lifecycle.chunks import END_KIND, TERMINAL_KINDS, ChunkKind
 from koda.lifecycle.states import RunStatus
 from schemas.records import chunk_value
 
@@ -57,13 +57,6 @@ log = logging.getLogger(__name__)
 REPLAY_PAGE = 500
 MAX_RUN_ID_CHARS = 128
 MAX_SEQ = 2**31 - 1  # messages.seq is a Postgres integer
-END_KIND = {
-    RunStatus.DONE: ChunkKind.DONE.value,
-    RunStatus.FAILED: ChunkKind.ERROR.value,
-    RunStatus.CANCELLED: ChunkKind.CANCELLED.value,
-}
-
-_END_KINDS = frozenset(END_KIND.values())
 
 router = APIRouter()
 
@@ -326,7 +319,7 @@ class RunEventStream(Response):
             out += event_frame(e.seq, e.kind, data)
             written += 1
             self.last = e.seq
-            if e.kind in _END_KINDS:
+            if e.kind in TERMINAL_KINDS:
                 ended = True
                 break
         await self._write(bytes(out))
@@ -335,7 +328,7 @@ class RunEventStream(Response):
 
     def _end_frame(self, status: RunStatus) -> bytes:
         data = json_data({"run_id": self.run_id, "status": status.value})
-        return event_frame(None, END_KIND.get(status, ChunkKind.DONE.value), data)
+        return event_frame(None, END_KIND.get(status, ChunkKind.DONE).value, data)
 
     def _reconnect_frame(self, reason: str) -> bytes:
         data = json_data({"run_id": self.run_id, "reason": reason, "last_event_id": self.last})

@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.exceptions import OverBudget, SessionNotOwned
 from koda.errors import DatabaseError
+from koda.lifecycle.chunks import TERMINAL_KINDS
 from koda.lifecycle.ledger import Period, exceeded, soft_crossed
 from koda.lifecycle.states import RunStatus
 from schemas import ledger
@@ -114,7 +115,7 @@ class StoredEvent:
     attempt: int
 
 
-_TERMINAL_KINDS = ["done", "error", "cancelled"]
+_TERMINAL_KINDS = sorted(k.value for k in TERMINAL_KINDS)
 
 _STREAM_HEAD = text("SELECT status FROM runs WHERE id = :run_id AND user_id = :user_id")
 _RUN_END = text(

@@ -22,6 +22,10 @@ the topic are a *conflict*, reported with both hosts and pids, and the status is
 process's predecessor (a restart under a stable id): it is dropped, not a conflict.
 A tombstone removes the id with all its instances (it does not say which process
 wrote it; a twin still alive reappears with its next beat).
+
+The directory also answers ``GET /admin/lag`` (:meth:`WorkerDirectory.lag`): the worker
+group's lag per runs partition, asked of the broker at each request through one
+offsets reader (topics/kafka/offsets.py) kept for the gateway's lifetime.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from koda import metrics
 from koda.errors import RecordError
 from koda.settings import Settings
 from schemas.heartbeats import Beat, decode_beat
-from topics.workerlog import WorkerLogTail
+from topics.catalogue import RUNS
+from topics.kafka.offsets import GroupOffsetReader, PartitionLag
+from topics.workerlog import worker_log_tail
 
 log = logging.getLogger(__name__)
 
@@ -182,16 +188,28 @@ class WorkerTable:
 
 
 class WorkerDirectory:
-    """Tails the workers topic in the background into a :class:`WorkerTable`."""
+    """Tails the workers topic in the background into a :class:`WorkerTable`, and reads
+    the workers' lag on request."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.expected = settings.expected_workers
         self.table = WorkerTable(settings.beat_stale_after_s, settings.beat_forget_after_s)
-        self.tail = WorkerLogTail(
-            settings, "gateway", self.table.apply, start="beginning", after_poll=self.report
-        )
+        self.tail = worker_log_tail(settings, "gateway", self._apply, start="beginning")
         self.topic = self.tail.topic
+        self.runs_topic = settings.names.topic(RUNS)
+        self.group = settings.names.group(settings.worker_group)
+        # Connects on the first request; one client for the gateway's lifetime.
+        self._offsets = GroupOffsetReader(settings, "console-lag", self.runs_topic, self.group)
+
+    def _apply(self, key: bytes | None, value: bytes | None, offset: int) -> None:
+        self.table.apply(key, value, offset)
+        self.report()
+
+    async def lag(self) -> list[PartitionLag]:
+        """The worker group's lag on every runs partition, asked of the broker now;
+        raises ``confluent_kafka.KafkaException`` when the broker does not answer."""
+        return await self._offsets.run(self._offsets.lags, range(self.settings.partitions))
 
     def report(self) -> dict[str, Any]:
         report = self.table.report(self.expected)
@@ -207,3 +225,4 @@ class WorkerDirectory:
 
     async def stop(self) -> None:
         await self.tail.stop()
+        await self._offsets.aclose()

@@ -379,7 +379,7 @@ def require_confirmation(settings: Settings, confirmed: bool, what: str) -> None
 def worker_command() -> None:
     """Run one worker of the consumer group in the foreground (SIGTERM drains)."""
     from koda.logs import configure_logging
-    from processors.app import run_worker
+    from processors.bootstrap import run_worker
 
     configure_logging()
     run_worker(load_settings())

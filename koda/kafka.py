@@ -1,4 +1,11 @@
-"""Client configurations for librdkafka (gateway, admin) and aiokafka (workers).
+"""Client configurations for librdkafka (every koda client) and aiokafka (Faust), in
+one place, from :class:`~koda.settings.Settings`.
+
+The clients themselves live in topics/kafka/ (the tail, the bounded reader, the offsets
+reader); this module stays in the core because the reach probe (koda/reach.py) builds
+a consumer too. No client creates topics: ``koda topics apply`` owns them, and a record
+for a missing topic must fail instead of creating a one-partition topic that breaks
+per-user order.
 
 The gateway produces with confluent-kafka and the workers consume with aiokafka;
 both must put a key into the same partition. librdkafka's default partitioner
@@ -28,6 +35,7 @@ def producer_config(settings: Settings, role: str) -> dict[str, Any]:
         "compression.type": "lz4",
         "message.timeout.ms": int(settings.publish_timeout_s * 1000),
         "socket.keepalive.enable": True,
+        "allow.auto.create.topics": False,
         **settings.kafka_security.librdkafka(),
     }
 
@@ -39,6 +47,7 @@ def consumer_config(settings: Settings, role: str, group: str | None) -> dict[st
         "client.id": settings.names.client_id(role, _instance(settings)),
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
+        "allow.auto.create.topics": False,
         **settings.kafka_security.librdkafka(),
     }
     if group is not None:

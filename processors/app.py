@@ -1,8 +1,9 @@
-"""The worker: a Faust app consuming ``<env>.koda.runs`` with raw values.
+"""The worker's parts around Faust: partition fences, the rebalance hooks, and the Faust
+app consuming ``<env>.koda.runs`` with raw values, whose consumer drains and commits
+*before* Faust forgets the revoked partitions' acks.
 
-Composition (``build_worker``) wires settings → engine, store, emitter, handler,
-executor and the partition chains into a Faust app whose consumer drains and
-commits *before* Faust forgets the revoked partitions' acks.
+processors/bootstrap.py composes them (``build_worker``); every part gets its
+collaborators when it is constructed.
 
 Faust settings that make the handoff hold (see ARCHITECTURE.md):
 
@@ -19,55 +20,43 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import faust
 from faust.transport.drivers import aiokafka as faust_aiokafka
-from faust.types import TP
 
-from koda.db import async_engine
 from koda.kafka import aiokafka_security
-from koda.lifecycle.handler import CancelToken, Handler
+from koda.lifecycle.handler import CancelToken
 from koda.metrics import HANDOFF_SECONDS, REBALANCES
 from koda.settings import Settings
 from processors.chains import ChainSet
 from processors.control import ControlListener
 from processors.cursor import PartitionCursors
-from processors.emitter import Emitter
 from processors.groupcommit import GroupWriter
-from processors.handlers import build_handler
-from processors.offsets import GroupOffsetReader
 from processors.ops import WorkerOps
 from processors.runner import FencedOut, Record, RunExecutor
 from processors.store import Fence, RunStore
-from topics.catalogue import RUNS
+from topics.kafka.offsets import GroupOffsetReader
 
 log = logging.getLogger("koda.worker")
 
 
-@dataclass
-class WorkerRuntime:
-    """Everything the agent and the rebalance hooks share."""
+class PartitionFences:
+    """The fencing tokens (partition epochs) of the runs partitions this worker holds."""
 
-    settings: Settings
-    store: RunStore
-    executor: RunExecutor
-    handler: Handler
-    runs_topic: str
-    chains: ChainSet | None = None
-    cursors: PartitionCursors | None = None
-    fences: dict[int, Fence] = field(default_factory=dict)
-    # The runs partitions of the current assignment. Faust stamps records fetched just
-    # before a rebalance with the *new* generation, so the generation alone does not
-    # tell a record of a partition this worker just lost.
-    assigned: set[int] = field(default_factory=set)
-    app: faust.App | None = None
-    # Epoch bumps in progress. A record can arrive while on_assigned is still taking
-    # the epochs (or before it starts); bumping a second time would fence out the run
-    # that the first bump let start, and its chain would close for good.
-    taking: dict[int, asyncio.Future[Fence]] = field(default_factory=dict)
+    def __init__(self, store: RunStore, runs_topic: str, worker_id: str) -> None:
+        self.store = store
+        self.runs_topic = runs_topic
+        self.worker_id = worker_id
+        self.fences: dict[int, Fence] = {}
+        # The runs partitions of the current assignment. Faust stamps records fetched just
+        # before a rebalance with the *new* generation, so the generation alone does not
+        # tell a record of a partition this worker just lost.
+        self.assigned: set[int] = set()
+        # Epoch bumps in progress. A record can arrive while on_assigned is still taking
+        # the epochs (or before it starts); bumping a second time would fence out the run
+        # that the first bump let start, and its chain would close for good.
+        self.taking: dict[int, asyncio.Future[Fence]] = {}
 
     async def fence_for(self, partition: int) -> Fence:
         fence = self.fences.get(partition)
@@ -79,17 +68,15 @@ class WorkerRuntime:
         pending = self.taking.get(partition)
         if pending is not None:
             return await asyncio.shield(pending)
-        return (await self._take([partition]))[partition]
+        return (await self.take([partition]))[partition]
 
-    async def _take(self, partitions: list[int]) -> dict[int, Fence]:
+    async def take(self, partitions: list[int]) -> dict[int, Fence]:
         """Bump the epochs of ``partitions`` once; concurrent askers share the result."""
         loop = asyncio.get_running_loop()
         mine = {p: loop.create_future() for p in partitions}
         self.taking.update(mine)
         try:
-            epochs = await self.store.bump_epochs(
-                self.runs_topic, partitions, self.settings.worker_id
-            )
+            epochs = await self.store.bump_epochs(self.runs_topic, partitions, self.worker_id)
             fences = {p: Fence(self.runs_topic, p, e) for p, e in epochs.items()}
             self.fences.update(fences)
         except BaseException as exc:
@@ -105,23 +92,68 @@ class WorkerRuntime:
             fut.set_result(fences[p])
         return fences
 
+    def untaken(self, partitions: list[int]) -> list[int]:
+        """Those of ``partitions`` with no fence taken, or being taken, yet."""
+        return [p for p in partitions if p not in self.fences and p not in self.taking]
+
+
+class RecordProcessor:
+    """What a partition chain does with one event: fence it, then run the executor."""
+
+    def __init__(self, fences: PartitionFences, executor: RunExecutor) -> None:
+        self.fences = fences
+        self.executor = executor
+
     async def process(self, event: Any, partition: int, cancel: CancelToken) -> None:
         msg = event.message
         record = Record(msg.topic, partition, msg.offset, msg.key, msg.value, msg.headers)
-        fence = await self.fence_for(partition)
+        fence = await self.fences.fence_for(partition)
         await self.executor.process(record, fence, cancel)
+
+
+class WorkerRuntime:
+    """What the agent and the rebalance hooks share: the fences, the partition chains
+    and the read/commit cursors of the runs partitions."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        fences: PartitionFences,
+        chains: ChainSet,
+        cursors: PartitionCursors,
+    ) -> None:
+        self.settings = settings
+        self.fences = fences
+        self.chains = chains
+        self.cursors = cursors
+        self.runs_topic = fences.runs_topic
+
+    @property
+    def assigned(self) -> set[int]:
+        return self.fences.assigned
+
+    def held(self) -> list[int]:
+        """The runs partitions this worker holds: fenced (assigned) or with a chain
+        (draining)."""
+        return sorted(set(self.fences.fences) | set(self.chains.held()))
+
+    def in_flight(self) -> int:
+        return self.chains.in_flight
+
+    def assign(self, partitions: set[int]) -> None:
+        """The consumer's new assignment, before any of its records is taken."""
+        self.fences.assigned = set(partitions)
 
     async def on_assigned(self, partitions: list[int]) -> None:
         REBALANCES.labels(event="assigned").inc()
-        if self.chains is not None:
-            self.chains.accepting = True
+        self.chains.accepting = True
         # A partition whose first record already took (or is taking) its epoch in this
         # assignment keeps it; revoke dropped the fences of the previous one.
-        todo = [p for p in partitions if p not in self.fences and p not in self.taking]
+        todo = self.fences.untaken(partitions)
         if not todo:
             return
         try:
-            await self._take(todo)
+            await self.fences.take(todo)
         except Exception:  # noqa: BLE001 - fences are taken lazily on first record instead
             log.exception("could not take partition epochs; will retry on first record")
             return
@@ -129,35 +161,37 @@ class WorkerRuntime:
 
     async def on_revoked(self, partitions: list[int]) -> dict[str, Any]:
         REBALANCES.labels(event="revoked").inc()
-        self.assigned.difference_update(partitions)
+        self.fences.assigned.difference_update(partitions)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        result: dict[str, Any] = {}
-        if self.chains is not None:
-            result = await self.chains.drain(partitions, self.settings.handoff_ceiling_s)
+        result = await self.chains.drain(partitions, self.settings.handoff_ceiling_s)
         for p in partitions:
-            self.fences.pop(p, None)
+            self.fences.fences.pop(p, None)
         HANDOFF_SECONDS.observe(loop.time() - started)
         log.info("revoked partitions=%s drain=%s", partitions, result)
         return result
 
 
 class DrainingConsumer(faust_aiokafka.Consumer):
-    """Drain and commit on revoke *before* Faust drops the revoked partitions' acks."""
+    """Drain and commit on revoke *before* Faust drops the revoked partitions' acks.
 
-    runtime: WorkerRuntime | None = None
+    Faust builds it from the transport; the runtime is its app's (:class:`KodaApp`).
+    """
+
+    @property
+    def runtime(self) -> WorkerRuntime:
+        return cast(KodaApp, self.app).runtime
 
     async def on_partitions_revoked(self, revoked: set[Any]) -> None:
         rt = self.runtime
-        if rt is not None and revoked:
+        if revoked:
             ours = sorted(tp.partition for tp in revoked if tp.topic == rt.runs_topic)
             if ours:
                 await rt.on_revoked(ours)
                 # commit() returns False if another commit was running: ask twice.
                 await self.commit(revoked)
                 await self.commit(revoked)
-                if rt.cursors is not None:
-                    rt.cursors.forget(ours)  # after the commits, which need them
+                rt.cursors.forget(ours)  # after the commits, which need them
         await super().on_partitions_revoked(revoked)
 
     async def on_partitions_assigned(self, assigned: set[Any], generation_id: int = 0) -> None:
@@ -165,8 +199,7 @@ class DrainingConsumer(faust_aiokafka.Consumer):
         # on_partitions_assigned signal: records arriving then must not be taken for
         # records of partitions this worker does not hold.
         rt = self.runtime
-        if rt is not None:
-            rt.assigned = {tp.partition for tp in assigned if tp.topic == rt.runs_topic}
+        rt.assign({tp.partition for tp in assigned if tp.topic == rt.runs_topic})
         await super().on_partitions_assigned(assigned, generation_id)
 
     def _new_offset(self, tp: Any) -> int | None:
@@ -174,7 +207,7 @@ class DrainingConsumer(faust_aiokafka.Consumer):
         # it does not start at the committed offset (always so when there is none):
         # koda's commit cursor demands that it does.
         rt = self.runtime
-        if rt is None or rt.cursors is None or tp.topic != rt.runs_topic:
+        if tp.topic != rt.runs_topic:
             return super()._new_offset(tp)
         acked = self._acked[tp]
         if not acked:
@@ -197,10 +230,31 @@ class KodaTransport(faust_aiokafka.Transport):
 
 
 class KodaApp(faust.App):
-    ops: WorkerOps | None = None
-    offsets: GroupOffsetReader | None = None
-    group_writer: GroupWriter | None = None
-    control: ControlListener | None = None
+    """The Faust app with koda's transport, and the worker's services started and
+    stopped around it.
+
+    ``runtime``: the rebalance hooks' state. ``control``: the run-control tail.
+    ``ops``: heartbeat, probes and lag. ``offsets``: the cursors' offsets reader.
+    ``group_writer``: the executor's group commit, closed after the final commit.
+    """
+
+    def __init__(
+        self,
+        id: str,
+        *,
+        runtime: WorkerRuntime,
+        control: ControlListener,
+        ops: WorkerOps,
+        offsets: GroupOffsetReader,
+        group_writer: GroupWriter,
+        **options: Any,
+    ) -> None:
+        super().__init__(id, **options)
+        self.runtime = runtime
+        self.control = control
+        self.ops = ops
+        self.offsets = offsets
+        self.group_writer = group_writer
 
     def _new_transport(self) -> Any:
         return KodaTransport(self.conf.broker_consumer, self)
@@ -210,10 +264,8 @@ class KodaApp(faust.App):
 
     async def on_started(self) -> None:
         await super().on_started()
-        if self.control is not None:
-            await self.control.start()
-        if self.ops is not None:
-            await self.ops.start()
+        await self.control.start()
+        await self.ops.start()
 
     async def on_stop(self) -> None:
         # Heartbeat tombstone and health server go last: after the drain and the
@@ -221,15 +273,11 @@ class KodaApp(faust.App):
         try:
             await super().on_stop()
         finally:
-            if self.ops is not None:
-                await self.ops.stop(crashed=self.crashed)
-            if self.offsets is not None:
-                await self.offsets.aclose()
-            if self.group_writer is not None:
-                await self.group_writer.close()
+            await self.ops.stop(crashed=self.crashed)
+            await self.offsets.aclose()
+            await self.group_writer.close()
             # Last: a cancel arriving while the drain waits for runs must still reach them.
-            if self.control is not None:
-                await self.control.stop()
+            await self.control.stop()
 
 
 def faust_settings(settings: Settings, datadir: str) -> dict[str, Any]:
@@ -279,136 +327,3 @@ def faust_settings(settings: Settings, datadir: str) -> dict[str, Any]:
         "producer_acks": -1,
         "producer_linger_ms": 2,
     }
-
-
-def build_worker(settings: Settings, datadir: str) -> tuple[faust.App, WorkerRuntime]:
-    """Compose the worker: nothing connects until the Faust worker starts.
-
-    ``datadir`` is Faust's scratch directory (koda keeps no tables in it).
-    """
-    # No pre-ping: it is a round trip on every checkout, i.e. every transaction. A connection
-    # that died in the pool fails its statement, SQLAlchemy discards it, and the
-    # chain retries the record in place, as after any database error.
-    engine = async_engine(settings, pool_size=settings.max_inflight + 2, pre_ping=False)
-    store = RunStore(engine)
-    handler = build_handler(settings, engine)
-    app = KodaApp(settings.names.group(settings.worker_group), **faust_settings(settings, datadir))
-    emitter = Emitter(settings, app.producer.send)
-    executor = RunExecutor(settings, store, emitter, handler)
-    app.group_writer = executor.writer
-    app.control = ControlListener(settings, executor.board)
-    runs_topic = settings.names.topic(RUNS)
-    rt = WorkerRuntime(settings, store, executor, handler, runs_topic, app=app)
-    DrainingConsumer.runtime = rt
-
-    def ack(event: Any) -> None:
-        event.ack()
-
-    def tp(partition: int) -> Any:
-        return TP(runs_topic, partition)
-
-    chains = ChainSet(
-        max_inflight=settings.max_inflight,
-        process=rt.process,
-        ack=ack,
-        # Not pause_partitions(): Faust then silently drops records of that partition
-        # already fetched, and the consumer position has moved past them. The
-        # buffer-full path stops new fetches but still delivers what is in memory.
-        pause=lambda p: app.consumer.on_buffer_full(tp(p)),
-        resume=lambda p: app.consumer.on_buffer_drop(tp(p)),
-        is_fenced=lambda exc: isinstance(exc, FencedOut),
-        high_water=settings.chain_high_water,
-        low_water=max(1, settings.chain_high_water // 4),
-    )
-    rt.chains = chains
-
-    offsets = GroupOffsetReader(
-        settings, "cursor", runs_topic, settings.names.group(settings.worker_group)
-    )
-    app.offsets = offsets
-
-    async def base_offset(partition: int) -> int:
-        return await offsets.run(offsets.start_offset, partition)
-
-    async def seek(partition: int, offset: int) -> None:
-        await app.consumer.seek(tp(partition), offset)
-
-    cursors = PartitionCursors(base_offset, seek)
-    rt.cursors = cursors
-    app.ops = WorkerOps(settings, app, rt)
-    source = app.topic(
-        runs_topic,
-        key_type=bytes,
-        value_type=bytes,
-        key_serializer="raw",
-        value_serializer="raw",
-    )
-
-    def current(msg: Any) -> bool:
-        # A record fetched before the last rebalance, or of a partition this worker no
-        # longer holds: its owner reads it (again).
-        return bool(
-            msg.generation_id == app.consumer_generation_id and msg.tp.partition in rt.assigned
-        )
-
-    @app.agent(source)
-    async def dispatch(stream: Any) -> None:
-        async for event in stream.noack().events():
-            msg = event.message
-            partition = msg.tp.partition
-            if not current(msg) or not await admit(partition, msg.offset, msg.generation_id):
-                continue
-            if not current(msg):
-                continue  # the group changed while the cursor looked its base up
-            if chains.dispatch(event, partition, msg.offset):
-                cursors.advance(partition, msg.offset)
-
-    async def admit(partition: int, offset: int, generation: int) -> bool:
-        try:
-            return await cursors.admit(partition, offset, generation)
-        except Exception as exc:  # noqa: BLE001 - the broker may be restarting
-            # Never wait here: every partition's records queue behind this one. The
-            # record is dropped; the tail check finds the partition behind its consumer
-            # position once the broker answers again and seeks back for it.
-            log.warning("cannot place partition=%d offset=%d: %s", partition, offset, exc)
-            return False
-
-    async def position(partition: int) -> int | None:
-        try:
-            pos = await app.consumer.position(tp(partition))
-        except Exception:  # noqa: BLE001 - not assigned any more, or the broker is away
-            return None
-        return None if pos is None else int(pos)
-
-    @app.timer(interval=2.0)  # type: ignore[untyped-decorator]
-    async def watch_tails() -> None:
-        generation = app.consumer_generation_id
-        try:
-            await cursors.watch(sorted(rt.assigned), generation, position)
-        except Exception as exc:  # noqa: BLE001 - retried at the next pass
-            log.warning("tail check failed: %s", exc)
-
-    @app.on_partitions_assigned.connect  # type: ignore[arg-type]
-    async def _assigned(sender: Any, assigned: set[Any], **_: Any) -> None:
-        await rt.on_assigned(sorted(t.partition for t in assigned if t.topic == runs_topic))
-
-    @app.on_before_shutdown.connect  # type: ignore[arg-type]
-    async def _shutdown(sender: Any, **_: Any) -> None:
-        chains.accepting = False
-        await rt.on_revoked(chains.held())
-
-    return app, rt
-
-
-def run_worker(settings: Settings) -> None:
-    """Run a worker in the foreground until SIGTERM/SIGINT (drains, commits, exits 0)."""
-    with tempfile.TemporaryDirectory(prefix="koda-faust-") as datadir:
-        app, _ = build_worker(settings, datadir)
-        worker = faust.Worker(
-            app, loglevel="INFO", override_logging=False, redirect_stdouts=False, quiet=True
-        )
-        try:
-            worker.execute_from_commandline()
-        except SystemExit as exc:
-            if exc.code not in (0, None):
-                raise

@@ -18,6 +18,7 @@ from datetime import datetime
 from sqlalchemy import Engine, text
 
 from koda.db import sync_engine
+from koda.lifecycle.states import TERMINAL
 from koda.settings import Settings
 from topics.chunklog import ChunkLog, read_chunk_log
 
@@ -25,7 +26,7 @@ _FINISHED = text(
     """
     SELECT id FROM runs
      WHERE finished_at IS NOT NULL AND finished_at >= :since
-       AND status IN ('done', 'failed', 'cancelled')
+       AND status = ANY(:terminal)
      ORDER BY finished_at, id
     """
 )
@@ -36,6 +37,7 @@ _MESSAGES = text(
     """
 )
 PAGE = 500
+_TERMINAL = sorted(s.value for s in TERMINAL)
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def verify_chunks(
     db = engine if engine is not None else sync_engine(settings)
     try:
         with db.connect() as conn:
-            ids = [r.id for r in conn.execute(_FINISHED, {"since": since})]
+            ids = [r.id for r in conn.execute(_FINISHED, {"since": since, "terminal": _TERMINAL})]
         # The topic is read after the run list: a run listed has ended, so everything it
         # will ever have in Postgres was there before this read started.
         log = read_chunk_log(settings, timeout_s=timeout_s)

@@ -44,7 +44,8 @@ from sqlalchemy import Engine, text
 from koda.db import sync_engine
 from koda.errors import KodaError
 from koda.kafka import producer_config
-from koda.lifecycle.chunks import ChunkKind, chunk_key, final_key, visible_output
+from koda.lifecycle.chunks import TERMINAL_KINDS, chunk_key, end_kind, final_key, visible_output
+from koda.lifecycle.states import TERMINAL, RunStatus
 from koda.metrics import CHUNK_RUNS_COMPACTED, CHUNKS_REPUBLISHED
 from koda.settings import Settings
 from schemas.records import RUN_CHUNK, RUN_FINAL, FinalRecord, chunk_value, headers_for
@@ -54,12 +55,7 @@ log = logging.getLogger(__name__)
 
 ROLE = "compactor"
 DELIVERY_TIMEOUT_S = 60.0
-_TERMINAL_STATUSES = ["done", "failed", "cancelled"]
-_END_KIND = {
-    "done": ChunkKind.DONE.value,
-    "failed": ChunkKind.ERROR.value,
-    "cancelled": ChunkKind.CANCELLED.value,
-}
+_TERMINAL_STATUSES = sorted(s.value for s in TERMINAL)
 
 _CLAIM = text(
     """
@@ -136,9 +132,7 @@ class ChunkCompactor:
         self._own_engine = engine is None
         self.engine = engine if engine is not None else sync_engine(settings)
         self.producer = (
-            producer
-            if producer is not None
-            else Producer(producer_config(settings, ROLE) | {"allow.auto.create.topics": False})
+            producer if producer is not None else Producer(producer_config(settings, ROLE))
         )
 
     def close(self) -> None:
@@ -278,12 +272,12 @@ class ChunkCompactor:
                 failures.append(err.str())
 
         last = messages[-1]
-        ends = [m for m in messages if m.kind in _END_KIND.values()]
+        ends = [m for m in messages if m.kind in TERMINAL_KINDS]
         end = ends[-1] if ends else None
         final = FinalRecord(
             run_id=run_id,
             last_seq=last.seq,
-            end=end.kind if end is not None else _END_KIND[status],
+            end=end.kind if end is not None else end_kind(RunStatus(status)).value,
             end_content=end.content if end is not None else "",
             content=visible_output((m.seq, m.kind, m.content) for m in messages),
             attempt=last.attempt,

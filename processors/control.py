@@ -16,25 +16,28 @@ run that was cancelled or whose input changed, and the next claim sees the reque
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-
-from koda.kafka import aiokafka_security
 from koda.lifecycle.control import CANCEL, MERGE, ControlRecord, decode_control
 from koda.lifecycle.handler import CancelToken
 from koda.settings import Settings
 from processors.store import RunSteer
 from topics.catalogue import RUN_CONTROL
+from topics.kafka.tail import TailEvents, TopicTail
 
 log = logging.getLogger("koda.worker")
 
-RETRY_S = 1.0
+EVENTS = TailEvents(
+    error="run_control_tail_error",
+    restart="run_control_tail_restart",
+    not_ready="run_control_tail_not_ready",
+    partitions_added="run_control_partitions_added",
+)
+Record = tuple[bytes | None, int, int]
+# The catalogue fixes run-control's partition count (`koda topics check` verifies it).
+DISCOVERY_INTERVAL_S = 30.0
 
 
 @dataclass
@@ -131,68 +134,46 @@ class ControlBoard:
 
 
 class ControlListener:
-    """Tails every partition of the run-control topic and hands records to the board."""
+    """Tails every partition of the run-control topic (the no-group tail, from its end)
+    and hands records to the board, on the event loop."""
 
     def __init__(self, settings: Settings, board: ControlBoard) -> None:
-        self.settings = settings
         self.board = board
         self.topic = settings.names.topic(RUN_CONTROL)
-        self._task: asyncio.Task[None] | None = None
-        self.ready = asyncio.Event()  # assigned and positioned at the end
-
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="koda-run-control")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    def _consumer(self) -> AIOKafkaConsumer:
-        return AIOKafkaConsumer(
-            bootstrap_servers=self.settings.kafka_bootstrap.split(","),
-            group_id=None,
-            enable_auto_commit=False,
-            client_id=self.settings.names.client_id("control", "tail"),
-            fetch_max_wait_ms=100,
-            **aiokafka_security(self.settings),
+        self._tail: TopicTail[Record] = TopicTail(
+            settings,
+            "control-tail",
+            self.topic,
+            start="end",
+            route=lambda messages: [(m.value(), m.partition(), m.offset()) for m in messages],
+            deliver=self._deliver,
+            events=EVENTS,
+            discovery_interval_s=DISCOVERY_INTERVAL_S,
+            on_ready=self._ready,
         )
 
-    async def _run(self) -> None:
-        while True:
-            consumer = self._consumer()
-            try:
-                await consumer.start()
-                # The catalogue gives run-control the runs topic's partition count
-                # (`koda topics check` verifies it); no metadata round trip needed.
-                tps = [TopicPartition(self.topic, p) for p in range(self.settings.partitions)]
-                consumer.assign(tps)
-                await consumer.seek_to_end(*tps)
-                for tp in tps:  # resolve the end now: records from here on are acted on
-                    await consumer.position(tp)
-                self.ready.set()
-                log.info("run-control tail started partitions=%d", len(tps))
-                async for msg in consumer:
-                    self._handle(msg)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - Postgres covers what is missed
-                log.warning("run-control tail failed, restarting: %s", exc)
-                await asyncio.sleep(RETRY_S)
-            finally:
-                with contextlib.suppress(Exception):
-                    await consumer.stop()
+    async def start(self) -> None:
+        self._tail.start()
 
-    def _handle(self, msg: Any) -> None:
-        record = decode_control(msg.value)
+    async def stop(self) -> None:
+        await self._tail.stop()
+
+    @staticmethod
+    def _ready(partitions: int) -> None:
+        # Positioned at the end: records from here on are acted on.
+        log.info("run-control tail started partitions=%d", partitions)
+
+    def _deliver(self, records: list[Record]) -> None:
+        for value, partition, offset in records:
+            self._handle(value, partition, offset)
+
+    def _handle(self, value: bytes | None, partition: int, offset: int) -> None:
+        record = decode_control(value)
         if record is None:
             log.warning(
                 "run-control record ignored: not a control record partition=%d offset=%d",
-                msg.partition,
-                msg.offset,
+                partition,
+                offset,
             )
             return
         if self.board.deliver(record):

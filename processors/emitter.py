@@ -14,6 +14,7 @@ from typing import Any
 from koda.lifecycle.chunks import Chunk, chunk_key
 from koda.metrics import DEAD_LETTERS
 from koda.settings import Settings
+from processors.ports import Record
 from schemas.records import (
     DEAD_LETTER,
     RUN_CHUNK,
@@ -68,30 +69,19 @@ class Emitter:
         )
         return fut
 
-    async def dead_letter(
-        self,
-        *,
-        key: bytes | None,
-        value: bytes | None,
-        headers: Any,
-        topic: str,
-        partition: int,
-        offset: int,
-        attempts: int,
-        reason: str,
-        error: str,
-    ) -> None:
-        """Write one dead letter and wait until the broker has it (the only DLQ writer)."""
+    async def dead_letter(self, record: Record, *, attempts: int, reason: str, error: str) -> None:
+        """Write the dead letter of ``record`` and wait until the broker has it (the only
+        DLQ writer)."""
         fut = await self._send(
             topic=self.dlq_topic,
-            key=key,
+            key=record.key,
             value=dead_letter_value(
-                key=key,
-                value=value,
-                headers=headers,
-                topic=topic,
-                partition=partition,
-                offset=offset,
+                key=record.key,
+                value=record.value,
+                headers=record.headers,
+                topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
                 attempts=attempts,
                 reason=reason,
                 error=error,

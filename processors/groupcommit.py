@@ -19,8 +19,9 @@ Failure modes and what happens:
 * a run no longer owned (fenced out): its part is not written and it gets None; the
   other runs of the group are written as usual;
 * a group fails (a row Postgres refuses, a deadlock, a lost connection): each part of
-  the group is written again alone, so one bad part fails only its own run and
-  nothing of the failed group was half-written (it rolled back);
+  the group is written again as a group of one (the same statements), so one bad part
+  fails only its own run and nothing of the failed group was half-written (it rolled
+  back);
 * a run cancelled while its part waits (handoff ceiling): the part is taken out of
   the queue unwritten. Once a group has started it cannot be taken back; as with a
   run cut off during its own transaction, the successor resumes after what committed.
@@ -30,7 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from koda.metrics import GROUP_COMMIT_RUNS
 from processors import faults
@@ -43,7 +46,6 @@ from processors.store import (
     GroupResult,
     GroupWrite,
     PublishedWrite,
-    RunStore,
     Superseded,
 )
 
@@ -61,11 +63,18 @@ class _Waiting:
     )
 
 
+class GroupStore(Protocol):
+    """What the writer needs of the store: one transaction for a group of writes, a
+    result per write (processors/store.py ``RunStore.write_group``)."""
+
+    async def write_group(self, writes: Sequence[GroupWrite]) -> list[GroupResult]: ...
+
+
 class GroupWriter:
     """Writes runs' claims, chunk batches and finishes to Postgres in shared transactions."""
 
     def __init__(
-        self, store: RunStore, max_rows: int = MAX_GROUP_ROWS, *, fault: str | None = None
+        self, store: GroupStore, max_rows: int = MAX_GROUP_ROWS, *, fault: str | None = None
     ) -> None:
         self.store = store
         self.max_rows = max_rows
@@ -185,34 +194,9 @@ class GroupWriter:
                 waiting.done.set_result(result)
 
     async def _alone(self, waiting: _Waiting) -> None:
-        w = waiting.write
-        result: GroupResult
+        """Write one part of a failed group as a group of its own: its error is its own."""
         try:
-            if isinstance(w, PublishedWrite):
-                await self.store.mark_published([w])
-                result = None
-            elif isinstance(w, ClaimWrite):
-                result = await self.store.claim(w.run_id, w.fence, w.worker_id)
-            elif isinstance(w, FinishWrite):
-                result = await self.store.finish(
-                    w.fence,
-                    w.run_id,
-                    w.status,
-                    w.chunks,
-                    w.usage,
-                    w.error,
-                    first_output=w.first_output,
-                    input_version=w.input_version,
-                    ledger=w.ledger,
-                )
-            else:
-                result = await self.store.write_chunks(
-                    w.fence,
-                    w.run_id,
-                    w.chunks,
-                    first_output=w.first_output,
-                    input_version=w.input_version,
-                )
+            (result,) = await self.store.write_group([waiting.write])
         except Exception as exc:  # noqa: BLE001 - the run's own error, handed to it
             if not waiting.done.done():
                 waiting.done.set_exception(exc)

@@ -19,7 +19,6 @@ the Faust app. Never a check of Postgres or Kafka: those show in the metrics.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import faust
 from aiohttp import web
 
 from koda import metrics
+from koda.background import BackgroundTask
 
 log = logging.getLogger("koda.worker")
 
@@ -53,7 +53,7 @@ class LoopProbe:
         self._clock = clock
         self.last_tick = clock()
         self.lag_s = 0.0
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask("koda-loop-probe", self.run)
 
     def tick(self, lag_s: float) -> None:
         self.lag_s = max(0.0, lag_s)
@@ -75,14 +75,10 @@ class LoopProbe:
 
     def start(self) -> None:
         self.last_tick = self._clock()
-        self._task = asyncio.create_task(self.run(), name="koda-loop-probe")
+        self._task.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._task.stop()
 
 
 class GroupMembership(faust.Sensor):

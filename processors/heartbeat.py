@@ -13,7 +13,6 @@ process stops (SIGSTOP, a frozen host), which is exactly what they must show.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -22,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
+from koda.background import BackgroundTask
 from koda.metrics import HEARTBEATS
 from koda.settings import Settings
 from schemas.heartbeats import Beat, beat_headers
@@ -63,7 +63,7 @@ class Heartbeat:
         self._send = send
         self._in_flight = in_flight
         self._partitions = partitions
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask("koda-heartbeat", self.run)
 
     def current(self) -> Beat:
         """The beat this worker would send now."""
@@ -123,13 +123,8 @@ class Heartbeat:
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
 
     def start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self.run(), name="koda-heartbeat")
+        self._task.start()
 
     async def stop(self) -> None:
         """Stop beating; a beat already handed to the producer is still delivered first."""
-        task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._task.stop()

@@ -25,7 +25,7 @@ from koda.metrics import WORKER_ID_TWIN_BEATS
 from koda.settings import Settings
 from processors.heartbeat import Heartbeat
 from schemas.heartbeats import Beat, decode_beat
-from topics.workerlog import WorkerLogTail
+from topics.workerlog import worker_log_tail
 
 log = logging.getLogger("koda.worker")
 
@@ -47,7 +47,7 @@ class TwinWatch:
         self._clock = clock
         self._logged_at: dict[str, float] = {}
         self.twins: dict[str, Beat] = {}
-        self.tail = WorkerLogTail(settings, "worker", self.apply, start="end")
+        self.tail = worker_log_tail(settings, "worker", self.apply, start="end")
 
     def apply(self, key: bytes | None, value: bytes | None, offset: int = -1) -> None:
         """Look at one workers-topic record; only beats under this worker's id matter."""

@@ -7,7 +7,7 @@ the broker, not Faust's in-memory positions, makes the figure what an outside
 lag exporter would report. Partitions this worker no longer holds are removed
 from the gauge so two workers never report the same partition.
 
-The broker is asked through processors/offsets.py's reader (a librdkafka consumer
+The broker is asked through topics/kafka/offsets.py's reader (a librdkafka consumer
 that never subscribes, in a thread of its own), not through the AdminClient, whose
 ``list_offsets`` also crashed the process while partition leaders were being
 elected. A metric must never stop a worker.
@@ -22,28 +22,32 @@ from collections.abc import Callable, Iterable
 
 from confluent_kafka import KafkaException
 
+from koda.background import BackgroundTask
 from koda.metrics import CONSUMER_LAG
-from koda.settings import Settings
-from processors.offsets import GroupOffsetReader
-from topics.catalogue import RUNS
+from topics.kafka.offsets import GroupOffsetReader
 
 log = logging.getLogger("koda.worker")
 
 
 class LagMonitor:
-    """Samples the lag of the partitions ``partitions()`` returns, into the gauge."""
+    """Samples, every ``interval_s``, the lag of the partitions ``partitions()`` returns
+    into the gauge, through ``reader`` (the runs topic and the workers' group), which it
+    closes when it stops."""
 
-    def __init__(self, settings: Settings, partitions: Callable[[], Iterable[int]]) -> None:
-        self.settings = settings
-        self.topic = settings.names.topic(RUNS)
-        self.interval_s = settings.lag_interval_s
+    def __init__(
+        self,
+        reader: GroupOffsetReader,
+        partitions: Callable[[], Iterable[int]],
+        *,
+        interval_s: float,
+    ) -> None:
+        self.topic = reader.topic
+        self.interval_s = interval_s
         self._partitions = partitions
         # A pass stops at the first failure, so a broker outage costs one timeout per pass.
-        self._reader = GroupOffsetReader(
-            settings, "lag", self.topic, settings.names.group(settings.worker_group)
-        )
+        self._reader = reader
         self._reported: set[int] = set()
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask("koda-lag-monitor", self.run)
 
     async def sample(self) -> dict[int, int]:
         """Measure and publish the lag of every held partition; returns it."""
@@ -54,20 +58,11 @@ class LagMonitor:
         self._reported &= set(held)
         if not held:
             return {}
-        lags = await self._reader.run(self._measure, held)
+        rows = await self._reader.run(self._reader.lags, held)
+        lags = {row.partition: row.lag for row in rows}
         for p, lag in lags.items():
             CONSUMER_LAG.labels(topic=self.topic, partition=str(p)).set(lag)
         self._reported |= set(held)
-        return lags
-
-    def _measure(self, held: list[int]) -> dict[int, int]:
-        """Blocking: committed offsets of the group, then each partition's watermarks."""
-        committed = self._reader.committed(held)
-        lags: dict[int, int] = {}
-        for p in held:
-            low, high = self._reader.watermarks(p)
-            position = committed.get(p)
-            lags[p] = max(0, high - (low if position is None else position))
         return lags
 
     async def run(self) -> None:
@@ -81,14 +76,10 @@ class LagMonitor:
             await asyncio.sleep(self.interval_s)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self.run(), name="koda-lag-monitor")
+        self._task.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._task.stop()
         for p in self._reported:
             with contextlib.suppress(KeyError):
                 CONSUMER_LAG.remove(self.topic, str(p))

@@ -31,9 +31,9 @@ import logging
 from typing import Any
 
 from koda.metrics import CHUNKS_REPUBLISHED
-from processors.emitter import Emitter
 from processors.groupcommit import GroupWriter
-from processors.store import RunRow, RunStore
+from processors.ports import RunOutput, WorkerStore
+from processors.store import RunRow
 
 log = logging.getLogger("koda.worker")
 
@@ -41,7 +41,7 @@ log = logging.getLogger("koda.worker")
 class ChunkRepair:
     """The worker's half of keeping the chunk topic whole (see the module docstring)."""
 
-    def __init__(self, store: RunStore, emitter: Emitter, writer: GroupWriter) -> None:
+    def __init__(self, store: WorkerStore, emitter: RunOutput, writer: GroupWriter) -> None:
         self.store, self.emitter, self.writer = store, emitter, writer
 
     async def terminal(self, run: RunRow, partition: int) -> None:

@@ -5,157 +5,116 @@ outcome is durable in Postgres and on the topics), and raises :class:`FencedOut`
 when this worker no longer owns the partition: then nothing is acked and the
 successor redoes the work. ``asyncio.CancelledError`` (handoff ceiling) also
 leaves the record unacked.
+
+The executor is a thin service: what an attempt leads to (start, retry, give up,
+reset) is decided by :mod:`koda.lifecycle.attempts`; it talks to Postgres through a
+:class:`~processors.ports.WorkerStore` (every claim, batch and finish through the
+group writer) and to Kafka through a :class:`~processors.ports.RunOutput`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
 
-from koda.errors import HandlerError, KodaError, RecordError
-from koda.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
-from koda.lifecycle.handler import (
-    CancelToken,
-    Handler,
-    Item,
-    RunContext,
-    RunFailed,
-    ToolActivity,
-    Usage,
+from koda.errors import HandlerError, RecordError
+from koda.lifecycle.attempts import (
+    ERROR_ROW_CHARS,
+    MAX_CLAIMS_PER_ATTEMPT,
+    GiveUp,
+    Retry,
+    after_claim,
+    after_failure,
+    end_event,
+    first_output,
 )
-from koda.lifecycle.ledger import LedgerCall, Outcome, calls_of
+from koda.lifecycle.chunks import ChunkKind, SeqCounter
+from koda.lifecycle.handler import CancelToken, Handler, RunContext, RunFailed, Usage
+from koda.lifecycle.ledger import Outcome
 from koda.lifecycle.retry import RetryPolicy
 from koda.lifecycle.states import RunStatus
 from koda.metrics import (
-    LEDGER_CALLS,
     QUEUE_AGE_SECONDS,
     RETRIES,
     RUN_DURATION_SECONDS,
     RUNS,
-    TIME_TO_FIRST_CHUNK_SECONDS,
 )
 from koda.settings import Settings
+from processors.billing import Billing
 from processors.control import ControlBoard, RunControl
-from processors.emitter import Emitter
 from processors.groupcommit import GroupWriter
+from processors.ports import Record, RunOutput, WorkerStore
 from processors.republish import ChunkRepair
-from processors.store import (
-    ChunkWrite,
-    ClaimWrite,
-    Fence,
-    Finished,
-    FinishWrite,
-    RunStore,
-    Superseded,
-)
-from schemas.ledger import PricedCall
+from processors.store import ClaimWrite, Fence, Finished, FinishWrite, RunRow, Superseded
+from processors.streaming import CallTally, ChunkBatcher, FencedOut, stream
 from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, headers_for
+
+__all__ = [
+    "MAX_CLAIMS_PER_ATTEMPT",
+    "ChunkBatcher",
+    "FencedOut",
+    "Predecessor",
+    "Record",
+    "RunExecutor",
+]
 
 log = logging.getLogger("koda.worker")
 
-# A run may be claimed at most KODA_MAX_ATTEMPTS x this many times (handler failures and
-# resumptions together) before it is given up.
-MAX_CLAIMS_PER_ATTEMPT = 3
-
-
-class FencedOut(KodaError):
-    """This worker lost the partition: its writes match zero rows; do not ack."""
+# The offset a dead letter names for a trigger the worker made itself (a predecessor's;
+# schemas/record_specs.py documents it).
+NO_OFFSET = -1
 
 
 @dataclass(frozen=True)
-class Record:
-    """The parts of a Kafka message the executor needs (decoupled from Faust)."""
+class Predecessor:
+    """A user's older unfinished run, run before ``record``'s own: the user's order is
+    the order of creation, and its own trigger is late or lost, so none is in hand."""
 
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: Any
-
-
-_END = object()
-_STOP = object()  # a cancel or a merge stopped the attempt
-
-
-@dataclass
-class CallTally:
-    """An attempt's billable calls so far, and the chunks streamed since the last one.
-
-    Chunks after the last usage record belong to a call whose usage has not come (yet):
-    when the attempt ends there, they are counted as an estimated call.
-    """
-
-    usage: list[Usage]
-    unreported_chunks: int = 0
-
-    def settled(self, model: str) -> list[Usage]:
-        """The calls, with an estimated one for chunks no usage record covered."""
-        if self.unreported_chunks == 0:
-            return list(self.usage)
-        tail = Usage(model, 0, self.unreported_chunks, estimated=True)
-        return [*self.usage, tail]
-
-
-class ChunkBatcher:
-    """Collects chunks and writes them (Postgres first, then the topic) in batches."""
-
-    def __init__(
-        self,
-        writer: GroupWriter,
-        emitter: Emitter,
-        fence: Fence,
-        run_id: str,
-        attempt: int,
-        seq: SeqCounter,
-        futures: list[asyncio.Future[Any]],
-        max_size: int,
-        input_version: int | None = None,
-    ) -> None:
-        self.writer, self.emitter, self.fence = writer, emitter, fence
-        self.run_id, self.attempt, self.seq = run_id, attempt, seq
-        self.futures = futures
-        self.max_size = max_size
-        self.input_version = input_version
-        self.pending: list[Chunk] = []
-        self.streaming = False
-
-    def add(self, kind: ChunkKind, content: str) -> None:
-        self.pending.append(Chunk(self.run_id, self.seq.take(), kind, content, self.attempt))
+    run: RunRow
+    record: Record  # the record whose run waits for this one
 
     @property
-    def full(self) -> bool:
-        return len(self.pending) >= self.max_size
+    def partition(self) -> int:
+        return self.record.partition
 
-    async def flush(self) -> None:
-        if not self.pending:
-            return
-        batch, self.pending = self.pending, []
-        first = not self.streaming and any(c.kind is ChunkKind.CHUNK for c in batch)
-        inserted = await self.writer.chunks(
-            ChunkWrite(self.fence, self.run_id, batch, first, self.input_version)
+    @property
+    def offset(self) -> int:
+        return self.record.offset
+
+    def letter(self) -> Record:
+        """What its dead letter carries: a ``run.requested`` trigger for the run, with no
+        offset, as no record of it was read."""
+        run = self.run
+        return Record(
+            self.record.topic,
+            self.record.partition,
+            NO_OFFSET,
+            run.user_id.encode(),
+            RunRequested(run.id, run.user_id, run.session_id, "").encode(),
+            headers_for(RUN_REQUESTED),
         )
-        if inserted is None:
-            raise FencedOut(f"run {self.run_id}: chunk write fenced out")
-        if first:
-            self.streaming = True
-        # The whole batch, also seqs that were in Postgres already: only this owner writes
-        # them, so they are this batch (its group committed, then the answer was lost).
-        self.futures += await self.emitter.chunks(self.fence.partition, batch)
+
+
+Trigger = Record | Predecessor
+
+# The word a fenced-out finish names itself by, in its error.
+_FINISH_VERB = {RunStatus.DONE: "finish", RunStatus.FAILED: "fail", RunStatus.CANCELLED: "cancel"}
+
+
+def _model_of(handler: Handler) -> str:
+    """The model an estimated call is priced as: the handler's, else its name."""
+    return str(getattr(handler, "model", handler.name))
 
 
 class RunExecutor:
     """Runs records through the lifecycle; one instance per worker process."""
 
     def __init__(
-        self, settings: Settings, store: RunStore, emitter: Emitter, handler: Handler
+        self, settings: Settings, store: WorkerStore, emitter: RunOutput, handler: Handler
     ) -> None:
         self.settings = settings
         self.store = store
@@ -167,14 +126,15 @@ class RunExecutor:
         self.worker_id = settings.worker_id
         self.board = ControlBoard()
         store.observer = self.board.observe
+        self.billing = Billing(settings.cost_ledger, store, emitter, _model_of(handler))
 
     async def process(self, record: Record, fence: Fence, cancel: CancelToken) -> None:
         """Do the record's work; return when it may be acked."""
-        ctx_log = {"partition": record.partition, "offset": record.offset}
+        where = f"partition={record.partition} offset={record.offset}"
         try:
             req = decode_run_requested(record.key, record.value, record.headers)
         except RecordError as exc:
-            log.warning("dead-letter reason=%s %s", exc.reason, _kv(ctx_log))
+            log.warning("dead-letter reason=%s %s", exc.reason, where)
             await self._dead_letter(record, 0, exc.reason, exc.detail)
             return
         run = await self.store.load_run(req.run_id)
@@ -185,47 +145,25 @@ class RunExecutor:
             await self._dead_letter(record, 0, "user_mismatch", "record user is not the run's")
             return
         if run.status.terminal:
-            log.info("skip terminal run_id=%s status=%s %s", run.id, run.status.value, _kv(ctx_log))
+            log.info("skip terminal run_id=%s status=%s %s", run.id, run.status.value, where)
             await self.repair.terminal(run, fence.partition)
             return
         for pred in await self.store.unfinished_predecessors(run) if run.older_unfinished else []:
             log.info("predecessor first run_id=%s before=%s", pred.id, run.id)
-            trigger = Record(
-                record.topic,
-                record.partition,
-                -1,
-                pred.user_id.encode(),
-                RunRequested(pred.id, pred.user_id, pred.session_id, "").encode(),
-                headers_for(RUN_REQUESTED),
-            )
-            await self._execute(trigger, pred.id, pred.user_id, pred.input, fence, cancel)
-        await self._execute(record, run.id, run.user_id, run.input, fence, cancel)
+            await self._execute(Predecessor(pred, record), pred, fence)
+        await self._execute(record, run, fence)
 
-    async def _execute(
-        self,
-        record: Record,
-        run_id: str,
-        user_id: str,
-        inp: dict[str, Any],
-        fence: Fence,
-        cancel: CancelToken,
-    ) -> None:
-        control = self.board.open(run_id)
+    async def _execute(self, trigger: Trigger, run: RunRow, fence: Fence) -> None:
+        control = self.board.open(run.id)
         try:
-            await self._attempts(record, run_id, user_id, inp, fence, cancel, control)
+            await self._attempts(trigger, run, fence, control)
         finally:
-            self.board.close(run_id)
+            self.board.close(run.id)
 
     async def _attempts(
-        self,
-        record: Record,
-        run_id: str,
-        user_id: str,
-        inp: dict[str, Any],
-        fence: Fence,
-        cancel: CancelToken,
-        control: RunControl,
+        self, trigger: Trigger, run: RunRow, fence: Fence, control: RunControl
     ) -> None:
+        run_id, inp = run.id, run.input
         started = time.monotonic()
         # Every attempt's deliveries are awaited before the ack, retries' included.
         futures: list[asyncio.Future[Any]] = []
@@ -250,268 +188,205 @@ class RunExecutor:
             if not resumed:  # earlier output may be in Postgres only (its writer died)
                 futures += await self.repair.resumed(run_id, fence.partition, claim.next_seq)
                 resumed = True
-            seq = SeqCounter(claim.next_seq)
             batcher = ChunkBatcher(
                 self.writer,
                 self.emitter,
                 fence,
                 run_id,
                 attempt,
-                seq,
+                SeqCounter(claim.next_seq),
                 futures,
                 self.settings.chunk_batch_size,
                 claim.input_version,
             )
-            ctx = RunContext(run_id, user_id, inp, attempt, token)
+            ctx = RunContext(run_id, run.user_id, inp, attempt, token)
             if claim.cancel_requested:
                 # The request is durable: whoever claims next ends the run, never reruns it.
-                await self._cancel(batcher, fence, ctx, claim.cancel_reason, billed, [])
+                await self._cancel(batcher, ctx, claim.cancel_reason, billed, [])
                 return
             futures.append(
                 await self.emitter.event(
                     fence.partition,
                     run_id,
                     "transition",
-                    to="running",
+                    to=RunStatus.RUNNING.value,
                     attempt=attempt,
                     worker_id=self.worker_id,
                     **({"reason": "merged", "input_version": claim.input_version} if rerun else {}),
                 )
             )
-            # The retry budget counts handler failures; resumptions after a handoff or a
-            # dead worker are not the run's fault. Claims still have a (larger) bound, so a
-            # run that takes its worker down every time cannot circulate for ever.
-            if self.policy.exhausted(claim.failures):
-                await self._give_up(record, batcher, fence, ctx, attempt - 1, "attempts exhausted")
+            start = after_claim(
+                attempt,
+                claim.failures,
+                had_output=claim.had_output,
+                rerun=rerun,
+                policy=self.policy,
+            )
+            if isinstance(start, GiveUp):
+                await self._give_up(trigger, batcher, ctx, start)
                 return
-            if attempt > self.settings.max_attempts * MAX_CLAIMS_PER_ATTEMPT:
-                await self._give_up(
-                    record,
-                    batcher,
-                    fence,
-                    ctx,
-                    attempt - 1,
-                    f"claimed {attempt - 1} times without finishing (cut off or its worker died)",
-                )
-                return
-            if claim.had_output:
+            if start.reset:
                 batcher.add(ChunkKind.RESET, json.dumps({"attempt": attempt}))
-                if rerun:
-                    # Viewers drop the answer to the old input now, not with the
-                    # rerun's first chunk batch (a model's first token can take seconds).
+                if start.flush_reset:
                     await batcher.flush()
             log.info(
                 "run start run_id=%s user_id=%s attempt=%d partition=%d offset=%d",
                 run_id,
-                user_id,
+                run.user_id,
                 attempt,
-                record.partition,
-                record.offset,
+                trigger.partition,
+                trigger.offset,
             )
             tally = CallTally([])
             try:
-                await self._stream(ctx, batcher, started, control, tally)
+                await stream(
+                    self.handler.stream(ctx),
+                    batcher,
+                    control,
+                    tally,
+                    ctx=ctx,
+                    window_s=self.settings.chunk_batch_ms / 1000.0,
+                    started=started,
+                )
             except HandlerError as exc:
                 if not control.stopping:  # stopped on purpose: the handler's complaint is moot
-                    # Keep what this attempt already said, so seq stays contiguous.
-                    await batcher.flush()
-                    # The failed attempt's calls are billed: into the ledger before
-                    # anything else of the failure (whoever owns the run by now).
-                    futures += await self._record_attempt(fence, ctx, tally, Outcome.FAILED)
-                    error = str(exc)
-                    RETRIES.inc()
-                    failures = await self.store.record_failure(fence, run_id)
-                    if failures is None:
-                        raise FencedOut(f"run {run_id}: failure count fenced out") from exc
-                    log.warning(
-                        "attempt failed run_id=%s attempt=%d failures=%d error=%s",
-                        run_id,
-                        attempt,
-                        failures,
-                        error[:200],
-                    )
-                    if isinstance(exc, RunFailed) or self.policy.exhausted(failures):
-                        await self._give_up(record, batcher, fence, ctx, attempt, error)
+                    after = await self._failed(batcher, ctx, tally, exc)
+                    if isinstance(after, GiveUp):
+                        await self._give_up(trigger, batcher, ctx, after)
                         return
                     # Output already written stays; the next attempt starts with `reset`.
-                    await asyncio.sleep(self.policy.backoff_s(failures))
+                    await asyncio.sleep(after.backoff_s)
                     continue
             except (FencedOut, asyncio.CancelledError):
-                await self._record_cut(fence, ctx, tally)
+                await self.billing.record_cut(fence, ctx, tally)
                 raise
-            own = tally.settled(self._model)
+            own = tally.settled(self.billing.model)
             if control.cancel_requested:
-                await self._cancel(batcher, fence, ctx, control.cancel_reason, billed, own)
+                await self._cancel(batcher, ctx, control.cancel_reason, billed, own)
                 return
-            if control.stopping:
-                futures += await self._merged_stop(batcher, fence, ctx, tally)
-                billed = [*billed, *own]
-                continue
-            batcher.add(ChunkKind.DONE, json.dumps({"status": "done"}))
-            final = batcher.pending
-            batcher.pending = []
-            first = not batcher.streaming and any(c.kind is ChunkKind.CHUNK for c in final)
-            try:
-                finished = await self.writer.finish(
-                    FinishWrite(
-                        fence,
-                        run_id,
-                        RunStatus.DONE,
-                        final,
-                        [*billed, *own],
-                        first_output=first,
-                        input_version=claim.input_version,
-                        ledger=self._calls(ctx, own, Outcome.OK),
-                    )
+            if not control.stopping:
+                finished = await self._end(
+                    RunStatus.DONE,
+                    batcher,
+                    ctx,
+                    billed=billed,
+                    own=own,
+                    input_version=claim.input_version,
+                    cut=tally,
                 )
-                if finished is None:
-                    raise FencedOut(f"run {run_id}: finish fenced out")
-            except (FencedOut, asyncio.CancelledError):
-                # Rows the finish committed stay as written (ok); the others are cancelled.
-                await self._record_cut(fence, ctx, tally)
-                raise
-            if isinstance(finished, Superseded):
+                if isinstance(finished, Finished):
+                    RUN_DURATION_SECONDS.labels(outcome="done").observe(time.monotonic() - started)
+                    log.info("run done run_id=%s attempt=%d", run_id, attempt)
+                    return
                 # The row changed under this attempt and no signal said so: the finish
-                # refused to write. Give the done event's seq back and act on the row.
-                batcher.pending = final[:-1]
-                seq.give_back(final[-1].seq)
+                # refused to write. Act on the row.
                 if finished.cancelled:
                     control.cancel(finished.cancel_reason)
-                    await self._cancel(batcher, fence, ctx, finished.cancel_reason, billed, own)
+                    await self._cancel(batcher, ctx, finished.cancel_reason, billed, own)
                     return
                 control.merged(finished.input_version)
-                futures += await self._merged_stop(batcher, fence, ctx, tally)
-                billed = [*billed, *own]
-                continue
-            futures += await self.emitter.chunks(fence.partition, final)
-            futures.append(
-                await self.emitter.event(
-                    fence.partition, run_id, "transition", to="done", attempt=attempt
-                )
-            )
-            futures += await self._finish_events(fence, ctx, billed, own, Outcome.OK, finished)
-            await asyncio.gather(*futures)
-            self.repair.published(run_id, final[-1].seq)
-            RUNS.labels(outcome="done").inc()
-            RUN_DURATION_SECONDS.labels(outcome="done").observe(time.monotonic() - started)
-            log.info("run done run_id=%s attempt=%d", run_id, attempt)
-            return
+            futures += await self._merged_stop(batcher, ctx, tally)
+            billed = [*billed, *own]
 
-    @property
-    def _model(self) -> str:
-        """The model an estimated call is priced as: the handler's, else its name."""
-        return str(getattr(self.handler, "model", self.handler.name))
+    async def _failed(
+        self, batcher: ChunkBatcher, ctx: RunContext, tally: CallTally, exc: HandlerError
+    ) -> Retry | GiveUp:
+        """A handler failure: keep what the attempt said (seq stays contiguous), bill its
+        calls, count the failure in Postgres; what the lifecycle says comes next."""
+        fence = batcher.fence
+        await batcher.flush()
+        # The failed attempt's calls are billed: into the ledger before anything else
+        # of the failure (whoever owns the run by now).
+        batcher.futures += await self.billing.record_attempt(fence, ctx, tally, Outcome.FAILED)
+        error = str(exc)
+        RETRIES.inc()
+        failures = await self.store.record_failure(fence, ctx.run_id)
+        if failures is None:
+            raise FencedOut(f"run {ctx.run_id}: failure count fenced out") from exc
+        log.warning(
+            "attempt failed run_id=%s attempt=%d failures=%d error=%s",
+            ctx.run_id,
+            ctx.attempt,
+            failures,
+            error[:200],
+        )
+        return after_failure(
+            ctx.attempt, failures, error, final=isinstance(exc, RunFailed), policy=self.policy
+        )
 
-    def _calls(self, ctx: RunContext, usage: list[Usage], outcome: Outcome) -> list[LedgerCall]:
-        """The ledger rows of ``ctx``'s attempt (none with the ledger switched off)."""
-        if not self.settings.cost_ledger:
-            return []
-        return calls_of(ctx.user_id, ctx.run_id, ctx.attempt, usage, outcome)
-
-    async def _record_attempt(
-        self, fence: Fence, ctx: RunContext, tally: CallTally, outcome: Outcome
-    ) -> list[asyncio.Future[Any]]:
-        """Write an attempt's calls to the ledger with ``outcome``; its usage events."""
-        usage = tally.settled(self._model)
-        if not usage or not self.settings.cost_ledger:
-            return []
-        priced = await self.store.record_calls(self._calls(ctx, usage, outcome))
-        return await self._usage_events(fence, ctx, usage, outcome, priced)
-
-    async def _record_cut(self, fence: Fence, ctx: RunContext, tally: CallTally) -> None:
-        """An attempt cut off (handoff ceiling, fenced out): its calls were billed all the
-        same, so they go to the ledger as ``cancelled``, shielded from the cancellation.
-        A failure here is logged, never raised over the cut itself."""
-        if not tally.settled(self._model) or not self.settings.cost_ledger:
-            return
-        try:
-            await asyncio.shield(self._record_attempt(fence, ctx, tally, Outcome.CANCELLED))
-        except Exception as exc:  # noqa: BLE001 - the cut is what the caller must see
-            log.warning(
-                "ledger write of a cut attempt failed run_id=%s attempt=%d error=%s",
-                ctx.run_id,
-                ctx.attempt,
-                type(exc).__name__,
-            )
-        except asyncio.CancelledError:
-            log.warning(
-                "ledger write of a cut attempt interrupted run_id=%s attempt=%d",
-                ctx.run_id,
-                ctx.attempt,
-            )
-
-    async def _finish_events(
+    async def _end(
         self,
-        fence: Fence,
+        status: RunStatus,
+        batcher: ChunkBatcher,
         ctx: RunContext,
+        *,
         billed: list[Usage],
         own: list[Usage],
-        outcome: Outcome,
-        finished: Finished,
-    ) -> list[asyncio.Future[Any]]:
-        """The usage events of a finish: one per ledger row it wrote (the finishing
-        attempt's calls; a stopped attempt's went out when it stopped), or, with the
-        ledger switched off, one per usage row, priced as the usage table was."""
-        if self.settings.cost_ledger:
-            return await self._usage_events(fence, ctx, own, outcome, finished.ledger)
-        priced = [
-            PricedCall(ctx.run_id, ctx.attempt, i, cost, None) for i, cost in finished.costs.items()
-        ]
-        return await self._usage_events(fence, ctx, [*billed, *own], outcome, priced)
+        event_attempt: int | None = None,
+        reason: str | None = None,
+        error: str = "",
+        input_version: int | None = None,
+        cut: CallTally | None = None,
+    ) -> Finished | Superseded:
+        """The one finish: the end event, then the trailing chunks, usage, ledger rows and
+        the terminal transition in one write; only then the chunks, the transition event
+        and the usage events on the topics, awaited with every earlier delivery, and the
+        mark that the run is whole on the chunk topic.
 
-    async def _usage_events(
-        self,
-        fence: Fence,
-        ctx: RunContext,
-        usage: list[Usage],
-        outcome: Outcome,
-        priced: list[PricedCall],
-    ) -> list[asyncio.Future[Any]]:
-        """One ``usage`` event per ledger row written, with the row's cost and price id."""
-        by_index = {p.call_index: p for p in priced}
-        futures = []
-        for i, u in enumerate(usage):
-            row = by_index.get(i)
-            if row is None:
-                continue  # written before (a redelivery): its event went out then
-            if self.settings.cost_ledger:
-                LEDGER_CALLS.labels(outcome=outcome.value, estimated=str(u.estimated).lower()).inc()
-            futures.append(
-                await self.emitter.event(
-                    fence.partition,
-                    ctx.run_id,
-                    "usage",
-                    call_index=i,
-                    model=u.model,
-                    prompt_tokens=u.prompt_tokens,
-                    completion_tokens=u.completion_tokens,
-                    **_cost(row.cost_usd),
-                    user_id=ctx.user_id,
-                    attempt=ctx.attempt,
-                    kind=u.kind,
-                    outcome=outcome.value,
-                    estimated=u.estimated,
-                    price_id=row.price_id,
-                )
+        ``billed``: the calls of attempts a merge stopped (usage rows only); ``own``: this
+        attempt's (usage and ledger rows). A refused finish (:class:`Superseded`) writes
+        and produces nothing; its end event is taken back. ``cut``: an attempt whose
+        calls go to the ledger as cancelled if the finish is cut off or fenced out.
+        """
+        fence, run_id = batcher.fence, batcher.run_id
+        attempts = ctx.attempt if event_attempt is None else event_attempt
+        kind, content = end_event(status, reason=reason, error=error, attempts=attempts)
+        batcher.add(kind, content)
+        final = batcher.take()
+        outcome = Outcome.OK if status is RunStatus.DONE else Outcome.CANCELLED
+        write = FinishWrite(
+            fence,
+            run_id,
+            status,
+            final,
+            [*billed, *own],
+            error[:ERROR_ROW_CHARS] if status is RunStatus.FAILED else None,
+            first_output=first_output(batcher.streaming, final),
+            input_version=input_version,
+            ledger=self.billing.calls(ctx, own, outcome),
+        )
+        try:
+            finished = await self.writer.finish(write)
+            if finished is None:
+                raise FencedOut(f"run {run_id}: {_FINISH_VERB[status]} fenced out")
+        except (FencedOut, asyncio.CancelledError):
+            # Rows the finish committed stay as written (ok); the others are cancelled.
+            if cut is not None:
+                await self.billing.record_cut(fence, ctx, cut)
+            raise
+        if isinstance(finished, Superseded):
+            batcher.give_back(final)
+            return finished
+        sent = await self.emitter.chunks(fence.partition, final)
+        sent.append(
+            await self.emitter.event(
+                fence.partition,
+                run_id,
+                "transition",
+                to=status.value,
+                attempt=attempts,
+                **({"reason": reason} if reason else {}),
             )
-        return futures
-
-    async def _merged_stop(
-        self, batcher: ChunkBatcher, fence: Fence, ctx: RunContext, tally: CallTally
-    ) -> list[asyncio.Future[Any]]:
-        """A merge stopped this attempt: keep what it said (seq stays contiguous) and bill
-        its calls (``cancelled``: its answer was dropped); the next claim reads the merged
-        input and starts with ``reset``. Returns the usage events' deliveries."""
-        await batcher.flush()
-        await asyncio.gather(*batcher.futures)
-        futures = await self._record_attempt(fence, ctx, tally, Outcome.CANCELLED)
-        log.info("run merged run_id=%s attempt=%d: running again", ctx.run_id, ctx.attempt)
-        return futures
+        )
+        sent += await self.billing.finish_events(fence, ctx, billed, own, outcome, finished)
+        await asyncio.gather(*sent, *batcher.futures)
+        self.repair.published(run_id, final[-1].seq)
+        RUNS.labels(outcome=status.value).inc()
+        return finished
 
     async def _cancel(
         self,
         batcher: ChunkBatcher,
-        fence: Fence,
         ctx: RunContext,
         reason: str | None,
         billed: list[Usage],
@@ -521,198 +396,48 @@ class RunExecutor:
         (``own``, this attempt's, go to the ledger as ``cancelled``, an estimated one for
         output no usage record covered), a terminal ``cancelled`` event (with the reason)
         ends every viewer's stream."""
-        run_id = batcher.run_id
-        batcher.add(ChunkKind.CANCELLED, json.dumps({"status": "cancelled", "reason": reason}))
-        final = batcher.pending
-        batcher.pending = []
-        first = not batcher.streaming and any(c.kind is ChunkKind.CHUNK for c in final)
-        finished = await self.writer.finish(
-            FinishWrite(
-                fence,
-                run_id,
-                RunStatus.CANCELLED,
-                final,
-                [*billed, *own],
-                first_output=first,
-                ledger=self._calls(ctx, own, Outcome.CANCELLED),
-            )
+        finished = await self._end(
+            RunStatus.CANCELLED, batcher, ctx, billed=billed, own=own, reason=reason
         )
         if not isinstance(finished, Finished):
-            raise FencedOut(f"run {run_id}: cancel fenced out")
-        futures = await self.emitter.chunks(fence.partition, final)
-        futures.append(
-            await self.emitter.event(
-                fence.partition,
-                run_id,
-                "transition",
-                to="cancelled",
-                attempt=ctx.attempt,
-                **({"reason": reason} if reason else {}),
-            )
-        )
-        futures += await self._finish_events(fence, ctx, billed, own, Outcome.CANCELLED, finished)
-        await asyncio.gather(*futures, *batcher.futures)
-        self.repair.published(run_id, final[-1].seq)
-        RUNS.labels(outcome="cancelled").inc()
-        log.info("run cancelled run_id=%s attempt=%d", run_id, ctx.attempt)
-
-    async def _stream(
-        self,
-        ctx: RunContext,
-        batcher: ChunkBatcher,
-        started: float,
-        control: RunControl,
-        tally: CallTally,
-    ) -> None:
-        """Pump the handler into the batcher; flush by size or after ``chunk_batch_ms``.
-
-        A cancel or a merge (``control``) stops the attempt at once: the handler's task
-        is cancelled and what it said so far stays in the batcher. Usage records go to
-        ``tally`` as they come, so a failed, stopped or cut attempt still knows its calls.
-        """
-        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=4 * batcher.max_size)
-        pump = asyncio.create_task(_pump(self.handler.stream(ctx), queue))
-
-        def stop() -> None:
-            log.info("attempt stopped run_id=%s by=%s", ctx.run_id, ctx.cancel.reason)
-            pump.cancel()
-            with contextlib.suppress(asyncio.QueueFull):  # full: the loop is not waiting
-                queue.put_nowait(_STOP)
-
-        control.on_stop(stop)
-        window = self.settings.chunk_batch_ms / 1000.0
-        deadline: float | None = None
-        first = True
-        try:
-            while True:
-                try:
-                    # What the handler already queued is taken without a wait_for task
-                    # and without yielding to the loop per chunk: on a busy worker each
-                    # yield could outlast the window and split the batch.
-                    item = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    try:
-                        item = await asyncio.wait_for(queue.get(), timeout)
-                    except TimeoutError:
-                        await batcher.flush()
-                        deadline = None
-                        continue
-                if item is _END or item is _STOP or control.stopping:
-                    if control.stopping:
-                        held = [item] if isinstance(item, Usage) else []
-                        tally.usage += [*held, *_usage_queued(queue)]
-                    break
-                if isinstance(item, BaseException):
-                    if isinstance(item, HandlerError):
-                        raise item
-                    raise HandlerError(f"{type(item).__name__}: {item}") from item
-                if isinstance(item, Usage):
-                    tally.usage.append(item)
-                    tally.unreported_chunks = 0
-                    continue
-                if isinstance(item, ToolActivity):
-                    batcher.add(ChunkKind.TOOL, item.content)
-                    if batcher.full or window == 0:
-                        await batcher.flush()
-                        deadline = None
-                    elif deadline is None:
-                        deadline = time.monotonic() + window
-                    continue
-                if first:
-                    TIME_TO_FIRST_CHUNK_SECONDS.observe(time.monotonic() - started)
-                    first = False
-                batcher.add(ChunkKind.CHUNK, str(item))
-                tally.unreported_chunks += 1
-                if batcher.full or window == 0:
-                    await batcher.flush()
-                    deadline = None
-                elif deadline is None:
-                    deadline = time.monotonic() + window
-            # The last batch is not flushed here: ``finish`` writes it with the terminal
-            # event in one transaction. A short run then costs one commit (and its
-            # fsync) fewer, and the batch is produced no later than before.
-        finally:
-            if not pump.done():
-                pump.cancel()
-                await asyncio.gather(pump, return_exceptions=True)
+            raise FencedOut(f"run {ctx.run_id}: cancel fenced out")
+        log.info("run cancelled run_id=%s attempt=%d", ctx.run_id, ctx.attempt)
 
     async def _give_up(
-        self,
-        record: Record,
-        batcher: ChunkBatcher,
-        fence: Fence,
-        ctx: RunContext,
-        attempts: int,
-        error: str,
+        self, trigger: Trigger, batcher: ChunkBatcher, ctx: RunContext, give_up: GiveUp
     ) -> None:
         """Retries exhausted: DLQ record, ``failed``, an ``error`` event, then ack."""
-        await self._dead_letter(record, attempts, "handler_failed", error)
-        batcher.add(ChunkKind.ERROR, json.dumps({"error": error[:500], "attempts": attempts}))
-        final = batcher.pending
-        batcher.pending = []
-        finished = await self.writer.finish(
-            FinishWrite(fence, final[0].run_id, RunStatus.FAILED, final, error=error[:2000])
+        await self._dead_letter(
+            trigger.letter() if isinstance(trigger, Predecessor) else trigger,
+            give_up.attempts,
+            "handler_failed",
+            give_up.error,
         )
-        if finished is None:
-            raise FencedOut(f"run {final[0].run_id}: fail fenced out")
+        finished = await self._end(
+            RunStatus.FAILED,
+            batcher,
+            ctx,
+            billed=[],
+            own=[],
+            event_attempt=give_up.attempts,
+            error=give_up.error,
+        )
         if isinstance(finished, Superseded):  # a cancel request wins over the failure
-            batcher.pending = final[:-1]
-            batcher.seq.give_back(final[-1].seq)
-            await self._cancel(batcher, fence, ctx, finished.cancel_reason, [], [])
+            await self._cancel(batcher, ctx, finished.cancel_reason, [], [])
             return
-        futures = await self.emitter.chunks(fence.partition, final)
-        futures.append(
-            await self.emitter.event(
-                fence.partition, final[0].run_id, "transition", to="failed", attempt=attempts
-            )
-        )
-        await asyncio.gather(*futures, *batcher.futures)
-        self.repair.published(final[0].run_id, final[-1].seq)
-        RUNS.labels(outcome="failed").inc()
-        log.warning("run failed run_id=%s attempts=%d", final[0].run_id, attempts)
+        log.warning("run failed run_id=%s attempts=%d", ctx.run_id, give_up.attempts)
+
+    async def _merged_stop(
+        self, batcher: ChunkBatcher, ctx: RunContext, tally: CallTally
+    ) -> list[asyncio.Future[Any]]:
+        """A merge stopped this attempt: keep what it said (seq stays contiguous) and bill
+        its calls (``cancelled``: its answer was dropped); the next claim reads the merged
+        input and starts with ``reset``. Returns the usage events' deliveries."""
+        await batcher.flush()
+        await asyncio.gather(*batcher.futures)
+        futures = await self.billing.record_attempt(batcher.fence, ctx, tally, Outcome.CANCELLED)
+        log.info("run merged run_id=%s attempt=%d: running again", ctx.run_id, ctx.attempt)
+        return futures
 
     async def _dead_letter(self, record: Record, attempts: int, reason: str, error: str) -> None:
-        await self.emitter.dead_letter(
-            key=record.key,
-            value=record.value,
-            headers=record.headers,
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            attempts=attempts,
-            reason=reason,
-            error=error,
-        )
-
-
-async def _pump(source: AsyncIterator[Item], queue: asyncio.Queue[Any]) -> None:
-    try:
-        async for item in source:
-            await queue.put(item)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - handed to the consumer side
-        await queue.put(exc)
-        return
-    await queue.put(_END)
-
-
-def _usage_queued(queue: asyncio.Queue[Any]) -> list[Usage]:
-    """The usage records a stopped handler had already queued: those calls were made,
-    so they are billed, while the chunks queued with them are not shown."""
-    out = []
-    while not queue.empty():
-        item = queue.get_nowait()
-        if isinstance(item, Usage):
-            out.append(item)
-    return out
-
-
-def _kv(fields: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in fields.items())
-
-
-def _cost(usd: Decimal | None) -> dict[str, str]:
-    """The usage event's ``cost_usd`` field, priced in the same transaction as the row."""
-    return {} if usd is None else {"cost_usd": str(usd)}
+        await self.emitter.dead_letter(record, attempts=attempts, reason=reason, error=error)

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from koda.errors import TransitionRejected
 from koda.lifecycle.chunks import Chunk, ChunkKind
 from koda.lifecycle.handler import Usage
 from koda.lifecycle.ledger import LedgerCall
-from koda.lifecycle.states import ACTIVE, RunStatus, sources_of
+from koda.lifecycle.states import ACTIVE, OPEN, RunStatus
+from processors import sql
 from schemas.ledger import PricedCall, insert_calls
 
 
@@ -36,7 +37,9 @@ class Fence:
 
 
 # Statuses a run can still leave: its successors in the user's order must wait for it.
-_OPEN_STATUSES = [s.value for s in RunStatus if not s.terminal]
+_OPEN = sorted(s.value for s in OPEN)
+# Statuses in which a run is owned by the worker that claimed it.
+_ACTIVE = sorted(s.value for s in ACTIVE)
 
 
 @dataclass(frozen=True)
@@ -69,26 +72,6 @@ class Claim:
     cancel_reason: str | None = None
 
 
-_OWNED = """
-    SELECT r.cancel_requested_at IS NOT NULL AS cancel_requested, r.cancel_reason,
-           COALESCE(r.input_version, 0) AS input_version
-      FROM runs r JOIN partition_epochs e
-      ON e.topic = :topic AND e.partition = :partition AND e.epoch = :epoch
-     WHERE r.id = :run_id AND r.fence = :epoch AND r.status = ANY(:active)
-       FOR SHARE
-"""
-
-
-def _fence_params(fence: Fence, run_id: str) -> dict[str, Any]:
-    return {
-        "topic": fence.topic,
-        "partition": fence.partition,
-        "epoch": fence.epoch,
-        "run_id": run_id,
-        "active": [s.value for s in ACTIVE],
-    }
-
-
 @dataclass(frozen=True)
 class ChunkWrite:
     """One run's chunk batch, written only while ``fence`` owns the run."""
@@ -101,11 +84,16 @@ class ChunkWrite:
     # or a cancel request tells the store's observer, which stops the attempt.
     input_version: int | None = None
 
+    @property
+    def target(self) -> RunStatus | None:
+        """The status the batch moves its run to: ``streaming`` with its first output."""
+        return RunStatus.STREAMING if self.first_output else None
+
 
 @dataclass(frozen=True)
 class FinishWrite:
-    """One run's ending, as :meth:`RunStore.finish` writes it: trailing chunks, usage and
-    the terminal transition, only while ``fence`` owns the run."""
+    """One run's ending: trailing chunks, usage, ledger rows and the terminal transition,
+    written together only while ``fence`` owns the run."""
 
     fence: Fence
     run_id: str
@@ -124,10 +112,14 @@ class FinishWrite:
         if not self.status.terminal:
             raise ValueError(f"a finish ends a run; {self.status.value} is not terminal")
 
+    @property
+    def target(self) -> RunStatus:
+        return self.status
+
 
 @dataclass(frozen=True)
 class Finished:
-    """What ``finish`` wrote: the chunk seqs inserted, each usage row's cost (USD), and
+    """What a finish wrote: the chunk seqs inserted, each usage row's cost (USD), and
     the ledger rows inserted (priced)."""
 
     inserted: list[int]
@@ -204,34 +196,21 @@ class PublishedWrite:
 GroupWrite = ClaimWrite | ChunkWrite | FinishWrite | PublishedWrite
 GroupResult = Claim | list[int] | Finished | Superseded | None
 
-# SKIP LOCKED: a row the compactor holds (it locks runs while compacting them) is left
-# unmarked rather than holding up the whole group; the completeness pass marks it later.
-_MARK_PUBLISHED = text(
-    """
-    WITH free AS (
-        SELECT id FROM runs
-         WHERE id = ANY(:ids) AND finished_at IS NOT NULL AND published_seq IS NULL
-         ORDER BY id
-           FOR UPDATE SKIP LOCKED
-    )
-    UPDATE runs r SET published_seq = q.seq
-      FROM unnest(CAST(:ids AS text[]), CAST(:seqs AS int[])) AS q(run_id, seq), free
-     WHERE r.id = q.run_id AND r.id = free.id
-    """
-)
 
-
-def _all_moved(moved: int, expected: int, to: RunStatus) -> None:
+def _all_moved(moved: int, expected: int, targets: Sequence[RunStatus]) -> None:
     if moved != expected:
-        from koda.errors import TransitionRejected
-
+        names = ", ".join(sorted({t.value for t in targets}))
         raise TransitionRejected(
-            f"{expected - moved} of {expected} transitions to {to.value} matched no row"
+            f"{expected - moved} of {expected} transitions (to {names}) matched no row"
         )
 
 
 class RunStore:
-    """Every write the worker makes; each is conditional and idempotent."""
+    """Every write the worker makes; each is conditional and idempotent.
+
+    Claims, chunk batches and finishes are written only by :meth:`write_group`, for one
+    run or for many: there is no single-run variant to drift from it.
+    """
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -252,37 +231,14 @@ class RunStore:
             return {}
         async with self.engine.begin() as conn:
             rows = await conn.execute(
-                text(
-                    """
-                    INSERT INTO partition_epochs (topic, partition, epoch, worker_id)
-                    SELECT :topic, p, 1, :worker FROM unnest(CAST(:parts AS int[])) AS p
-                    ON CONFLICT (topic, partition) DO UPDATE
-                       SET epoch = partition_epochs.epoch + 1,
-                           worker_id = EXCLUDED.worker_id, assigned_at = now()
-                    RETURNING partition, epoch
-                    """
-                ),
+                sql.BUMP_EPOCHS,
                 {"topic": topic, "parts": sorted(partitions), "worker": worker_id},
             )
             return {int(p): int(e) for p, e in rows}
 
     async def load_run(self, run_id: str) -> RunRow | None:
         async with self.reader.connect() as conn:
-            row = (
-                await conn.execute(
-                    # The predecessor test rides along: almost always false, and asking
-                    # it here saves every run a second query and connection checkout.
-                    text(
-                        "SELECT r.id, r.user_id, r.session_id, r.status, r.input, r.attempt,"
-                        " r.fence, r.published_seq,"
-                        " EXISTS (SELECT 1 FROM runs p WHERE p.user_id = r.user_id"
-                        " AND p.status = ANY(:open)"
-                        " AND (p.created_at, p.id) < (r.created_at, r.id)"
-                        ") AS older_unfinished FROM runs r WHERE r.id = :id"
-                    ),
-                    {"id": run_id, "open": _OPEN_STATUSES},
-                )
-            ).first()
+            row = (await conn.execute(sql.LOAD_RUN, {"id": run_id, "open": _OPEN})).first()
         if row is None:
             return None
         return RunRow(
@@ -310,18 +266,7 @@ class RunStore:
         async with self.reader.connect() as conn:
             rows = (
                 await conn.execute(
-                    text(
-                        """
-                        SELECT p.id, p.user_id, p.session_id, p.status, p.input, p.attempt,
-                               p.fence
-                          FROM runs r JOIN runs p ON p.user_id = r.user_id
-                         WHERE r.id = :id AND p.status = ANY(:open)
-                           AND (p.created_at, p.id) < (r.created_at, r.id)
-                         ORDER BY p.created_at, p.id
-                         LIMIT :limit
-                        """
-                    ),
-                    {"id": run.id, "limit": limit, "open": _OPEN_STATUSES},
+                    sql.UNFINISHED_PREDECESSORS, {"id": run.id, "limit": limit, "open": _OPEN}
                 )
             ).all()
         return [
@@ -329,125 +274,49 @@ class RunStore:
             for r in rows
         ]
 
-    async def claim(self, run_id: str, fence: Fence, worker_id: str) -> Claim | None:
-        """``→ running`` with ``attempt + 1`` under ``fence``; None if someone moved first.
-
-        The next seq is read in a second statement of the same transaction: under
-        READ COMMITTED it sees any write of a previous owner that the row lock
-        made this claim wait for.
-        """
-        async with self.engine.begin() as conn:
-            row = (
-                await conn.execute(
-                    text(
-                        """
-                        UPDATE runs SET status = 'running', attempt = attempt + 1,
-                               fence = :epoch, worker_id = :worker, partition = :partition,
-                               started_at = COALESCE(started_at, now())
-                         WHERE id = :run_id AND status = ANY(:sources)
-                           AND fence <= :epoch
-                           AND EXISTS (SELECT 1 FROM partition_epochs e
-                                        WHERE e.topic = :topic AND e.partition = :partition
-                                          AND e.epoch = :epoch FOR SHARE)
-                        RETURNING attempt, COALESCE(failures, 0) AS failures,
-                                  EXTRACT(EPOCH FROM started_at - created_at) AS queue_age_s,
-                                  input, COALESCE(input_version, 0) AS input_version,
-                                  cancel_requested_at IS NOT NULL AS cancel_requested,
-                                  cancel_reason
-                        """
-                    ),
-                    {
-                        **_fence_params(fence, run_id),
-                        "worker": worker_id,
-                        "sources": [s.value for s in sources_of(RunStatus.RUNNING)],
-                    },
-                )
-            ).first()
-            if row is None:
-                return None
-            nxt = (
-                await conn.execute(
-                    text(
-                        "SELECT COALESCE(MAX(seq) + 1, 0), COUNT(*) FILTER (WHERE kind = 'chunk')"
-                        " FROM messages WHERE run_id = :id"
-                    ),
-                    {"id": run_id},
-                )
-            ).one()
-            return Claim(
-                attempt=int(row.attempt),
-                next_seq=int(nxt[0]),
-                had_output=nxt[1] > 0,
-                queue_age_s=None if row.queue_age_s is None else float(row.queue_age_s),
-                failures=int(row.failures),
-                input=row.input,
-                input_version=int(row.input_version),
-                cancel_requested=bool(row.cancel_requested),
-                cancel_reason=row.cancel_reason,
-            )
-
     async def record_failure(self, fence: Fence, run_id: str) -> int | None:
         """Count one handler failure of the run (fenced); the new total, or None if fenced out.
 
         Kept in Postgres so the retry budget survives a handoff: a successor that resumes
         the run knows how many attempts really failed.
         """
+        params = {
+            "topic": fence.topic,
+            "partition": fence.partition,
+            "epoch": fence.epoch,
+            "run_id": run_id,
+            "active": _ACTIVE,
+        }
         async with self.engine.begin() as conn:
-            row = (
-                await conn.execute(
-                    text(
-                        """
-                        UPDATE runs SET failures = COALESCE(failures, 0) + 1
-                         WHERE id = :run_id AND fence = :epoch AND status = ANY(:active)
-                           AND EXISTS (SELECT 1 FROM partition_epochs e
-                                        WHERE e.topic = :topic AND e.partition = :partition
-                                          AND e.epoch = :epoch FOR SHARE)
-                        RETURNING failures
-                        """
-                    ),
-                    _fence_params(fence, run_id),
-                )
-            ).first()
+            row = (await conn.execute(sql.RECORD_FAILURE, params)).first()
             return None if row is None else int(row.failures)
 
-    async def write_chunks(
-        self,
-        fence: Fence,
-        run_id: str,
-        chunks: Sequence[Chunk],
-        *,
-        first_output: bool,
-        input_version: int | None = None,
-    ) -> list[int] | None:
-        """Insert ``chunks`` (ON CONFLICT DO NOTHING) if still the owner.
-
-        Returns the seqs actually inserted, or None when fenced out. With
-        ``first_output`` the run moves ``running → streaming`` in the same transaction.
-        """
-        async with self.engine.begin() as conn:
-            steer = await self._owned(conn, fence, run_id)
-            if steer is None:
-                return None
-            self._observe(ChunkWrite(fence, run_id, chunks, first_output, input_version), steer)
-            if first_output:
-                await self._transition(conn, fence, run_id, RunStatus.STREAMING)
-            return await _insert_chunks(conn, run_id, chunks)
-
     async def write_group(self, writes: Sequence[GroupWrite]) -> list[GroupResult]:
-        """Several runs' claims, chunk batches and finishes in one transaction.
+        """Claims, chunk batches, finishes and published marks of one or more runs, in
+        one transaction.
 
-        At most nine statements however many runs: the published marks (unfenced, see
-        :class:`PublishedWrite`), the claims and their next seqs, the ownership check, the
-        chunks, the usage and the ledger rows, the first-output and the terminal
-        transitions. Per write, the same rule and result as :meth:`claim` (a
-        :class:`Claim`), :meth:`write_chunks` (the seqs inserted) or :meth:`finish` (a
-        :class:`Finished`), None for a mark, or None when that run could not be claimed
-        or is fenced out:
-        its part is not written, the others are. Ownership rows are locked ``FOR SHARE``
-        in (partition, run) order, the order in which an epoch bump takes them, so a
-        group and a bump cannot deadlock. Raises :class:`koda.errors.TransitionRejected`
-        when a transition matches no row; the caller then writes each part alone, where
-        only that run fails. A group must not name a run twice.
+        At most eight statements however many runs: the published marks (unfenced, see
+        :class:`PublishedWrite`), the claims and their next seqs, the ownership check,
+        the chunks, the usage and the ledger rows, and one transition statement for
+        every run entering ``streaming`` or a terminal status. Per write: a
+        :class:`Claim` for a claim (``→ running``, ``attempt + 1``; None if someone
+        moved first or it is fenced out); the seqs inserted for a chunk batch (ON
+        CONFLICT DO NOTHING; with ``first_output`` the run moves ``running →
+        streaming`` with it); for a finish, the trailing chunks, usage, ledger rows and
+        the terminal transition as a :class:`Finished` (with ``first_output`` the same
+        UPDATE sets ``first_chunk_at``: ``streaming`` would be visible to nobody), or a
+        :class:`Superseded` when a cancel request or a merge refuses it; None for a
+        mark, or for a part whose run is fenced out: that part is not written, the
+        others are.
+
+        The ownership check locks the run's row ``FOR SHARE``: a cancel or a merge
+        committing meanwhile waits for this transaction, then finds the run terminal;
+        one committed before it is seen here. Ownership rows are locked in (partition,
+        run) order, the order in which an epoch bump takes them, so a group and a bump
+        cannot deadlock. Raises :class:`koda.errors.TransitionRejected` when a
+        transition matches no row (nothing of the group is written); the group writer
+        then writes each part as a group of its own, where only that run fails. A group
+        must not name a run twice.
         """
         claims = [w for w in writes if isinstance(w, ClaimWrite)]
         marks = [w for w in writes if isinstance(w, PublishedWrite)]
@@ -455,86 +324,21 @@ class RunStore:
         async with self.engine.begin() as conn:
             if marks:
                 await _mark_published(conn, marks)
-            claimed = await _claim_group(conn, claims) if claims else {}
-            owned = await _owned_group(conn, parts) if parts else []
+            claimed = await _claim(conn, claims) if claims else {}
             refused: dict[str, Superseded] = {}
             mine: list[ChunkWrite | FinishWrite] = []
-            for part, steer in owned:
+            for part, steer in await _owned(conn, parts) if parts else []:
                 self._observe(part, steer)
                 no = steer.supersedes(part)
                 if no is None:
                     mine.append(part)
                 else:
                     refused[part.run_id] = no
-            inserted: dict[str, list[int]] = {w.run_id: [] for w in mine}
-            chunks = [c for w in mine for c in w.chunks]
-            if chunks:
-                rows = await conn.execute(
-                    _INSERT_CHUNK_GROUP,
-                    {
-                        "ids": [c.run_id for c in chunks],
-                        "seqs": [c.seq for c in chunks],
-                        "kinds": [c.kind.value for c in chunks],
-                        "contents": [c.content for c in chunks],
-                        "attempts": [c.attempt for c in chunks],
-                    },
-                )
-                for run_id, seq in rows:
-                    inserted[run_id].append(int(seq))
+            inserted = await _insert_chunks(conn, mine)
             finishes = [w for w in mine if isinstance(w, FinishWrite)]
-            costs = await _insert_usage_group(conn, finishes)
+            costs = await _insert_usage(conn, finishes)
             priced = await insert_calls(conn, [c for w in finishes for c in w.ledger])
-            first = [w for w in mine if isinstance(w, ChunkWrite) and w.first_output]
-            if first:
-                moved = await conn.execute(
-                    text(
-                        """
-                        UPDATE runs r SET status = :to,
-                               first_chunk_at = COALESCE(r.first_chunk_at, now())
-                          FROM unnest(CAST(:ids AS text[]), CAST(:epochs AS bigint[]))
-                               AS q(run_id, epoch)
-                         WHERE r.id = q.run_id AND r.fence = q.epoch
-                           AND r.status = ANY(:sources)
-                        RETURNING r.id
-                        """
-                    ),
-                    {
-                        "ids": [w.run_id for w in first],
-                        "epochs": [w.fence.epoch for w in first],
-                        "to": RunStatus.STREAMING.value,
-                        "sources": [s.value for s in sources_of(RunStatus.STREAMING)],
-                    },
-                )
-                _all_moved(len(moved.all()), len(first), RunStatus.STREAMING)
-            if finishes:
-                ended = await conn.execute(
-                    text(
-                        """
-                        UPDATE runs r SET status = q.target, finished_at = now(),
-                               error = q.error,
-                               first_chunk_at = CASE WHEN q.first_output
-                                   THEN COALESCE(r.first_chunk_at, now())
-                                   ELSE r.first_chunk_at END
-                          FROM unnest(CAST(:ids AS text[]), CAST(:epochs AS bigint[]),
-                                      CAST(:targets AS text[]), CAST(:errors AS text[]),
-                                      CAST(:firsts AS bool[]))
-                               AS q(run_id, epoch, target, error, first_output)
-                         WHERE r.id = q.run_id AND r.fence = q.epoch
-                           AND r.status = ANY(:active)
-                        RETURNING r.id
-                        """
-                    ),
-                    {
-                        "ids": [w.run_id for w in finishes],
-                        "epochs": [w.fence.epoch for w in finishes],
-                        "targets": [w.status.value for w in finishes],
-                        "errors": [w.error for w in finishes],
-                        "firsts": [w.first_output for w in finishes],
-                        # Every terminal status may follow any active one (states.ALLOWED).
-                        "active": [s.value for s in ACTIVE],
-                    },
-                )
-                _all_moved(len(ended.all()), len(finishes), RunStatus.DONE)
+            await _transition(conn, mine)
         out: list[GroupResult] = []
         for w in writes:
             if isinstance(w, ClaimWrite):
@@ -546,85 +350,14 @@ class RunStore:
             elif isinstance(w, FinishWrite):
                 out.append(
                     Finished(
-                        sorted(inserted[w.run_id]),
+                        inserted[w.run_id],
                         costs.get(w.run_id, {}),
                         [p for p in priced if p.run_id == w.run_id],
                     )
                 )
             else:
-                out.append(sorted(inserted[w.run_id]))
+                out.append(inserted[w.run_id])
         return out
-
-    async def finish(
-        self,
-        fence: Fence,
-        run_id: str,
-        status: RunStatus,
-        final: Sequence[Chunk],
-        usage: Sequence[Usage] = (),
-        error: str | None = None,
-        *,
-        first_output: bool = False,
-        input_version: int | None = None,
-        ledger: Sequence[LedgerCall] = (),
-    ) -> Finished | Superseded | None:
-        """Write the trailing chunks, usage, ledger rows and the terminal transition
-        atomically.
-
-        With ``first_output`` (the run's first chunks are among ``final``) the same
-        UPDATE sets ``first_chunk_at``: ``streaming`` would be visible to nobody
-        inside this transaction. Returns the inserted seqs and the usage costs as
-        priced here (so the usage events carry them), None when fenced out, or
-        :class:`Superseded` when a cancel request or a merge refuses it (nothing
-        written either way). The ownership check locks the run's row ``FOR SHARE``: a
-        cancel or a merge committing meanwhile waits for this transaction, then finds
-        the run terminal; one committed before it is seen here.
-        """
-        write = FinishWrite(
-            fence, run_id, status, final, usage, error, first_output, input_version, ledger
-        )
-        async with self.engine.begin() as conn:
-            steer = await self._owned(conn, fence, run_id)
-            if steer is None:
-                return None
-            self._observe(write, steer)
-            refused = steer.supersedes(write)
-            if refused is not None:
-                return refused
-            inserted = await _insert_chunks(conn, run_id, final) if final else []
-            costs: dict[int, Decimal] = {}
-            for index, u in enumerate(usage):
-                priced = await conn.execute(
-                    text(
-                        """
-                        INSERT INTO usage (run_id, call_index, model, prompt_tokens,
-                                           completion_tokens, cost_usd)
-                        SELECT :run_id, :idx, :model, :pt, :ct,
-                               COALESCE((SELECT (:pt * p.prompt_usd_per_mtok
-                                                 + :ct * p.completion_usd_per_mtok) / 1000000
-                                           FROM prices p
-                                          WHERE p.model = :model AND p.effective_from <= now()
-                                          ORDER BY p.effective_from DESC LIMIT 1), 0)
-                        ON CONFLICT (run_id, call_index) DO NOTHING
-                        RETURNING cost_usd
-                        """
-                    ),
-                    {
-                        "run_id": run_id,
-                        "idx": index,
-                        "model": u.model,
-                        "pt": u.prompt_tokens,
-                        "ct": u.completion_tokens,
-                    },
-                )
-                row = priced.first()
-                if row is not None:
-                    costs[index] = row.cost_usd
-            calls = await insert_calls(conn, ledger)
-            await self._transition(
-                conn, fence, run_id, status, error=error, first_output=first_output
-            )
-            return Finished(inserted, costs, calls)
 
     async def record_calls(self, calls: Sequence[LedgerCall]) -> list[PricedCall]:
         """Write ledger rows outside any run's fence, in a transaction of their own.
@@ -639,166 +372,41 @@ class RunStore:
         async with self.engine.begin() as conn:
             return await insert_calls(conn, calls)
 
-    async def _owned(self, conn: AsyncConnection, fence: Fence, run_id: str) -> RunSteer | None:
-        row = (await conn.execute(text(_OWNED), _fence_params(fence, run_id))).first()
-        if row is None:
-            return None
-        return RunSteer(bool(row.cancel_requested), row.cancel_reason, int(row.input_version))
-
-    async def _transition(
-        self,
-        conn: AsyncConnection,
-        fence: Fence,
-        run_id: str,
-        to: RunStatus,
-        *,
-        error: str | None = None,
-        first_output: bool = False,
-    ) -> None:
-        """The one transition function: a conditional UPDATE on expected status and fence.
-
-        ``first_output``: the run's first chunk is written with this transition.
-        """
-        sets = ["status = :to"]
-        if to is RunStatus.STREAMING or first_output:
-            sets.append("first_chunk_at = COALESCE(first_chunk_at, now())")
-        if to.terminal:
-            sets.append("finished_at = now()")
-            sets.append("error = :error")
-        result = await conn.execute(
-            text(
-                f"UPDATE runs SET {', '.join(sets)}"  # noqa: S608 - fixed column list
-                " WHERE id = :run_id AND status = ANY(:sources) AND fence = :epoch"
-            ),
-            {
-                **_fence_params(fence, run_id),
-                "to": to.value,
-                "error": error,
-                "sources": [s.value for s in sources_of(to)],
-            },
-        )
-        if result.rowcount != 1:
-            from koda.errors import TransitionRejected
-
-            raise TransitionRejected(f"run {run_id}: transition to {to.value} matched no row")
-
-    async def mark_published(self, marks: Sequence[PublishedWrite]) -> None:
-        """Record that these terminal runs' messages are all on the chunk topic."""
-        async with self.engine.begin() as conn:
-            await _mark_published(conn, marks)
-
     async def messages(self, run_id: str, below: int | None = None) -> list[Chunk]:
         """The run's messages in seq order (only those with seq < ``below`` if given)."""
         async with self.reader.connect() as conn:
-            rows = await conn.execute(
-                text(
-                    "SELECT seq, kind, content, attempt FROM messages WHERE run_id = :id"
-                    " AND (CAST(:below AS int) IS NULL OR seq < :below) ORDER BY seq"
-                ),
-                {"id": run_id, "below": below},
-            )
+            rows = await conn.execute(sql.MESSAGES, {"id": run_id, "below": below})
             return [
                 Chunk(run_id, int(r.seq), ChunkKind(r.kind), r.content, r.attempt) for r in rows
             ]
-
-    async def fail_unclaimed(self, run_id: str, error: str) -> bool:
-        """``pending|running|streaming → failed`` for a run that could not even be claimed."""
-        async with self.engine.begin() as conn:
-            result = await conn.execute(
-                text(
-                    "UPDATE runs SET status = 'failed', finished_at = now(), error = :error"
-                    " WHERE id = :id AND status = ANY(:sources)"
-                ),
-                {
-                    "id": run_id,
-                    "error": error,
-                    "sources": [s.value for s in sources_of(RunStatus.FAILED)],
-                },
-            )
-            return bool(result.rowcount)
-
-
-_INSERT_CHUNKS = text(
-    """
-    INSERT INTO messages (run_id, seq, kind, content, attempt)
-    SELECT :run_id, s.seq, s.kind, s.content, s.attempt
-      FROM unnest(CAST(:seqs AS int[]), CAST(:kinds AS text[]),
-                  CAST(:contents AS text[]), CAST(:attempts AS int[]))
-           AS s(seq, kind, content, attempt)
-    ON CONFLICT (run_id, seq) DO NOTHING
-    RETURNING seq
-    """
-)
-
-
-_INSERT_CHUNK_GROUP = text(
-    """
-    INSERT INTO messages (run_id, seq, kind, content, attempt)
-    SELECT s.run_id, s.seq, s.kind, s.content, s.attempt
-      FROM unnest(CAST(:ids AS text[]), CAST(:seqs AS int[]), CAST(:kinds AS text[]),
-                  CAST(:contents AS text[]), CAST(:attempts AS int[]))
-           AS s(run_id, seq, kind, content, attempt)
-    ON CONFLICT (run_id, seq) DO NOTHING
-    RETURNING run_id, seq
-    """
-)
 
 
 async def _mark_published(conn: AsyncConnection, marks: Sequence[PublishedWrite]) -> None:
     ordered = sorted(marks, key=lambda w: w.run_id)  # one lock order for every writer
     await conn.execute(
-        _MARK_PUBLISHED, {"ids": [w.run_id for w in ordered], "seqs": [w.seq for w in ordered]}
+        sql.MARK_PUBLISHED,
+        {"ids": [w.run_id for w in ordered], "seqs": [w.seq for w in ordered]},
     )
 
 
-async def _claim_group(conn: AsyncConnection, claims: Sequence[ClaimWrite]) -> dict[str, Claim]:
-    """:meth:`RunStore.claim` for several runs: the claims that succeeded, by run."""
+async def _claim(conn: AsyncConnection, claims: Sequence[ClaimWrite]) -> dict[str, Claim]:
+    """The claims that succeeded, by run, each with the run's next seq."""
     rows = await conn.execute(
-        text(
-            """
-            UPDATE runs r SET status = 'running', attempt = r.attempt + 1,
-                   fence = q.epoch, worker_id = q.worker, partition = q.partition,
-                   started_at = COALESCE(r.started_at, now())
-              FROM unnest(CAST(:ids AS text[]), CAST(:topics AS text[]),
-                          CAST(:parts AS int[]), CAST(:epochs AS bigint[]),
-                          CAST(:workers AS text[]))
-                   AS q(run_id, topic, partition, epoch, worker)
-             WHERE r.id = q.run_id AND r.status = ANY(:sources) AND r.fence <= q.epoch
-               AND EXISTS (SELECT 1 FROM partition_epochs e
-                            WHERE e.topic = q.topic AND e.partition = q.partition
-                              AND e.epoch = q.epoch FOR SHARE)
-            RETURNING r.id, r.attempt, COALESCE(r.failures, 0) AS failures,
-                      EXTRACT(EPOCH FROM r.started_at - r.created_at) AS queue_age_s,
-                      r.input, COALESCE(r.input_version, 0) AS input_version,
-                      r.cancel_requested_at IS NOT NULL AS cancel_requested, r.cancel_reason
-            """
-        ),
+        sql.CLAIM,
         {
             "ids": [w.run_id for w in claims],
             "topics": [w.fence.topic for w in claims],
             "parts": [w.fence.partition for w in claims],
             "epochs": [w.fence.epoch for w in claims],
             "workers": [w.worker_id for w in claims],
-            "sources": [s.value for s in sources_of(RunStatus.RUNNING)],
+            "to": RunStatus.RUNNING.value,
+            **sql.edges([RunStatus.RUNNING]),
         },
     )
     won = {r.id: r for r in rows}
     if not won:
         return {}
-    # As in claim(): read after the UPDATE, so a previous owner's writes that the row
-    # lock waited for are seen (READ COMMITTED takes a new snapshot per statement).
-    seqs = await conn.execute(
-        text(
-            """
-            SELECT q.run_id, COALESCE(MAX(m.seq) + 1, 0),
-                   COUNT(m.seq) FILTER (WHERE m.kind = 'chunk')
-              FROM unnest(CAST(:ids AS text[])) AS q(run_id)
-              LEFT JOIN messages m ON m.run_id = q.run_id
-             GROUP BY q.run_id
-            """
-        ),
-        {"ids": list(won)},
-    )
+    seqs = await conn.execute(sql.NEXT_SEQS, {"ids": list(won), "chunk": ChunkKind.CHUNK.value})
     out = {}
     for run_id, next_seq, chunks in seqs:
         row = won[run_id]
@@ -816,33 +424,18 @@ async def _claim_group(conn: AsyncConnection, claims: Sequence[ClaimWrite]) -> d
     return out
 
 
-async def _owned_group(
+async def _owned(
     conn: AsyncConnection, parts: Sequence[ChunkWrite | FinishWrite]
 ) -> list[tuple[ChunkWrite | FinishWrite, RunSteer]]:
-    """The parts whose run ``parts``' fences still own, locked ``FOR SHARE`` in
-    (partition, run) order, each with what its run's row says of cancel and merge."""
+    """The parts whose fences still own their runs, each with its run's steer."""
     owned = await conn.execute(
-        text(
-            """
-            SELECT q.i, r.cancel_requested_at IS NOT NULL AS cancel_requested,
-                   r.cancel_reason, COALESCE(r.input_version, 0) AS input_version
-              FROM unnest(CAST(:topics AS text[]), CAST(:parts AS int[]),
-                                   CAST(:epochs AS bigint[]), CAST(:ids AS text[]))
-                            WITH ORDINALITY AS q(topic, partition, epoch, run_id, i)
-              JOIN partition_epochs e ON e.topic = q.topic
-               AND e.partition = q.partition AND e.epoch = q.epoch
-              JOIN runs r ON r.id = q.run_id AND r.fence = q.epoch
-               AND r.status = ANY(:active)
-             ORDER BY q.partition, q.run_id
-               FOR SHARE OF e, r
-            """
-        ),
+        sql.OWNED,
         {
             "topics": [w.fence.topic for w in parts],
             "parts": [w.fence.partition for w in parts],
             "epochs": [w.fence.epoch for w in parts],
             "ids": [w.run_id for w in parts],
-            "active": [s.value for s in ACTIVE],
+            "active": _ACTIVE,
         },
     )
     return [
@@ -851,32 +444,39 @@ async def _owned_group(
     ]
 
 
-async def _insert_usage_group(
+async def _insert_chunks(
+    conn: AsyncConnection, parts: Sequence[ChunkWrite | FinishWrite]
+) -> dict[str, list[int]]:
+    """Insert the parts' chunks idempotently; the seqs actually inserted, by run, sorted
+    (every part has an entry, empty when nothing was new)."""
+    inserted: dict[str, list[int]] = {w.run_id: [] for w in parts}
+    chunks = [c for w in parts for c in w.chunks]
+    if chunks:
+        rows = await conn.execute(
+            sql.INSERT_CHUNKS,
+            {
+                "ids": [c.run_id for c in chunks],
+                "seqs": [c.seq for c in chunks],
+                "kinds": [c.kind.value for c in chunks],
+                "contents": [c.content for c in chunks],
+                "attempts": [c.attempt for c in chunks],
+            },
+        )
+        for run_id, seq in rows:
+            inserted[run_id].append(int(seq))
+    return {run_id: sorted(seqs) for run_id, seqs in inserted.items()}
+
+
+async def _insert_usage(
     conn: AsyncConnection, finishes: Sequence[FinishWrite]
 ) -> dict[str, dict[int, Decimal]]:
-    """The usage rows of ``finishes``, priced as :meth:`RunStore.finish` prices them;
-    the costs of the rows inserted, by run and call index."""
+    """The usage rows of ``finishes``, priced; the costs of the rows inserted, by run and
+    call index."""
     calls = [(w.run_id, i, u) for w in finishes for i, u in enumerate(w.usage)]
     if not calls:
         return {}
     rows = await conn.execute(
-        text(
-            """
-            INSERT INTO usage (run_id, call_index, model, prompt_tokens, completion_tokens,
-                               cost_usd)
-            SELECT u.run_id, u.idx, u.model, u.pt, u.ct,
-                   COALESCE((SELECT (u.pt * p.prompt_usd_per_mtok
-                                     + u.ct * p.completion_usd_per_mtok) / 1000000
-                               FROM prices p
-                              WHERE p.model = u.model AND p.effective_from <= now()
-                              ORDER BY p.effective_from DESC LIMIT 1), 0)
-              FROM unnest(CAST(:ids AS text[]), CAST(:idx AS int[]), CAST(:models AS text[]),
-                          CAST(:pt AS int[]), CAST(:ct AS int[]))
-                   AS u(run_id, idx, model, pt, ct)
-            ON CONFLICT (run_id, call_index) DO NOTHING
-            RETURNING run_id, call_index, cost_usd
-            """
-        ),
+        sql.INSERT_USAGE,
         {
             "ids": [r for r, _, _ in calls],
             "idx": [i for _, i, _ in calls],
@@ -891,16 +491,22 @@ async def _insert_usage_group(
     return costs
 
 
-async def _insert_chunks(conn: AsyncConnection, run_id: str, chunks: Sequence[Chunk]) -> list[int]:
-    """Insert ``chunks`` idempotently; return the seqs actually inserted, sorted."""
-    rows = await conn.execute(
-        _INSERT_CHUNKS,
+async def _transition(conn: AsyncConnection, parts: Sequence[ChunkWrite | FinishWrite]) -> None:
+    """Move every part's run that changes status (a first output, a finish) in one UPDATE."""
+    moves = [(w, target) for w in parts if (target := w.target) is not None]
+    if not moves:
+        return
+    targets = [t for _, t in moves]
+    moved = await conn.execute(
+        sql.TRANSITION,
         {
-            "run_id": run_id,
-            "seqs": [c.seq for c in chunks],
-            "kinds": [c.kind.value for c in chunks],
-            "contents": [c.content for c in chunks],
-            "attempts": [c.attempt for c in chunks],
+            "ids": [w.run_id for w, _ in moves],
+            "epochs": [w.fence.epoch for w, _ in moves],
+            "targets": [t.value for t in targets],
+            "terminals": [t.terminal for t in targets],
+            "errors": [w.error if isinstance(w, FinishWrite) else None for w, _ in moves],
+            "firsts": [w.first_output for w, _ in moves],
+            **sql.edges(targets),
         },
     )
-    return sorted(int(r[0]) for r in rows)
+    _all_moved(len(moved.all()), len(moves), targets)

@@ -25,19 +25,14 @@ then :attr:`RunLog.end` is None and :attr:`RunLog.missing` names the holes.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
-
-from koda.errors import RecordError, TopicError
-from koda.kafka import consumer_config
-from koda.lifecycle.chunks import ChunkKind, split_chunk_key, visible_output
+from koda.errors import RecordError
+from koda.lifecycle.chunks import TERMINAL_KINDS, split_chunk_key, visible_output
 from koda.settings import Settings
 from schemas.records import ChunkRecord, FinalRecord, decode_chunk_value, decode_final_value
 from topics.catalogue import RUN_CHUNKS
-
-_TERMINAL = frozenset(k.value for k in ChunkKind if k.terminal)
+from topics.kafka.bounded import BoundedReader
 
 
 @dataclass
@@ -60,7 +55,7 @@ class RunLog:
         """The seq of the run's terminal event, if the topic holds it (or its final)."""
         if self.final is not None:
             return self.final.last_seq
-        ends = [seq for seq, e in self.events.items() if e.kind in _TERMINAL]
+        ends = [seq for seq, e in self.events.items() if e.kind in TERMINAL_KINDS]
         return max(ends) if ends else None
 
     @property
@@ -132,66 +127,21 @@ class ChunkLog:
 
 
 def read_chunk_log(settings: Settings, *, timeout_s: float = 60.0) -> ChunkLog:
-    """Read the chunk topic from offset 0 to its end as of the call; return the fold.
+    """Read the chunk topic from its log start to its end as of the call; return the fold.
 
-    Raises TopicError when the topic is missing or the end is not reached in
+    Raises TopicError when the topic is missing or the read makes no progress for
     ``timeout_s`` seconds.
     """
     topic = settings.names.topic(RUN_CHUNKS)
-    conf = consumer_config(settings, "chunk-reader", settings.names.group("chunk-reader"))
-    conf.update({"enable.partition.eof": True, "enable.auto.offset.store": False})
-    consumer = Consumer(conf)
+    reader = BoundedReader(settings, "chunk-reader", settings.names.group("chunk-reader"))
     log = ChunkLog()
     try:
-        md = consumer.list_topics(topic, timeout=10).topics.get(topic)
-        if md is None or md.error is not None:
-            raise TopicError(f"topic {topic} is not available; run `koda topics apply`")
-        deadline = time.monotonic() + timeout_s
-        ends: dict[int, int] = {}
-        for p in md.partitions:
-            low, high = _watermarks(consumer, TopicPartition(topic, p), deadline)
-            if high > low:
-                ends[p] = high
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
-        while ends:
-            if time.monotonic() > deadline:
-                raise TopicError(f"reading {topic} timed out after {timeout_s:.0f}s")
-            msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            err = msg.error()
-            p, offset = msg.partition(), msg.offset() or 0
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF and p in ends:
-                    if offset >= ends[p]:
-                        del ends[p]
-                    continue
-                if err.fatal():
-                    raise TopicError(f"reading {topic} failed: {err.str()}")
-                continue
-            if p not in ends:
-                continue
-            if offset < ends[p]:
-                log.apply(msg.key(), msg.value())
-            if offset + 1 >= ends[p]:
-                del ends[p]
+        starts, ends = {}, {}
+        for tp in reader.partitions(topic):
+            starts[tp], ends[tp] = reader.watermarks(tp)
+        reader.assign(starts, ends)
+        for msg in reader.records(idle_timeout_s=timeout_s):
+            log.apply(msg.key(), msg.value())
     finally:
-        consumer.close()
+        reader.close()
     return log
-
-
-def _watermarks(consumer: Consumer, tp: TopicPartition, deadline: float) -> tuple[int, int]:
-    """A partition's low and high watermarks, asked again while its leader is not known
-    yet (a topic just created, a broker just restarted) until ``deadline``."""
-    while True:
-        try:
-            low, high = consumer.get_watermark_offsets(tp, timeout=10)
-            return int(low), int(high)
-        except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
-            retriable = isinstance(error, KafkaError) and (
-                error.retriable() or error.code() == KafkaError.NOT_LEADER_FOR_PARTITION
-            )
-            if not retriable or time.monotonic() > deadline:
-                raise TopicError(f"reading {tp.topic}[{tp.partition}] failed: {exc}") from exc
-            time.sleep(0.2)  # a leader election takes a moment; ask again

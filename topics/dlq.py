@@ -19,19 +19,19 @@ are counted as skipped.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from koda.errors import DeadLetterError, RecordError, TopicError
-from koda.kafka import consumer_config, producer_config
+from koda.kafka import producer_config
 from koda.settings import Settings
 from schemas.dead_letters import DeadLetter, decode_dead_letter
 from topics.catalogue import RUNS, RUNS_DLQ
+from topics.kafka.bounded import BoundedReader
 
 ROLE = "dlq-replay"
 TIMEOUT_S = 30.0
@@ -89,47 +89,34 @@ def read_letters(
     or just ``only``. ``next_offset`` (when given) is kept at the offset after the last
     record read per partition. Raises DeadLetterError when ``only`` is not on the topic."""
     dlq = settings.names.topic(RUNS_DLQ)
-    consumer = Consumer(consumer_config(settings, ROLE, settings.names.group(ROLE)))
+    reader = BoundedReader(settings, ROLE, settings.names.group(ROLE), timeout_s=TIMEOUT_S)
     try:
-        ranges = _ranges(consumer, dlq, from_offset)
+        ranges = {}
+        for tp in reader.partitions(dlq):
+            low, high = reader.watermarks(tp)
+            ranges[tp] = (max(low, from_offset), high)
         if only is not None:
-            low_high = ranges.get(only.partition)
+            low_high = ranges.get((dlq, only.partition))
             low = low_high[0] if low_high else from_offset
             if low_high is None or not low <= only.offset < low_high[1]:
                 raise DeadLetterError(f"no dead letter {only} on {dlq}: see `koda dlq list`")
-            ranges = {only.partition: (only.offset, only.offset + 1)}
-        positions = {p: start for p, (start, _) in ranges.items()}
+            ranges = {(dlq, only.partition): (only.offset, only.offset + 1)}
+        reader.assign(
+            {tp: r[0] for tp, r in ranges.items()}, {tp: r[1] for tp, r in ranges.items()}
+        )
         if next_offset is not None:
-            next_offset.update(positions)
-        consumer.assign([TopicPartition(dlq, p, start) for p, start in positions.items()])
-        pending = {p for p, (start, end) in ranges.items() if start < end}
-        deadline = time.monotonic() + TIMEOUT_S
-        while pending:
-            if time.monotonic() > deadline:
-                raise TopicError(f"timed out reading {dlq}")
-            msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            error = msg.error()
-            if error is not None:
-                raise TopicError(f"cannot read {dlq}: {error.str()}")
+            next_offset.update({p: start for (_, p), start in reader.positions.items()})
+        for msg in reader.records(idle_timeout_s=TIMEOUT_S):
             p, offset = msg.partition() or 0, msg.offset() or 0
-            if p not in pending or offset >= ranges[p][1]:
-                continue
-            if offset + 1 >= ranges[p][1]:
-                pending.discard(p)
             if next_offset is not None:
                 next_offset[p] = offset + 1
-            deadline = time.monotonic() + TIMEOUT_S
             try:
                 letter: DeadLetter | None = decode_dead_letter(msg.value())
             except RecordError:
                 letter = None
             yield LetterAt(LetterId(p, offset), letter, msg.timestamp()[1])
-    except KafkaException as exc:
-        raise TopicError(f"reading {dlq} failed: {exc}") from exc
     finally:
-        consumer.close()
+        reader.close()
 
 
 def replay_dead_letters(
@@ -152,11 +139,7 @@ def replay_dead_letters(
     names = settings.names
     runs = names.topic(RUNS)
     report = ReplayReport()
-    producer = (
-        None
-        if dry_run
-        else Producer(producer_config(settings, ROLE) | {"allow.auto.create.topics": False})
-    )
+    producer = None if dry_run else Producer(producer_config(settings, ROLE))
     failures: list[str] = []
 
     def delivered(err: KafkaError | None, _msg: Any) -> None:
@@ -187,18 +170,6 @@ def replay_dead_letters(
     finally:
         letters.close()
     return report
-
-
-def _ranges(consumer: Consumer, topic: str, from_offset: int) -> dict[int, tuple[int, int]]:
-    """``{partition: (first offset to read, end offset)}`` of ``topic`` as of now."""
-    meta = consumer.list_topics(topic, timeout=TIMEOUT_S).topics.get(topic)
-    if meta is None or meta.error is not None:
-        raise TopicError(f"topic {topic} is not available: run `koda topics apply`")
-    ranges = {}
-    for p in sorted(meta.partitions):
-        low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=TIMEOUT_S)
-        ranges[p] = (max(low, from_offset), high)
-    return ranges
 
 
 def _replay_one(

@@ -7,9 +7,11 @@ partial answer, then keeps counting.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
+
+from koda.lifecycle.states import RunStatus
 
 
 class ChunkKind(str, Enum):
@@ -25,7 +27,26 @@ class ChunkKind(str, Enum):
 
     @property
     def terminal(self) -> bool:
-        return self in (ChunkKind.DONE, ChunkKind.ERROR, ChunkKind.CANCELLED)
+        return self in TERMINAL_KINDS
+
+
+# The event that ends a run's output, by the terminal status the run ends in.
+END_KIND: Mapping[RunStatus, ChunkKind] = {
+    RunStatus.DONE: ChunkKind.DONE,
+    RunStatus.FAILED: ChunkKind.ERROR,
+    RunStatus.CANCELLED: ChunkKind.CANCELLED,
+}
+# The kinds a run's last event can have: nothing of the run follows one of them. As the
+# enum is a str, a wire value ("done") is found in the set too.
+TERMINAL_KINDS: frozenset[ChunkKind] = frozenset(END_KIND.values())
+
+
+def end_kind(status: RunStatus) -> ChunkKind:
+    """The kind of the event that ends a run's output when it ends ``status``."""
+    try:
+        return END_KIND[status]
+    except KeyError:
+        raise ValueError(f"{status.value} is not a terminal status: no event ends it") from None
 
 
 SEQ_WIDTH = 10  # zero padding of seq in chunk keys: <run_id>:0000000042

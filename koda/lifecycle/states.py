@@ -27,8 +27,12 @@ class RunStatus(str, Enum):
         return self in TERMINAL
 
 
+# A run in a terminal status has ended: no edge leaves it.
 TERMINAL = frozenset({RunStatus.DONE, RunStatus.FAILED, RunStatus.CANCELLED})
+# Claimed and owned by a worker (its fence is the claimer's epoch).
 ACTIVE = frozenset({RunStatus.RUNNING, RunStatus.STREAMING})
+# Not ended yet: the user's later runs wait for it.
+OPEN = frozenset(RunStatus) - TERMINAL
 
 ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
     RunStatus.PENDING: frozenset({RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED}),
@@ -50,10 +54,11 @@ ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
 }
 
 
+def can_transition(current: RunStatus, target: RunStatus) -> bool:
+    """Whether the state machine has an edge ``current → target``."""
+    return target in ALLOWED[current]
+
+
 def sources_of(target: RunStatus) -> frozenset[RunStatus]:
     """Every status from which ``target`` may be entered."""
-    return frozenset(s for s, dests in ALLOWED.items() if target in dests)
-
-
-def can_transition(current: RunStatus, target: RunStatus) -> bool:
-    return target in ALLOWED[current]
+    return frozenset(s for s in RunStatus if can_transition(s, target))

@@ -20,6 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda.db import async_engine
+from koda.errors import TransitionRejected
 from koda.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
 from koda.lifecycle.handler import Usage
 from koda.lifecycle.ids import uuid7
@@ -28,7 +29,17 @@ from koda.settings import Settings
 from processors.emitter import Emitter
 from processors.groupcommit import GroupWriter
 from processors.runner import ChunkBatcher
-from processors.store import ChunkWrite, Claim, ClaimWrite, Fence, Finished, FinishWrite, RunStore
+from processors.store import (
+    ChunkWrite,
+    Claim,
+    ClaimWrite,
+    Fence,
+    Finished,
+    FinishWrite,
+    GroupResult,
+    GroupWrite,
+    RunStore,
+)
 from schemas.records import chunk_value
 from tests.support import async_wait_until
 
@@ -72,10 +83,16 @@ async def new_run(s: Stack, partition: int) -> tuple[str, Fence]:
     return run_id, Fence(TOPIC, partition, int(epoch))
 
 
+async def alone(s: Stack, write: GroupWrite) -> GroupResult:
+    """``write`` as a group of one, straight to the store."""
+    (result,) = await s.store.write_group([write])
+    return result
+
+
 async def claimed_run(s: Stack, partition: int) -> tuple[str, Fence]:
     """A run claimed (``running``) under the partition's current epoch."""
     run_id, fence = await new_run(s, partition)
-    assert await s.store.claim(run_id, fence, "w1") is not None
+    assert await alone(s, ClaimWrite(fence, run_id, "w1")) is not None
     return run_id, fence
 
 
@@ -146,7 +163,7 @@ async def test_finishes_in_a_group_write_what_each_would_write_alone(db: Stack) 
             )
         )
     usage = [Usage("m-priced", 1000, 200), Usage("m-unpriced", 7, 9)]
-    alone, grouped = [await claimed_run(db, i % 2) for i in range(4)], []
+    single, grouped = [await claimed_run(db, i % 2) for i in range(4)], []
     for i in range(4):
         grouped.append(await claimed_run(db, i % 2))
 
@@ -157,14 +174,7 @@ async def test_finishes_in_a_group_write_what_each_would_write_alone(db: Stack) 
         chunks = [*batch(run, 0, 2), Chunk(run, 2, ChunkKind.DONE, "{}", 1)]
         return FinishWrite(fence, run, RunStatus.DONE, chunks, usage, first_output=n == 0)
 
-    expected = []
-    for n, (run, fence) in enumerate(alone):
-        w = finishing(run, fence, n)
-        expected.append(
-            await db.store.finish(
-                fence, run, w.status, w.chunks, w.usage, w.error, first_output=w.first_output
-            )
-        )
+    expected = [await alone(db, finishing(run, fence, n)) for n, (run, fence) in enumerate(single)]
     writer = GroupWriter(db.store)
     try:
         got = await asyncio.gather(
@@ -174,7 +184,7 @@ async def test_finishes_in_a_group_write_what_each_would_write_alone(db: Stack) 
         await writer.close()
     assert got == expected
     assert got[0] == Finished([0, 1, 2], {0: Decimal("0.00600000"), 1: Decimal("0E-8")})
-    for (a, _), (g, _) in zip(alone, grouped, strict=True):
+    for (a, _), (g, _) in zip(single, grouped, strict=True):
         status, error, done_at, first_at, rows = await ended(db, g)
         assert (status, error, done_at, first_at) == (await ended(db, a))[:4]
         assert rows == (await ended(db, a))[4]
@@ -210,10 +220,10 @@ async def test_claims_in_a_group_match_claims_alone(db: Stack) -> None:
     fresh, resumed, finished, stale = [await new_run(db, p) for p in (0, 0, 0, 1)]
     # `resumed` was claimed and wrote output before; `finished` is done already.
     (r, f), (t, g) = resumed, finished
-    await db.store.claim(r, f, "old")
-    await db.store.write_chunks(f, r, batch(r, 0, 3), first_output=True)
-    await db.store.claim(t, g, "old")
-    await db.store.finish(g, t, RunStatus.DONE, [Chunk(t, 0, ChunkKind.DONE, "{}", 1)])
+    await alone(db, ClaimWrite(f, r, "old"))
+    await alone(db, ChunkWrite(f, r, batch(r, 0, 3), True))
+    await alone(db, ClaimWrite(g, t, "old"))
+    await alone(db, FinishWrite(g, t, RunStatus.DONE, [Chunk(t, 0, ChunkKind.DONE, "{}", 1)]))
     # `stale` is claimed under an epoch its partition no longer has.
     old_fence = stale[1]
     await db.store.bump_epochs(TOPIC, [1], "w1")
@@ -235,9 +245,9 @@ async def test_claims_in_a_group_match_claims_alone(db: Stack) -> None:
     assert got[2] is None  # terminal: nothing to claim
     assert got[3] is None  # fenced: the partition's epoch moved on
     assert await stored(db, stale[0]) == ([], "pending")
-    # The same claim alone gives the same answer as in the group.
-    alone = await db.store.claim(fresh[0], f, "w2")
-    assert alone == Claim(2, 0, False, got[0].queue_age_s, 0, input=got[0].input)
+    # The same claim in a group of one gives the same answer as in the group.
+    again = await alone(db, ClaimWrite(f, fresh[0], "w2"))
+    assert again == Claim(2, 0, False, got[0].queue_age_s, 0, input=got[0].input)
     assert got[0].input == {} and got[0].input_version == 0 and not got[0].cancel_requested
 
 
@@ -284,6 +294,33 @@ async def test_a_batch_postgres_refuses_fails_only_its_own_run(db: Stack) -> Non
                 assert await stored(db, r) == ([0, 1], "streaming")
     finally:
         await writer.close()
+
+
+async def test_a_move_the_state_machine_has_no_edge_for_fails_only_its_own_run(
+    db: Stack,
+) -> None:
+    """``streaming → streaming`` is no edge of the state machine: a batch that claims to
+    be a run's first output when the run streams already is refused by the transition
+    statement, which rolls its whole group back; written again part by part, only that
+    run's batch fails, and nothing of it is written."""
+    await db.store.bump_epochs(TOPIC, [0], "w1")
+    (ok, ok_fence), (bad, bad_fence) = [await claimed_run(db, 0) for _ in range(2)]
+    assert await alone(db, ChunkWrite(bad_fence, bad, batch(bad, 0, 1), True)) == [0]
+    writer = GroupWriter(db.store)
+    try:
+        results = await asyncio.gather(
+            writer.chunks(ChunkWrite(ok_fence, ok, batch(ok, 0, 2), True)),
+            writer.chunks(ChunkWrite(bad_fence, bad, batch(bad, 1, 2), True)),
+            return_exceptions=True,
+        )
+    finally:
+        await writer.close()
+    assert results[0] == [0, 1]
+    assert isinstance(results[1], TransitionRejected), results[1]
+    assert "to streaming" in str(results[1])
+    assert writer.groups == 1  # one group, rolled back, then each part alone
+    assert await stored(db, ok) == ([0, 1], "streaming")
+    assert await stored(db, bad) == ([0], "streaming")
 
 
 async def blocked_on_a_lock(s: Stack) -> None:
@@ -376,7 +413,7 @@ async def test_a_published_mark_rides_a_group_and_skips_a_row_the_compactor_hold
     (held, hf), (free, ff), (streaming, sf) = [await claimed_run(db, 0) for _ in range(3)]
     for run, fence in ((held, hf), (free, ff)):
         done = [Chunk(run, 0, ChunkKind.DONE, "{}", 1)]
-        assert await db.store.finish(fence, run, RunStatus.DONE, done) is not None
+        assert await alone(db, FinishWrite(fence, run, RunStatus.DONE, done)) is not None
     writer = GroupWriter(db.store)
     try:
         async with db.engine.connect() as compactor:
@@ -414,7 +451,7 @@ async def test_a_batch_postgres_already_holds_is_still_produced_whole(
     await db.store.bump_epochs(TOPIC, [0], "w1")
     run, fence = await claimed_run(db, 0)
     committed = batch(run, 0, 3)
-    assert await db.store.write_chunks(fence, run, committed, first_output=True) == [0, 1, 2]
+    assert await alone(db, ChunkWrite(fence, run, committed, True)) == [0, 1, 2]
     sent: list[bytes] = []
 
     async def send(**record: Any) -> asyncio.Future[None]:

@@ -16,8 +16,8 @@ from confluent_kafka.admin import AdminClient
 from koda.kafka import aiokafka_security, producer_config
 from koda.settings import Settings
 from processors.cursor import PartitionCursors
-from processors.offsets import GroupOffsetReader
 from topics.catalogue import RUNS
+from topics.kafka.offsets import GroupOffsetReader
 
 PARTITION = 2
 

@@ -67,12 +67,11 @@ def gateway_routes() -> set[str]:
 
 def pool_sizes() -> tuple[int, int]:
     """(worker, gateway) connection pool sizes, as the code builds them (no I/O)."""
-    from processors.app import build_worker
+    from processors.bootstrap import build_worker
 
     settings = Settings(app_env=AppEnv.DEV, namespace="unit", max_inflight=8)
     with tempfile.TemporaryDirectory() as datadir:
-        _, runtime = build_worker(settings, datadir)
-        pool = runtime.store.engine.pool
+        pool = build_worker(settings, datadir).store.engine.pool
         worker = pool.size() + pool._max_overflow  # type: ignore[attr-defined]
     engine = async_engine(settings)
     gateway = engine.pool.size() + engine.pool._max_overflow  # type: ignore[attr-defined]

@@ -60,14 +60,16 @@ def test_no_client_auto_creates_a_topic_and_no_setting_turns_it_on() -> None:
     """librdkafka's producer auto-creates a missing topic by default; koda's clients turn
     that off in every environment (topics come from `koda topics apply`), so a missing
     topic is an error, never a topic with the broker's default partitions."""
-    from gateway.livefeed import LiveFeed
-    from gateway.publisher import RunPublisher
+    from koda.kafka import consumer_config, producer_config
     from koda.knobs import knobs
 
+    # Every librdkafka client of koda takes its config from these two (koda/kafka.py).
     for env in (AppEnv.DEV, AppEnv.PROD):
         settings = Settings(app_env=env, handler="openai")
-        assert RunPublisher(settings)._config["allow.auto.create.topics"] is False
-        assert LiveFeed(settings)._config["allow.auto.create.topics"] is False
+        assert producer_config(settings, "gateway")["allow.auto.create.topics"] is False
+        for group in (None, "g"):
+            config = consumer_config(settings, "live-feed", group)
+            assert config["allow.auto.create.topics"] is False
     assert not [spec.env for _, _, spec in knobs(Settings) if "CREATE" in spec.env]
     dev = Settings.from_env({"APP_ENV": "dev"})
     assert dev.handler == "demo"

@@ -17,16 +17,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from confluent_kafka import KafkaError, Message
-
-from koda.errors import TopicError
 from koda.settings import Settings
 from topics.catalogue import RUN_EVENTS
+from topics.kafka.bounded import TP, BoundedReader
 from topics.replay import tables as t
 from topics.replay.positions import Earliest, StartSpec, format_offsets, select_topics
 from topics.replay.prices import PriceBook, load_prices
 from topics.replay.progress import Progress, ReplaySummary
-from topics.replay.reader import TP, Plan, TopicReader, partition_of
+from topics.replay.reader import Plan, open_reader, plan
 from topics.replay.rows import RecordDecoder, RowBatch
 from topics.replay.sinks import DEFAULT_URL, Sink, open_sink
 
@@ -91,7 +89,7 @@ class Replay:
             if self.sink is not None and names.topic(RUN_EVENTS) in self.topics:
                 prices = load_prices(self.settings)
                 self.summary.prices_loaded = prices.loaded
-            reader = TopicReader(self.settings, self.topics, self.options.job)
+            reader = open_reader(self.settings, self.options.job)
             try:
                 self._loop(reader, RecordDecoder(names, prices))
             finally:
@@ -104,81 +102,39 @@ class Replay:
             _write_atomically(self.options.save_offsets, format_offsets(self.summary.positions))
         return self.summary
 
-    def _loop(self, reader: TopicReader, decoder: RecordDecoder) -> None:
+    def _loop(self, reader: BoundedReader, decoder: RecordDecoder) -> None:
         opts, summary = self.options, self.summary
-        plan = reader.plan(opts.start)
-        summary.resumed_partitions = plan.resumed
-        reader.assign(plan)
+        planned = plan(reader, self.topics, opts.start, job=opts.job is not None)
+        summary.resumed_partitions = planned.resumed
+        reader.assign(planned.starts, None if opts.follow else planned.ends)
         positions = summary.positions
-        positions.update(plan.starts)
-        committed = dict(plan.committed)  # the job's group commits every partition once
-        open_tps = {tp for tp in plan.starts if opts.follow or plan.starts[tp] < plan.ends[tp]}
-        for tp in set(plan.starts) - open_tps:
-            reader.pause(tp)
+        positions.update(planned.starts)
+        committed = dict(planned.committed)  # the job's group commits every partition once
         batch, batch_born = RowBatch(), time.monotonic()
         started = time.monotonic()
-
-        def close(tp: TP) -> None:
-            if tp in open_tps and not opts.follow:
-                open_tps.discard(tp)
-                reader.pause(tp)
-
-        while open_tps and not self.stop.is_set():
+        while reader.open and not self.stop.is_set():
             for msg in reader.poll(POLL_RECORDS, POLL_TIMEOUT_S):
-                tp = partition_of(msg)
-                event = self._event(msg, tp)
-                if event is not None:
-                    if event == "end" and tp in open_tps:
-                        # Everything before the end was delivered ahead of this event.
-                        end = msg.offset() or 0
-                        if not opts.follow:
-                            end = min(end, plan.ends[tp])
-                        positions[tp] = max(positions[tp], end)
-                        if not opts.follow and positions[tp] >= plan.ends[tp]:
-                            close(tp)
-                    continue
-                if tp not in open_tps:
-                    continue  # fetched before its partition reached the end
-                offset = msg.offset() or 0
-                if not opts.follow and offset >= plan.ends[tp]:
-                    close(tp)
-                    continue
                 decoder.add(msg, batch)
-                summary.per_topic[tp[0]] += 1
-                positions[tp] = offset + 1
-                if not opts.follow and offset + 1 >= plan.ends[tp]:
-                    close(tp)
+                summary.per_topic[msg.topic() or ""] += 1
+            positions.update(reader.positions)
             summary.records = sum(summary.per_topic.values())
             now = time.monotonic()
             if not len(batch):
                 batch_born = now
             if len(batch) >= opts.batch_records or (
-                len(batch) and (not open_tps or now - batch_born >= opts.batch_seconds)
+                len(batch) and (not reader.open or now - batch_born >= opts.batch_seconds)
             ):
                 self._flush(batch, reader, committed)
                 batch, batch_born = RowBatch(), now
             summary.seconds = now - started
-            self.progress.update(summary, self._lag(reader, plan, positions, open_tps))
+            self.progress.update(summary, self._lag(reader, planned, positions))
             self._throttle(started)
-        summary.stopped = self.stop.is_set() and bool(open_tps) and not opts.follow
+        summary.stopped = self.stop.is_set() and bool(reader.open) and not opts.follow
         self._flush(batch, reader, committed)
         summary.seconds = time.monotonic() - started
-        self.progress.update(summary, self._lag(reader, plan, positions, open_tps), force=True)
+        self.progress.update(summary, self._lag(reader, planned, positions), force=True)
 
-    def _event(self, msg: Message, tp: TP) -> str | None:
-        """None for a record; ``end`` for a partition's end; ``error`` for an error that
-        librdkafka retries (logged). A fatal error is raised."""
-        err = msg.error()
-        if err is None:
-            return None
-        if err.code() == KafkaError._PARTITION_EOF:
-            return "end"
-        if err.fatal():
-            raise TopicError(f"reading {tp[0] or 'the topics'} failed: {err.str()}")
-        log.warning("event=replay_read_error topic=%s partition=%d error=%s", *tp, err.str())
-        return "error"
-
-    def _flush(self, batch: RowBatch, reader: TopicReader, committed: dict[TP, int]) -> None:
+    def _flush(self, batch: RowBatch, reader: BoundedReader, committed: dict[TP, int]) -> None:
         """Write the batch (one transaction), then commit the job's offsets."""
         summary = self.summary
         if len(batch):
@@ -200,13 +156,11 @@ class Replay:
         committed.update(moved)
         log.debug("event=replay_committed job=%s partitions=%d", self.options.job, len(moved))
 
-    def _lag(
-        self, reader: TopicReader, plan: Plan, positions: dict[TP, int], open_tps: set[TP]
-    ) -> dict[TP, int]:
+    def _lag(self, reader: BoundedReader, plan: Plan, positions: dict[TP, int]) -> dict[TP, int]:
         if not self.options.follow:
-            return {tp: plan.ends[tp] - positions[tp] for tp in open_tps}
+            return {tp: plan.ends[tp] - positions[tp] for tp in reader.open}
         lag = {}
-        for tp in open_tps:
+        for tp in reader.open:
             high = reader.high_watermark(tp)
             lag[tp] = max(0, (high if high is not None else plan.ends[tp]) - positions[tp])
         return lag

@@ -22,7 +22,7 @@ from typing import Any
 
 from koda.errors import RecordError
 from koda.lifecycle.chunks import split_chunk_key
-from koda.lifecycle.states import RunStatus
+from koda.lifecycle.states import TERMINAL, RunStatus
 from koda.naming import Names
 from schemas.dead_letters import DeadLetter, decode_dead_letter
 from schemas.events import Transition, decode_run_event, parse_instant
@@ -48,7 +48,6 @@ REPLAYABLE = (RUNS, RUN_EVENTS, RUN_CHUNKS, RUNS_DLQ)
 # A terminal transition outranks any other event of its run, whatever its offset:
 # terminal states have no outgoing edge (docs/design.md §4).
 TERMINAL_RANK = 1 << 62
-_TERMINAL = frozenset(s.value for s in RunStatus if s.terminal)
 
 
 def _b64(data: bytes | None) -> str | None:
@@ -190,7 +189,7 @@ class RecordDecoder:
                 event.reason,
             ),
         )
-        terminal = event.to in _TERMINAL
+        terminal = event.to in TERMINAL
         claim = event.to == RunStatus.RUNNING.value
         batch.add(
             t.RUNS,

@@ -16,11 +16,9 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from koda.lifecycle.chunks import ChunkKind, visible_output
+from koda.lifecycle.chunks import TERMINAL_KINDS, visible_output
 from topics.replay import tables as t
 from topics.replay.rows import RowBatch
-
-_TERMINAL = frozenset(k.value for k in ChunkKind if k.terminal)
 
 
 class Sink(ABC):
@@ -101,7 +99,7 @@ def output_row(run_id: str, day: Any, events: Iterable[tuple[int, str, str]]) ->
     filled later, by the worker that next meets the run or the completeness pass).
     """
     ordered = sorted(events)
-    ends = [e for e in ordered if e[1] in _TERMINAL]
+    ends = [e for e in ordered if e[1] in TERMINAL_KINDS]
     end = ends[-1] if ends else None
     if end is not None and [e[0] for e in ordered if e[0] <= end[0]] != list(range(end[0] + 1)):
         end = None

@@ -7,6 +7,11 @@ Not through the AdminClient either: librdkafka's admin requests abort or crash t
 whole process when they time out across a broker restart (``rd_kafka_enq_once_del_
 source_return: Assertion `eonce->refcnt > 0' failed``, librdkafka issue 4605; seen
 here killing every worker at once when the broker came back).
+
+The worker's partition cursors ask it where an assignment starts, the worker's lag
+gauge and the gateway's ``GET /admin/lag`` ask it how far the group is behind
+(:meth:`GroupOffsetReader.lags`, the one lag formula). Each keeps one reader, and
+with it one client, for its lifetime.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 from confluent_kafka import Consumer, TopicPartition
@@ -25,6 +31,21 @@ T = TypeVar("T")
 
 # Each call blocks the reader's own thread at most this long (seconds).
 REQUEST_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class PartitionLag:
+    """Where the group stands on one partition: ``lag`` = end − committed (− the log
+    start when the group committed nothing there)."""
+
+    partition: int
+    start: int
+    end: int
+    committed: int | None
+
+    @property
+    def lag(self) -> int:
+        return max(0, self.end - (self.start if self.committed is None else self.committed))
 
 
 class GroupOffsetReader:
@@ -70,6 +91,16 @@ class GroupOffsetReader:
             return committed
         low, _ = self.watermarks(partition)
         return low
+
+    def lags(self, partitions: Iterable[int]) -> list[PartitionLag]:
+        """Blocking: the group's committed offsets, then each partition's watermarks."""
+        wanted = sorted(set(partitions))
+        committed = self.committed(wanted)
+        rows = []
+        for p in wanted:
+            low, high = self.watermarks(p)
+            rows.append(PartitionLag(p, low, high, committed.get(p)))
+        return rows
 
     def _close(self) -> None:
         consumer, self._consumer = self._consumer, None

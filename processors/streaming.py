@@ -1,0 +1,220 @@
+"""One attempt's output: the handler pumped into chunk batches, and its calls tallied.
+
+:func:`stream` drives the handler; :class:`ChunkBatcher` writes its chunks, Postgres
+first (through the group writer), then the chunk topic; :class:`CallTally` keeps the
+attempt's billable calls, so a failed, stopped or cut attempt still knows them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from koda.errors import HandlerError, KodaError
+from koda.lifecycle.attempts import first_output
+from koda.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
+from koda.lifecycle.handler import Item, RunContext, ToolActivity, Usage
+from koda.metrics import TIME_TO_FIRST_CHUNK_SECONDS
+from processors.control import RunControl
+from processors.groupcommit import GroupWriter
+from processors.store import ChunkWrite, Fence
+
+if TYPE_CHECKING:
+    from processors.ports import RunOutput
+
+log = logging.getLogger("koda.worker")
+
+_END = object()
+_STOP = object()  # a cancel or a merge stopped the attempt
+
+
+class FencedOut(KodaError):
+    """This worker lost the partition: its writes match zero rows; do not ack."""
+
+
+@dataclass
+class CallTally:
+    """An attempt's billable calls so far, and the chunks streamed since the last one.
+
+    Chunks after the last usage record belong to a call whose usage has not come (yet):
+    when the attempt ends there, they are counted as an estimated call.
+    """
+
+    usage: list[Usage]
+    unreported_chunks: int = 0
+
+    def settled(self, model: str) -> list[Usage]:
+        """The calls, with an estimated one for chunks no usage record covered."""
+        if self.unreported_chunks == 0:
+            return list(self.usage)
+        tail = Usage(model, 0, self.unreported_chunks, estimated=True)
+        return [*self.usage, tail]
+
+
+class ChunkBatcher:
+    """Collects chunks and writes them (Postgres first, then the topic) in batches.
+
+    ``futures`` collects the deliveries of what it produced; the run awaits them before
+    its record is acked.
+    """
+
+    def __init__(
+        self,
+        writer: GroupWriter,
+        emitter: RunOutput,
+        fence: Fence,
+        run_id: str,
+        attempt: int,
+        seq: SeqCounter,
+        futures: list[asyncio.Future[Any]],
+        max_size: int,
+        input_version: int | None = None,
+    ) -> None:
+        self.writer, self.emitter, self.fence = writer, emitter, fence
+        self.run_id, self.attempt, self.seq = run_id, attempt, seq
+        self.futures = futures
+        self.max_size = max_size
+        self.input_version = input_version
+        self.pending: list[Chunk] = []
+        self.streaming = False
+
+    def add(self, kind: ChunkKind, content: str) -> None:
+        self.pending.append(Chunk(self.run_id, self.seq.take(), kind, content, self.attempt))
+
+    def take(self) -> list[Chunk]:
+        """The chunks not written yet, now the caller's to write (a finish)."""
+        taken, self.pending = self.pending, []
+        return taken
+
+    def give_back(self, taken: list[Chunk]) -> None:
+        """``taken`` was not written after all, and its last chunk (the end event that
+        was added for it) never will be: the rest is pending again, its seq free."""
+        self.pending = taken[:-1]
+        self.seq.give_back(taken[-1].seq)
+
+    @property
+    def full(self) -> bool:
+        return len(self.pending) >= self.max_size
+
+    async def flush(self) -> None:
+        if not self.pending:
+            return
+        batch = self.take()
+        first = first_output(self.streaming, batch)
+        inserted = await self.writer.chunks(
+            ChunkWrite(self.fence, self.run_id, batch, first, self.input_version)
+        )
+        if inserted is None:
+            raise FencedOut(f"run {self.run_id}: chunk write fenced out")
+        if first:
+            self.streaming = True
+        # The whole batch, also seqs that were in Postgres already: only this owner writes
+        # them, so they are this batch (its group committed, then the answer was lost).
+        self.futures += await self.emitter.chunks(self.fence.partition, batch)
+
+
+async def stream(
+    source: AsyncIterator[Item],
+    batcher: ChunkBatcher,
+    control: RunControl,
+    tally: CallTally,
+    *,
+    ctx: RunContext,
+    window_s: float,
+    started: float,
+) -> None:
+    """Pump the handler's ``source`` into ``batcher``; flush by size or ``window_s``
+    seconds after the first unflushed chunk (0: every chunk at once).
+
+    A cancel or a merge (``control``) stops the attempt at once: the handler's task
+    is cancelled and what it said so far stays in the batcher. Usage records go to
+    ``tally`` as they come. Raises :class:`HandlerError` when the handler fails.
+    """
+    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=4 * batcher.max_size)
+    pump = asyncio.create_task(_pump(source, queue))
+
+    def stop() -> None:
+        log.info("attempt stopped run_id=%s by=%s", ctx.run_id, ctx.cancel.reason)
+        pump.cancel()
+        with contextlib.suppress(asyncio.QueueFull):  # full: the loop is not waiting
+            queue.put_nowait(_STOP)
+
+    control.on_stop(stop)
+    deadline: float | None = None
+    first = True
+    try:
+        while True:
+            try:
+                # What the handler already queued is taken without a wait_for task
+                # and without yielding to the loop per chunk: on a busy worker each
+                # yield could outlast the window and split the batch.
+                item = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout)
+                except TimeoutError:
+                    await batcher.flush()
+                    deadline = None
+                    continue
+            if item is _END or item is _STOP or control.stopping:
+                if control.stopping:
+                    held = [item] if isinstance(item, Usage) else []
+                    tally.usage += [*held, *_usage_queued(queue)]
+                break
+            if isinstance(item, BaseException):
+                if isinstance(item, HandlerError):
+                    raise item
+                raise HandlerError(f"{type(item).__name__}: {item}") from item
+            if isinstance(item, Usage):
+                tally.usage.append(item)
+                tally.unreported_chunks = 0
+                continue
+            if isinstance(item, ToolActivity):
+                batcher.add(ChunkKind.TOOL, item.content)
+            else:
+                if first:
+                    TIME_TO_FIRST_CHUNK_SECONDS.observe(time.monotonic() - started)
+                    first = False
+                batcher.add(ChunkKind.CHUNK, str(item))
+                tally.unreported_chunks += 1
+            if batcher.full or window_s == 0:
+                await batcher.flush()
+                deadline = None
+            elif deadline is None:
+                deadline = time.monotonic() + window_s
+        # The last batch is not flushed here: the finish writes it with the terminal
+        # event in one transaction. A short run then costs one commit (and its
+        # fsync) fewer, and the batch is produced no later than before.
+    finally:
+        if not pump.done():
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+
+
+async def _pump(source: AsyncIterator[Item], queue: asyncio.Queue[Any]) -> None:
+    try:
+        async for item in source:
+            await queue.put(item)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - handed to the consumer side
+        await queue.put(exc)
+        return
+    await queue.put(_END)
+
+
+def _usage_queued(queue: asyncio.Queue[Any]) -> list[Usage]:
+    """The usage records a stopped handler had already queued: those calls were made,
+    so they are billed, while the chunks queued with them are not shown."""
+    out = []
+    while not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, Usage):
+            out.append(item)
+    return out

@@ -1,0 +1,272 @@
+"""The worker's executor (processors/runner.py) over in-memory ports: the rules it
+applies and the order of its writes, deliveries and acks, with no services.
+
+The same guarantees are proved on the real Kafka and Postgres by
+tests/integration/test_worker.py, test_retry_budget.py, test_chunk_topic_repair.py and
+tests/e2e/test_handoff.py; here each rule is provoked directly and fast."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from koda.lifecycle.attempts import MAX_CLAIMS_PER_ATTEMPT
+from koda.lifecycle.handler import CancelToken, RunFailed, Usage
+from koda.lifecycle.ledger import Outcome
+from koda.lifecycle.states import RunStatus
+from koda.settings import AppEnv, Settings
+from processors.runner import FencedOut, Record, RunExecutor
+from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, headers_for
+from tests.unit.worker_fakes import TOPIC, FakeOutput, FakeStore, ScriptedHandler
+
+SETTINGS = Settings(
+    app_env=AppEnv.DEV,
+    max_attempts=3,
+    retry_base_s=0.001,
+    chunk_batch_size=2,
+    chunk_batch_ms=0,
+    worker_id="w-unit",
+)
+
+
+def record(run_id: str, user_id: str = "u", offset: int = 7) -> Record:
+    value = RunRequested(run_id, user_id, "s", "2026-01-01T00:00:00Z").encode()
+    return Record(TOPIC, 0, offset, user_id.encode(), value, headers_for(RUN_REQUESTED))
+
+
+class World:
+    made: list[World] = []
+
+    def __init__(self, handler: ScriptedHandler, *, hold: bool = False, **settings: Any) -> None:
+        self.store = FakeStore()
+        self.out = FakeOutput(self.store, hold=hold)
+        self.handler = handler
+        config = SETTINGS if not settings else _with(SETTINGS, **settings)
+        self.executor = RunExecutor(config, self.store, self.out, handler)
+        self.fence = self.store.own(0)
+        World.made.append(self)
+
+    async def run(self, run_id: str, **kw: Any) -> None:
+        await self.executor.process(record(run_id, **kw), self.fence, CancelToken())
+
+    async def marked(self, run_id: str, seq: int) -> None:
+        """Until the run's published mark (written by a coming group) is in."""
+        row = self.store.runs[run_id]
+        await asyncio.wait_for(_until(lambda: row.published_seq == seq), 5)
+
+
+async def _until(condition: Any) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
+@pytest.fixture(autouse=True)
+async def _close_writers() -> AsyncIterator[None]:
+    yield
+    for w in World.made:
+        await w.executor.writer.close()
+    World.made.clear()
+
+
+def _with(settings: Settings, **fields: Any) -> Settings:
+    from dataclasses import replace
+
+    return replace(settings, **fields)
+
+
+async def test_a_run_streams_then_ends_done_and_is_marked_whole() -> None:
+    w = World(ScriptedHandler(["a", "b", "c", Usage("m", 3, 3)]))
+    w.store.add("r1")
+    await w.run("r1")
+    row = w.store.runs["r1"]
+    assert (row.status, row.attempt) == (RunStatus.DONE, 1)
+    assert w.store.kinds("r1") == ["chunk", "chunk", "chunk", "done"]
+    assert w.out.of("r1") == [
+        "transition:running",
+        "chunk",
+        "chunk",  # a full batch of two
+        "chunk",
+        "done",  # the last chunk rides the finish
+        "transition:done",
+        "usage:",
+    ]
+    # The ledger row of the call, written by the finish.
+    assert [c.outcome for c in w.store.ledger.values()] == [Outcome.OK]
+    # Once every delivery is in, the run is known whole on the chunk topic.
+    await w.marked("r1", 3)
+
+
+async def test_a_failed_attempt_is_retried_and_the_retry_starts_with_a_reset() -> None:
+    w = World(ScriptedHandler(["a", RuntimeError("flaky")], ["x", "y"]))
+    w.store.add("r1")
+    await w.run("r1")
+    row = w.store.runs["r1"]
+    assert (row.status, row.attempt, row.failures) == (RunStatus.DONE, 2, 1)
+    assert w.store.kinds("r1") == ["chunk", "reset", "chunk", "chunk", "done"]
+    reset = w.store.messages_of["r1"][1]
+    assert json.loads(reset.content) == {"attempt": 2} and reset.attempt == 2
+    assert w.out.letters() == []
+
+
+async def test_retries_exhausted_dead_letter_the_record_and_fail_the_run() -> None:
+    w = World(ScriptedHandler(["a", RuntimeError("boom")]))
+    w.store.add("r1")
+    await w.run("r1")
+    row = w.store.runs["r1"]
+    assert (row.status, row.failures, row.attempt) == (RunStatus.FAILED, 3, 3)
+    assert row.error == "RuntimeError: boom"
+    (letter,) = w.out.letters()
+    assert (letter["reason"], letter["attempts"], letter["offset"]) == ("handler_failed", 3, 7)
+    assert w.store.kinds("r1") == ["chunk", "reset", "chunk", "reset", "chunk", "error"]
+    end = w.store.messages_of["r1"][5]
+    assert json.loads(end.content) == {"error": "RuntimeError: boom", "attempts": 3}
+    assert w.out.of("r1")[-1] == "transition:failed"
+
+
+async def test_a_final_failure_is_not_retried() -> None:
+    w = World(ScriptedHandler(["a", RunFailed("too many tool turns")], ["never"]))
+    w.store.add("r1")
+    await w.run("r1")
+    assert (w.store.runs["r1"].status, w.store.runs["r1"].attempt) == (RunStatus.FAILED, 1)
+    assert [ctx.attempt for ctx in w.handler.contexts] == [1]
+
+
+async def test_a_run_claimed_too_often_is_given_up_without_running() -> None:
+    w = World(ScriptedHandler(["never"]))
+    bound = SETTINGS.max_attempts * MAX_CLAIMS_PER_ATTEMPT
+    w.store.add("r1", status=RunStatus.STREAMING, attempt=bound)
+    await w.run("r1")
+    assert w.store.runs["r1"].status is RunStatus.FAILED
+    assert w.handler.contexts == []
+    (letter,) = w.out.letters()
+    assert letter["error"].startswith(f"claimed {bound} times without finishing")
+
+
+async def test_the_record_is_acked_only_after_every_delivery() -> None:
+    w = World(ScriptedHandler(["a", "b", "c"]), hold=True)
+    w.store.add("r1")
+    task = asyncio.create_task(w.run("r1"))
+
+    await asyncio.wait_for(_until(lambda: w.store.runs["r1"].status is RunStatus.DONE), 5)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not task.done(), "returned (acked) before its records were delivered"
+    assert w.store.runs["r1"].published_seq is None
+    w.out.hold = False
+    w.out.deliver()
+    await asyncio.wait_for(task, 5)
+    await w.marked("r1", 3)
+
+
+async def test_a_run_cut_off_writes_no_end_and_bills_its_calls_cancelled() -> None:
+    stuck = asyncio.Event()
+    w = World(ScriptedHandler(["a", "b", Usage("m", 5, 2), "c", stuck.wait]))
+    w.store.add("r1")
+    task = asyncio.create_task(w.run("r1"))
+
+    await asyncio.wait_for(_until(lambda: len(w.store.messages_of["r1"]) >= 2), 5)
+    task.cancel()  # the handoff ceiling
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    row = w.store.runs["r1"]
+    assert row.status is RunStatus.STREAMING  # the successor resumes it
+    assert "done" not in w.store.kinds("r1")
+    calls = sorted(w.store.ledger.values(), key=lambda c: c.call_index)
+    assert [(c.outcome, c.usage.estimated) for c in calls] == [
+        (Outcome.CANCELLED, False),
+        (Outcome.CANCELLED, True),  # "c" streamed after the last usage record
+    ]
+
+
+async def test_a_partition_lost_mid_run_fences_the_run_out() -> None:
+    async def lose_the_partition() -> None:
+        await _until(lambda: len(w.store.messages_of["r1"]) >= 2)
+        w.store.own(0)
+
+    w = World(ScriptedHandler(["a", "b", lose_the_partition, "c", "d"]))
+    w.store.add("r1")
+    with pytest.raises(FencedOut, match="fenced out"):
+        await w.run("r1")
+    assert w.store.runs["r1"].status is RunStatus.STREAMING
+    assert w.store.kinds("r1") == ["chunk", "chunk"]  # nothing after the epoch moved
+
+
+async def test_a_claim_that_finds_the_run_ended_is_no_fencing() -> None:
+    w = World(ScriptedHandler(["never"]))
+    w.store.add("r1", status=RunStatus.DONE, published_seq=0)
+    await w.run("r1")
+    assert w.handler.contexts == [] and w.out.sent == []
+
+
+async def test_a_stale_fence_cannot_claim() -> None:
+    w = World(ScriptedHandler(["never"]))
+    w.store.add("r1")
+    stale = w.fence
+    w.store.own(0)
+    with pytest.raises(FencedOut, match="claim fenced out"):
+        await w.executor.process(record("r1"), stale, CancelToken())
+    assert w.store.runs["r1"].status is RunStatus.PENDING
+
+
+async def test_unfinished_older_runs_of_the_user_run_first() -> None:
+    w = World(ScriptedHandler([RuntimeError("boom")]), max_attempts=1)
+    w.store.add("older")
+    w.store.add("other-user", user_id="v")
+    w.store.add("newer")
+    await w.run("newer", offset=42)
+    assert w.store.runs["older"].status is RunStatus.FAILED
+    assert w.store.runs["newer"].status is RunStatus.FAILED
+    assert w.store.runs["other-user"].status is RunStatus.PENDING
+    first, second = w.out.letters()
+    # The predecessor's letter carries a trigger for the predecessor itself, at no
+    # offset (no record of it was read); the record in hand keeps its own offset.
+    assert first["offset"] == -1
+    older = decode_run_requested(first["key"], first["value"], first["headers"])
+    assert (older.run_id, older.user_id) == ("older", "u")
+    assert (second["offset"], second["value"]) == (42, record("newer", offset=42).value)
+    assert [c.run_id for c in w.handler.contexts] == ["older", "newer"]
+
+
+async def test_a_cancel_requested_before_the_claim_ends_the_run_without_running_it() -> None:
+    w = World(ScriptedHandler(["never"]))
+    w.store.add("r1", cancel_requested=True, cancel_reason="user")
+    await w.run("r1")
+    assert w.store.runs["r1"].status is RunStatus.CANCELLED
+    assert w.handler.contexts == []
+    end = w.store.messages_of["r1"][0]
+    assert json.loads(end.content) == {"status": "cancelled", "reason": "user"}
+    transition = [s for s in w.out.sent if s.what == "transition"][-1]
+    assert transition.fields == {"to": "cancelled", "attempt": 1, "reason": "user"}
+
+
+async def test_a_merge_seen_only_by_the_finish_runs_the_attempt_again() -> None:
+    w = World(ScriptedHandler(["old", lambda: _merge(w.store)], ["new"]))
+    w.store.add("r1", input={"text": "first"})
+    await w.run("r1")
+    row = w.store.runs["r1"]
+    assert (row.status, row.attempt) == (RunStatus.DONE, 2)
+    # The refused finish gave its done event's seq back: seqs stay contiguous.
+    assert sorted(w.store.messages_of["r1"]) == [0, 1, 2, 3]
+    assert w.store.kinds("r1") == ["chunk", "reset", "chunk", "done"]
+    assert w.handler.contexts[1].input == {"text": "merged"}
+
+
+def _merge(store: FakeStore) -> None:
+    row = store.runs["r1"]
+    row.input, row.input_version = {"text": "merged"}, row.input_version + 1
+
+
+async def test_a_database_failure_reaches_the_chain_and_the_record_can_run_again() -> None:
+    w = World(ScriptedHandler(["a", "b"]))
+    w.store.add("r1")
+    w.store.fail_next_group = ConnectionError("lost")
+    with pytest.raises(ConnectionError):  # the chain retries the record in place
+        await w.run("r1")
+    assert (w.store.runs["r1"].status, w.store.runs["r1"].attempt) == (RunStatus.PENDING, 0)
+    await w.run("r1")
+    assert w.store.runs["r1"].status is RunStatus.DONE
+    assert w.store.kinds("r1") == ["chunk", "chunk", "done"]
