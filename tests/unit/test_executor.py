@@ -18,7 +18,8 @@ from koda.lifecycle.attempts import MAX_CLAIMS_PER_ATTEMPT
 from koda.lifecycle.handler import CancelToken, RunFailed, Usage
 from koda.lifecycle.ledger import Outcome
 from koda.lifecycle.states import RunStatus
-from koda.settings import AppEnv, Settings
+from koda.naming import AppEnv
+from koda.settings import Settings
 from processors.runner import FencedOut, Record, RunExecutor
 from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, headers_for
 from tests.unit.worker_fakes import TOPIC, FakeOutput, FakeStore, ScriptedHandler
