@@ -149,6 +149,16 @@ def test_every_layer_imports_only_the_layers_below_it() -> None:
         (f"from {SCHEDULER} import service\n", f"{GATEWAY}.x", "gateway may not import"),
         (f"from {GATEWAY} import cli\n", f"{KODA}.db", "core may not import gateway"),
     ],
+    ids=[
+        "processors-gateway",
+        "gateway-processors",
+        "topics-gateway",
+        "schemas-topics",
+        "lifecycle-sqlalchemy",
+        "lifecycle-core",
+        "gateway-scheduler",
+        "core-gateway",
+    ],
 )
 def test_the_contract_catches_a_crossing(
     tmp_path: Path, source: str, importer: str, why: str
