@@ -360,18 +360,25 @@ async def test_two_replicas_at_once_create_each_due_minute_exactly_once(harness:
     ids = [await harness.add(user(), first) for _ in range(60)]
     a, b = harness.replica("a"), harness.replica("b")
     ra, rb = await asyncio.gather(a.run_pass(), b.run_pass())
+    # On a loaded machine the passes may cross a minute boundary: a schedule planned
+    # after it is due one minute more. Either way each minute fires exactly once.
+    last_due = {first + timedelta(minutes=4), _ago(0)}
     rows = await harness.rows(
         "SELECT schedule_id, scheduled_for, idempotency_key, published_at FROM runs "
         "WHERE schedule_id = ANY(:ids)",
         ids=ids,
     )
-    minutes = {first + timedelta(minutes=i) for i in range(5)}
     got: dict[str, list[datetime]] = {}
     for r in rows:
         got.setdefault(r.schedule_id, []).append(r.scheduled_for)
         assert r.idempotency_key == fire_key(r.schedule_id, r.scheduled_for)
-    assert all(sorted(v) == sorted(minutes) for v in got.values()) and len(got) == 60
-    assert ra.fired + rb.fired == len(rows) == 300
+    assert len(got) == 60
+    for minutes_of in got.values():
+        last = max(minutes_of)
+        assert last in last_due, (last, last_due)
+        span = int((last - first).total_seconds() // 60) + 1
+        assert sorted(minutes_of) == [first + timedelta(minutes=i) for i in range(span)]
+    assert ra.fired + rb.fired == len(rows) >= 300
     assert ra.fired > 0 and rb.fired > 0  # both did real work, neither waited on a lock
     # A losing insert keeps nothing: not even the new session it brought.
     users = [
@@ -381,14 +388,20 @@ async def test_two_replicas_at_once_create_each_due_minute_exactly_once(harness:
     sessions = await harness.rows(
         "SELECT count(*) AS n FROM sessions WHERE user_id = ANY(:u)", u=users
     )
-    assert sessions[0].n == 300
-    nxt = await harness.rows(
-        "SELECT DISTINCT next_fire_at FROM schedules WHERE id = ANY(:ids)", ids=ids
-    )
-    assert [r.next_fire_at for r in nxt] == [max(minutes) + timedelta(minutes=1)]
-    # Another pass now fires nothing more.
+    assert sessions[0].n == len(rows)
+    nxt = await harness.rows("SELECT id, next_fire_at FROM schedules WHERE id = ANY(:ids)", ids=ids)
+    assert {r.id: r.next_fire_at for r in nxt} == {
+        sid: max(m) + timedelta(minutes=1) for sid, m in got.items()
+    }
+    # Another pass fires only minutes that came due since (none, unless a boundary
+    # passed): never one of those already fired.
     again = await a.run_pass()
-    assert again.fired == 0
+    after = await harness.rows(
+        "SELECT count(*) AS n, count(DISTINCT idempotency_key) AS k FROM runs "
+        "WHERE schedule_id = ANY(:ids)",
+        ids=ids,
+    )
+    assert after[0].n == after[0].k == len(rows) + again.fired
 
 
 def _midday_zone() -> str:
