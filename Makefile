@@ -21,10 +21,25 @@ test: install
 
 install: system-deps $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+# The install is editable in strict mode: a tree of links to each file of the package, so
+# mypy and Python see koda_runtime as installed. A file added to or removed from the
+# package changes the list below and installs again (editing a file needs nothing).
+PKG_LIST := $(VENV)/.package-files
+PKG_DIRS := koda gateway processors scheduler topics schemas deploy/local deploy/prometheus
+EDITABLE := --config-settings editable_mode=strict
+
+.PHONY: .package-list
+$(PKG_LIST): .package-list
+	@mkdir -p $(VENV)
+	@find $(PKG_DIRS) -type f ! -path '*/__pycache__/*' ! -name '*.pyc' | LC_ALL=C sort > $@.new
+	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
+
+$(STAMP): pyproject.toml constraints.txt $(PKG_LIST)
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(PIP_QUIET) $(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	@# the package was called koda before koda-runtime: a venv made then still has it
+	@$(BIN)/python -m pip uninstall -q -y koda 2>/dev/null || true
+	$(PIP_QUIET) $(BIN)/python -m pip install -q -c constraints.txt $(EDITABLE) -e '.[dev]'
 	@touch $(STAMP)
 
 ## system-deps: Java, Chromium and kcat via apt-get where missing (PostgreSQL is a wheel)
@@ -76,8 +91,8 @@ BENCH_STAMP := $(VENV)/.bench-installed
 ## bench-install: py-spy into .venv, Quix Streams (the W1 rival) into its own .venv-quix
 bench-install: install $(BENCH_STAMP)
 
-$(BENCH_STAMP): pyproject.toml constraints.txt tests/bench/quix-requirements.txt
-	$(PIP_QUIET) $(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,bench]'
+$(BENCH_STAMP): pyproject.toml constraints.txt tests/bench/quix-requirements.txt $(PKG_LIST)
+	$(PIP_QUIET) $(BIN)/python -m pip install -q -c constraints.txt $(EDITABLE) -e '.[dev,bench]'
 	@test -x $(QUIX_VENV)/bin/python || $(PY) -m venv $(QUIX_VENV)
 	$(QUIX_VENV)/bin/python -m pip install -q -r tests/bench/quix-requirements.txt
 	@touch $(BENCH_STAMP)

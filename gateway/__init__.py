@@ -1,9 +1,9 @@
 """The HTTP gateway: authenticate, rate-limit/admit, persist, publish (docs/design.md §1, §9).
 
-    gateway.app.create_app(settings)          the ASGI app
-    gateway.components.build_components(...)  every collaborator, built once
-    gateway.server.serve(settings)            uvicorn in the foreground, graceful on SIGTERM
-    gateway.client.runs_app                   ``koda runs submit|show|cancel|follow``
+    app.create_app(settings)                the ASGI app
+    components.build_components(...)        every collaborator, built once
+    server.serve(settings)                  uvicorn in the foreground, graceful on SIGTERM
+    client.runs_app                         ``koda runs submit|show|cancel|follow``
 
 Importing this package imports nothing else, so the command line's clients
 (``client``, ``schedules_cli``) load no server code.

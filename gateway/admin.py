@@ -10,8 +10,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from gateway.dependencies import ADMIN, Gateway
-from gateway.models import error_responses
+from koda_runtime.gateway.dependencies import ADMIN, Gateway
+from koda_runtime.gateway.models import error_responses
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 _ERRORS = error_responses(

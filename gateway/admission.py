@@ -12,19 +12,19 @@ import asyncio
 import contextlib
 import logging
 
-from gateway.control_store import ControlStore
-from gateway.exceptions import PublishError
-from gateway.intake import RunRequest
-from gateway.publisher import RunPublisher
-from gateway.store import AdmittedRun, NewRun, RunStore
-from koda import metrics
-from koda.errors import DatabaseError
-from koda.lifecycle.control import MERGE, ControlRecord
-from koda.lifecycle.ids import derived_idempotency_key, scoped_idempotency_key, uuid7
-from koda.lifecycle.ledger import Period
-from koda.naming import Names
-from schemas.records import RunRequested
-from topics.catalogue import RUN_CONTROL, partition_for_key
+from koda_runtime import metrics
+from koda_runtime.errors import DatabaseError
+from koda_runtime.gateway.control_store import ControlStore
+from koda_runtime.gateway.exceptions import PublishError
+from koda_runtime.gateway.intake import RunRequest
+from koda_runtime.gateway.publisher import RunPublisher
+from koda_runtime.gateway.store import AdmittedRun, NewRun, RunStore
+from koda_runtime.lifecycle.control import MERGE, ControlRecord
+from koda_runtime.lifecycle.ids import derived_idempotency_key, scoped_idempotency_key, uuid7
+from koda_runtime.lifecycle.ledger import Period
+from koda_runtime.naming import Names
+from koda_runtime.schemas.records import RunRequested
+from koda_runtime.topics.catalogue import RUN_CONTROL, partition_for_key
 
 log = logging.getLogger(__name__)
 

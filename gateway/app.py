@@ -1,7 +1,7 @@
 """The gateway's ASGI app: :func:`create_app` wires routes to built components.
 
 The components (gateway/components.py) are built without connecting; the app's
-lifespan runs them (:meth:`~gateway.components.Components.serving`): connect, probe,
+lifespan runs them (:meth:`~koda_runtime.gateway.components.Components.serving`): connect, probe,
 serve, and on shutdown drain deliveries, stop the producer and dispose the engine.
 """
 
@@ -15,18 +15,18 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from gateway.admin import router as admin_router
-from gateway.components import Components, build_components
-from gateway.console import install_console
-from gateway.control import router as control_router
-from gateway.errors import install_error_handlers
-from gateway.memories import router as memories_router
-from gateway.routes import router
-from gateway.schedules import router as schedules_router
-from gateway.sse import router as sse_router
-from gateway.usage import router as usage_router
-from koda import metrics
-from koda.settings import Settings
+from koda_runtime import metrics
+from koda_runtime.gateway.admin import router as admin_router
+from koda_runtime.gateway.components import Components, build_components
+from koda_runtime.gateway.console import install_console
+from koda_runtime.gateway.control import router as control_router
+from koda_runtime.gateway.errors import install_error_handlers
+from koda_runtime.gateway.memories import router as memories_router
+from koda_runtime.gateway.routes import router
+from koda_runtime.gateway.schedules import router as schedules_router
+from koda_runtime.gateway.sse import router as sse_router
+from koda_runtime.gateway.usage import router as usage_router
+from koda_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def create_app(
         description="Submit long-running runs and read their output.",
         lifespan=lifespan,
     )
-    # Read by gateway.dependencies.get_components, the one place that looks for it.
+    # Read by koda_runtime.gateway.dependencies.get_components, the one place that looks for it.
     app.state.components = gw
     install_error_handlers(app)
     app.include_router(router)

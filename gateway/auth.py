@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from fastapi import Request
 from fastapi.security import HTTPBearer
 
-from gateway.errors import Forbidden, Unauthorized
-from koda.naming import AppEnv
-from koda.settings import Settings
+from koda_runtime.gateway.errors import Forbidden, Unauthorized
+from koda_runtime.naming import AppEnv
+from koda_runtime.settings import Settings
 
 # The schemes as OpenAPI declares them; the checks themselves are below.
 BEARER = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")

@@ -14,8 +14,8 @@ from typing import Any, NoReturn
 import httpx
 import typer
 
-from gateway.eventstream import RECONNECT, TERMINAL_KINDS, Event, EventParser
-from koda.lifecycle.states import RunStatus
+from koda_runtime.gateway.eventstream import RECONNECT, TERMINAL_KINDS, Event, EventParser
+from koda_runtime.lifecycle.states import RunStatus
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 POLL_INTERVAL_S = 0.5

@@ -23,19 +23,19 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.admission import Admissions
-from gateway.auth import Authenticator
-from gateway.control_store import ControlStore
-from gateway.livefeed import LiveFeed
-from gateway.publisher import RunPublisher
-from gateway.ratelimit import TokenBuckets
-from gateway.scheduled import ScheduleStore
-from gateway.store import RunStore
-from gateway.sweeper import Sweeper
-from gateway.workers import WorkerDirectory
-from koda.db import async_engine
-from koda.errors import KodaError
-from koda.settings import Settings
+from koda_runtime.db import async_engine
+from koda_runtime.errors import KodaError
+from koda_runtime.gateway.admission import Admissions
+from koda_runtime.gateway.auth import Authenticator
+from koda_runtime.gateway.control_store import ControlStore
+from koda_runtime.gateway.livefeed import LiveFeed
+from koda_runtime.gateway.publisher import RunPublisher
+from koda_runtime.gateway.ratelimit import TokenBuckets
+from koda_runtime.gateway.scheduled import ScheduleStore
+from koda_runtime.gateway.store import RunStore
+from koda_runtime.gateway.sweeper import Sweeper
+from koda_runtime.gateway.workers import WorkerDirectory
+from koda_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.dependencies import ADMIN, Gateway, User
-from gateway.errors import NotFound, Unavailable
-from koda.errors import DatabaseError
+from koda_runtime.errors import DatabaseError
+from koda_runtime.gateway.dependencies import ADMIN, Gateway, User
+from koda_runtime.gateway.errors import NotFound, Unavailable
 
 STATIC = Path(__file__).with_name("console_static")
 MAX_RUN_ID_CHARS = 128

@@ -18,19 +18,25 @@ from typing import Any
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from gateway.components import Components
-from gateway.control_store import CANCELLED, REQUESTED, CancelOutcome
-from gateway.dependencies import Gateway, User
-from gateway.errors import BadRequest, InvalidField, NotFound
-from gateway.exceptions import PublishError
-from gateway.intake import SESSION_ID, check_content_type, decode_json, read_body
-from gateway.models import CancelRequest, RunCancel, RunPage, RunSummary, error_responses
-from koda import metrics
-from koda.lifecycle.chunks import ChunkKind, chunk_key
-from koda.lifecycle.control import CANCEL, MAX_REASON_CHARS, ControlRecord
-from koda.lifecycle.states import RunStatus
-from schemas.records import RUN_CHUNK, chunk_value, headers_for
-from topics.catalogue import RUN_CHUNKS, partition_for_key
+from koda_runtime import metrics
+from koda_runtime.gateway.components import Components
+from koda_runtime.gateway.control_store import CANCELLED, REQUESTED, CancelOutcome
+from koda_runtime.gateway.dependencies import Gateway, User
+from koda_runtime.gateway.errors import BadRequest, InvalidField, NotFound
+from koda_runtime.gateway.exceptions import PublishError
+from koda_runtime.gateway.intake import SESSION_ID, check_content_type, decode_json, read_body
+from koda_runtime.gateway.models import (
+    CancelRequest,
+    RunCancel,
+    RunPage,
+    RunSummary,
+    error_responses,
+)
+from koda_runtime.lifecycle.chunks import ChunkKind, chunk_key
+from koda_runtime.lifecycle.control import CANCEL, MAX_REASON_CHARS, ControlRecord
+from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.schemas.records import RUN_CHUNK, chunk_value, headers_for
+from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
 
 log = logging.getLogger(__name__)
 

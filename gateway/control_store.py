@@ -18,10 +18,10 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda.errors import DatabaseError
-from koda.lifecycle.chunks import ChunkKind
-from koda.lifecycle.control import merge_inputs
-from koda.lifecycle.states import ACTIVE, RunStatus, sources_of
+from koda_runtime.errors import DatabaseError
+from koda_runtime.lifecycle.chunks import ChunkKind
+from koda_runtime.lifecycle.control import merge_inputs
+from koda_runtime.lifecycle.states import ACTIVE, RunStatus, sources_of
 
 CANCELLED = "cancelled"  # pending → cancelled, here and now
 REQUESTED = "requested"  # running: the request is durable, the worker ends the run

@@ -17,14 +17,14 @@ from typing import Annotated
 from fastapi import Depends, Query, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials
 
-from gateway.auth import ADMIN_BEARER, BEARER, authenticate_request, check_admin
-from gateway.components import Components
+from koda_runtime.gateway.auth import ADMIN_BEARER, BEARER, authenticate_request, check_admin
+from koda_runtime.gateway.components import Components
 
 Scheme = HTTPAuthorizationCredentials | None
 
 
 async def get_components(request: Request) -> Components:
-    """The components :func:`gateway.app.create_app` was built with."""
+    """The components :func:`koda_runtime.gateway.app.create_app` was built with."""
     components: Components = request.app.state.components
     return components
 

@@ -34,9 +34,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.exceptions import OverBudget, SessionNotOwned
-from koda.errors import DatabaseError, KodaError
-from schemas.ledger import money
+from koda_runtime.errors import DatabaseError, KodaError
+from koda_runtime.gateway.exceptions import OverBudget, SessionNotOwned
+from koda_runtime.schemas.ledger import money
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from koda.lifecycle.chunks import TERMINAL_KINDS as TERMINAL_KINDS
+from koda_runtime.lifecycle.chunks import TERMINAL_KINDS as TERMINAL_KINDS
 
 MEDIA_TYPE = "text/event-stream"
 RECONNECT = "reconnect"

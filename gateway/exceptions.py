@@ -1,7 +1,7 @@
 """What the gateway's stores, producer and services raise, in their own terms (no HTTP).
 
     KodaError
-    ├── DatabaseError          (koda.errors) Postgres could not answer
+    ├── DatabaseError          (koda_runtime.errors) Postgres could not answer
     ├── Refused                the request is well formed but cannot be done; nothing
     │   │                      was written
     │   ├── SessionNotOwned    the session id names another user's session
@@ -9,14 +9,14 @@
     └── PublishError           the broker refused or did not acknowledge a record (the
                                sweeper publishes the run again later)
 
-The HTTP layer (:func:`gateway.errors.http_error`) decides the status and the body
+The HTTP layer (:func:`koda_runtime.gateway.errors.http_error`) decides the status and the body
 of each; nothing below it knows about status codes.
 """
 
 from __future__ import annotations
 
-from koda.errors import KodaError
-from koda.lifecycle.ledger import Exceeded
+from koda_runtime.errors import KodaError
+from koda_runtime.lifecycle.ledger import Exceeded
 
 
 class Refused(KodaError):

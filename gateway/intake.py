@@ -1,6 +1,6 @@
 """Decode and validate a ``POST /v1/runs`` request before anything is written.
 
-Every check raises a :class:`~gateway.errors.GatewayError` that names what was
+Every check raises a :class:`~koda_runtime.gateway.errors.GatewayError` that names what was
 wrong: the header, the field, the byte limit. The checks run in the order a
 client can fix them: content type, headers, size, encoding, JSON, fields.
 """
@@ -14,7 +14,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import BadRequest, InvalidField, PayloadTooLarge, UnsupportedMediaType
+from koda_runtime.gateway.errors import (
+    BadRequest,
+    InvalidField,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 
 MAX_DEPTH = 32
 MAX_IDEMPOTENCY_KEY_CHARS = 200

@@ -34,12 +34,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.eventstream import TERMINAL_KINDS, event_frame
-from koda import metrics
-from koda.lifecycle.chunks import split_chunk_key
-from koda.settings import Settings
-from topics.catalogue import RUN_CHUNKS
-from topics.kafka.tail import TailEvents, TopicTail
+from koda_runtime import metrics
+from koda_runtime.gateway.eventstream import TERMINAL_KINDS, event_frame
+from koda_runtime.lifecycle.chunks import split_chunk_key
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS
+from koda_runtime.topics.kafka.tail import TailEvents, TopicTail
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from datetime import datetime
 from fastapi import APIRouter, Response
 from pydantic import BaseModel
 
-from gateway.dependencies import Gateway, User
-from gateway.errors import NotFound
-from gateway.models import error_responses
-from schemas.memories import forget, list_for
+from koda_runtime.gateway.dependencies import Gateway, User
+from koda_runtime.gateway.errors import NotFound
+from koda_runtime.gateway.models import error_responses
+from koda_runtime.schemas.memories import forget, list_for
 
 router = APIRouter()
 # What processors/memory/store.py's memory_id makes; anything else is no memory.

@@ -6,9 +6,9 @@ import asyncio
 
 import typer
 
-from koda.db import async_engine
-from koda.settings import Settings
-from schemas.memories import forget, list_for
+from koda_runtime.db import async_engine
+from koda_runtime.schemas.memories import forget, list_for
+from koda_runtime.settings import Settings
 
 memories_app = typer.Typer(no_args_is_help=True, help="Users' long-term memories.")
 

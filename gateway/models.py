@@ -1,6 +1,6 @@
 """Response bodies and the documented request body, for OpenAPI and serialisation.
 
-Requests are validated by :mod:`gateway.intake` (it must name the field at fault
+Requests are validated by :mod:`koda_runtime.gateway.intake` (it must name the field at fault
 in koda's error shape, and refuse deep nesting before building objects);
 :class:`RunSubmission` only documents the same contract in ``/openapi.json``.
 """

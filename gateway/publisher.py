@@ -2,7 +2,7 @@
 bridge (topics/kafka/producer.py).
 
 The producer is idempotent with ``acks=all`` and the murmur2 partitioner
-(:func:`koda.kafka.producer_config`). Topic auto-creation is off: a run record for a
+(:func:`koda_runtime.kafka.producer_config`). Topic auto-creation is off: a run record for a
 missing topic must fail, not create a one-partition topic that breaks per-user order.
 """
 
@@ -12,14 +12,14 @@ import asyncio
 import time
 from typing import Any
 
-from gateway.exceptions import PublishError
-from koda import metrics
-from koda.errors import KodaError
-from koda.kafka import producer_config
-from koda.settings import Settings
-from schemas.records import RUN_REQUESTED, RunRequested, headers_for
-from topics.catalogue import RUNS
-from topics.kafka.producer import AsyncProducer, Delivery
+from koda_runtime import metrics
+from koda_runtime.errors import KodaError
+from koda_runtime.gateway.exceptions import PublishError
+from koda_runtime.kafka import producer_config
+from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, headers_for
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS
+from koda_runtime.topics.kafka.producer import AsyncProducer, Delivery
 
 ROLE = "gateway"
 

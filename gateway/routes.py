@@ -17,20 +17,26 @@ from fastapi import APIRouter, Request, Response, Security
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from gateway.auth import BEARER, authenticate_request
-from gateway.dependencies import Gateway, User
-from gateway.errors import BadRequest, GatewayError, NotFound, RateLimited, http_error
-from gateway.exceptions import Refused
-from gateway.intake import (
+from koda_runtime import metrics
+from koda_runtime.errors import DatabaseError, KodaError
+from koda_runtime.gateway.auth import BEARER, authenticate_request
+from koda_runtime.gateway.dependencies import Gateway, User
+from koda_runtime.gateway.errors import BadRequest, GatewayError, NotFound, RateLimited, http_error
+from koda_runtime.gateway.exceptions import Refused
+from koda_runtime.gateway.intake import (
     check_content_type,
     check_idempotency_key,
     decode_json,
     parse_run_request,
     read_body,
 )
-from gateway.models import Health, RunAccepted, RunDetail, RunSubmission, error_responses
-from koda import metrics
-from koda.errors import DatabaseError, KodaError
+from koda_runtime.gateway.models import (
+    Health,
+    RunAccepted,
+    RunDetail,
+    RunSubmission,
+    error_responses,
+)
 
 log = logging.getLogger(__name__)
 

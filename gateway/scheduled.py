@@ -22,17 +22,17 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.exceptions import SessionNotOwned
-from gateway.publisher import Delivery, RunPublisher
-from gateway.store import AdmittedRun, NewRun, RunStore
-from koda.errors import DatabaseError
-from koda.lifecycle.ids import uuid7
-from koda.lifecycle.states import TERMINAL
-from koda.scheduling import CronSpec, Overlap, Policy, QuietHours
-from schemas import ledger
-from schemas.records import RunRequested
-from schemas.tables import schedules, sessions
-from topics.catalogue import partition_for_key
+from koda_runtime.errors import DatabaseError
+from koda_runtime.gateway.exceptions import SessionNotOwned
+from koda_runtime.gateway.publisher import Delivery, RunPublisher
+from koda_runtime.gateway.store import AdmittedRun, NewRun, RunStore
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.lifecycle.states import TERMINAL
+from koda_runtime.scheduling import CronSpec, Overlap, Policy, QuietHours
+from koda_runtime.schemas import ledger
+from koda_runtime.schemas.records import RunRequested
+from koda_runtime.schemas.tables import schedules, sessions
+from koda_runtime.topics.catalogue import partition_for_key
 
 _COLUMNS = (
     "id",

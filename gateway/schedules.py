@@ -19,10 +19,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from gateway.components import Components
-from gateway.dependencies import Gateway, User
-from gateway.errors import InvalidField, NotFound
-from gateway.intake import (
+from koda_runtime.errors import KodaError
+from koda_runtime.gateway.components import Components
+from koda_runtime.gateway.dependencies import Gateway, User
+from koda_runtime.gateway.errors import InvalidField, NotFound
+from koda_runtime.gateway.intake import (
     SESSION_ID,
     check_content_type,
     decode_json,
@@ -31,11 +32,10 @@ from gateway.intake import (
     parse_run_request,
     read_body,
 )
-from gateway.models import error_responses
-from gateway.scheduled import ScheduleRow, ScheduleStore, fire
-from koda.errors import KodaError
-from koda.lifecycle.ids import uuid7
-from koda.scheduling import (
+from koda_runtime.gateway.models import error_responses
+from koda_runtime.gateway.scheduled import ScheduleRow, ScheduleStore, fire
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.scheduling import (
     EXAMPLE_CRON,
     EXAMPLE_TIMEZONE,
     CronSpec,

@@ -17,11 +17,11 @@ from typing import Any
 
 import uvicorn
 
-from gateway.app import create_app
-from gateway.components import build_components
-from gateway.sse import StalledStreamLogFilter
-from koda.logs import configure_logging
-from koda.settings import Settings
+from koda_runtime.gateway.app import create_app
+from koda_runtime.gateway.components import build_components
+from koda_runtime.gateway.sse import StalledStreamLogFilter
+from koda_runtime.logs import configure_logging
+from koda_runtime.settings import Settings
 
 # In-flight requests get 15 s, then the lifespan drains up to 5 s of deliveries and
 # flushes the producer up to 3 s: within an orchestrator's 25 s grace period.

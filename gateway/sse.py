@@ -32,10 +32,12 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 
-from gateway.components import Components
-from gateway.dependencies import Gateway, StreamUser
-from gateway.errors import BadRequest, NotFound
-from gateway.eventstream import (
+from koda_runtime import metrics
+from koda_runtime.errors import DatabaseError
+from koda_runtime.gateway.components import Components
+from koda_runtime.gateway.dependencies import Gateway, StreamUser
+from koda_runtime.gateway.errors import BadRequest, NotFound
+from koda_runtime.gateway.eventstream import (
     MEDIA_TYPE,
     RECONNECT,
     comment,
@@ -43,14 +45,12 @@ from gateway.eventstream import (
     json_data,
     retry_frame,
 )
-from gateway.livefeed import Viewer
-from gateway.models import ErrorBody
-from gateway.store import StoredEvent
-from koda import metrics
-from koda.errors import DatabaseError
-from koda.lifecycle.chunks import END_KIND, TERMINAL_KINDS, ChunkKind
-from koda.lifecycle.states import RunStatus
-from schemas.records import chunk_value
+from koda_runtime.gateway.livefeed import Viewer
+from koda_runtime.gateway.models import ErrorBody
+from koda_runtime.gateway.store import StoredEvent
+from koda_runtime.lifecycle.chunks import END_KIND, TERMINAL_KINDS, ChunkKind
+from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.schemas.records import chunk_value
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.exceptions import OverBudget, SessionNotOwned
-from koda.errors import DatabaseError
-from koda.lifecycle.chunks import TERMINAL_KINDS
-from koda.lifecycle.ledger import Period, exceeded, soft_crossed
-from koda.lifecycle.states import RunStatus
-from schemas import ledger
-from schemas.tables import runs, sessions
+from koda_runtime.errors import DatabaseError
+from koda_runtime.gateway.exceptions import OverBudget, SessionNotOwned
+from koda_runtime.lifecycle.chunks import TERMINAL_KINDS
+from koda_runtime.lifecycle.ledger import Period, exceeded, soft_crossed
+from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.schemas import ledger
+from koda_runtime.schemas.tables import runs, sessions
 
 # A conflicting row vanished between the conflict and the read (deleted by hand):
 # try again a bounded number of times rather than loop.

@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gateway.publisher import RunPublisher
-from gateway.store import RunStore
-from koda import metrics
-from koda.errors import KodaError
-from schemas.records import RunRequested
+from koda_runtime import metrics
+from koda_runtime.errors import KodaError
+from koda_runtime.gateway.publisher import RunPublisher
+from koda_runtime.gateway.store import RunStore
+from koda_runtime.schemas.records import RunRequested
 
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,14 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from gateway.components import Components
-from gateway.dependencies import ADMIN, Gateway, User
-from gateway.errors import BadRequest, InvalidField, NotFound
-from gateway.intake import check_content_type
-from gateway.models import error_responses
-from koda.errors import DatabaseError
-from koda.lifecycle.ledger import check_window, parse_time, parse_usd
-from schemas import ledger
+from koda_runtime.errors import DatabaseError
+from koda_runtime.gateway.components import Components
+from koda_runtime.gateway.dependencies import ADMIN, Gateway, User
+from koda_runtime.gateway.errors import BadRequest, InvalidField, NotFound
+from koda_runtime.gateway.intake import check_content_type
+from koda_runtime.gateway.models import error_responses
+from koda_runtime.lifecycle.ledger import check_window, parse_time, parse_usd
+from koda_runtime.schemas import ledger
 
 router = APIRouter(tags=["usage"])
 USER_GROUPS = ("day", "model", "kind")

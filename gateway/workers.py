@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from koda import metrics
-from koda.errors import RecordError
-from koda.settings import Settings
-from schemas.heartbeats import Beat, decode_beat
-from topics.catalogue import RUNS
-from topics.kafka.offsets import GroupOffsetReader, PartitionLag
-from topics.workerlog import worker_log_tail
+from koda_runtime import metrics
+from koda_runtime.errors import RecordError
+from koda_runtime.schemas.heartbeats import Beat, decode_beat
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS
+from koda_runtime.topics.kafka.offsets import GroupOffsetReader, PartitionLag
+from koda_runtime.topics.workerlog import worker_log_tail
 
 log = logging.getLogger(__name__)
 

@@ -1,3 +1,3 @@
-from koda.cli import main
+from koda_runtime.cli import main
 
 main()

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 import typer
 
-from koda.errors import KodaError
-from koda.settings import Settings
+from koda_runtime.errors import KodaError
+from koda_runtime.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,7 +54,7 @@ def friendly(fn: F) -> F:
 def load_settings(*, kafka: bool = False, database: bool = False) -> Settings:
     """The settings; with ``kafka`` / ``database``, after checking that the broker /
     database answers (one line naming the address and its origin when not)."""
-    from koda import reach
+    from koda_runtime import reach
 
     settings = Settings.from_env()
     if kafka:
@@ -66,7 +66,7 @@ def load_settings(*, kafka: bool = False, database: bool = False) -> Settings:
 
 def guarded_settings(confirm_prod: bool, what: str) -> Settings:
     """The Kafka settings, after refusing ``koda <what>`` in prod without ``--confirm-prod``."""
-    from koda import reach
+    from koda_runtime import reach
 
     settings = load_settings()
     require_confirmation(settings, confirm_prod, what)
@@ -78,7 +78,7 @@ def guarded_settings(confirm_prod: bool, what: str) -> Settings:
 @friendly
 def topics_apply(confirm_prod: bool = CONFIRM_PROD) -> None:
     """Create every missing topic of the catalogue (idempotent)."""
-    from topics.admin import apply_topics
+    from koda_runtime.topics.admin import apply_topics
 
     created = apply_topics(guarded_settings(confirm_prod, "topics apply"))
     for name in created:
@@ -90,7 +90,7 @@ def topics_apply(confirm_prod: bool = CONFIRM_PROD) -> None:
 @friendly
 def topics_check() -> None:
     """Report drift between the broker and the catalogue; exit 1 on any."""
-    from topics.admin import check_topics
+    from koda_runtime.topics.admin import check_topics
 
     drifts = check_topics(load_settings(kafka=True))
     for d in drifts:
@@ -104,7 +104,7 @@ def topics_check() -> None:
 @friendly
 def topics_delete(confirm_prod: bool = CONFIRM_PROD) -> None:
     """Delete the catalogue's topics and every record in them (asks nothing in dev)."""
-    from topics.admin import delete_topics
+    from koda_runtime.topics.admin import delete_topics
 
     deleted = delete_topics(guarded_settings(confirm_prod, "topics delete"))
     for name in deleted:
@@ -122,8 +122,8 @@ def dlq_list(
     limit: int | None = typer.Option(None, "--limit", min=1, help="Stop after N letters."),
 ) -> None:
     """One line per dead letter: ID, time, reason, run, key, error."""
-    from topics.dlq import read_letters
-    from topics.dlq_view import list_line
+    from koda_runtime.topics.dlq import read_letters
+    from koda_runtime.topics.dlq_view import list_line
 
     shown = 0
     letters = read_letters(load_settings(kafka=True), from_offset=from_offset)
@@ -142,8 +142,8 @@ def dlq_list(
 @friendly
 def dlq_show(letter_id: str = typer.Argument(..., metavar="ID", help="PARTITION:OFFSET")) -> None:
     """Every field of one dead letter, with its original record."""
-    from topics.dlq import LetterId, read_letters
-    from topics.dlq_view import detail_lines
+    from koda_runtime.topics.dlq import LetterId, read_letters
+    from koda_runtime.topics.dlq_view import detail_lines
 
     for at in read_letters(load_settings(kafka=True), only=LetterId.parse(letter_id)):
         typer.echo("\n".join(detail_lines(at)))
@@ -164,7 +164,7 @@ def dlq_replay(
     confirm_prod: bool = CONFIRM_PROD,
 ) -> None:
     """Re-publish dead letters' original records (key, value, headers) to the runs topic."""
-    from topics.dlq import LetterId, replay_dead_letters
+    from koda_runtime.topics.dlq import LetterId, replay_dead_letters
 
     settings = guarded_settings(confirm_prod, "dlq replay")
     report = replay_dead_letters(
@@ -215,8 +215,8 @@ def replay_command(
     quiet: bool = typer.Option(False, "--quiet", help="No progress line."),
 ) -> None:
     """Replay koda's topics into a warehouse; idempotent (upserts on natural keys)."""
-    from koda.stopping import stop_on_signals
-    from topics.replay import Progress, ReplayOptions, run_replay, start_spec
+    from koda_runtime.stopping import stop_on_signals
+    from koda_runtime.topics.replay import Progress, ReplayOptions, run_replay, start_spec
 
     settings = load_settings()
     options = ReplayOptions(
@@ -243,7 +243,7 @@ def schemas_write(
     check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 on drift."),
 ) -> None:
     """Regenerate schemas/json/*.schema.json from the record specs."""
-    from schemas.json_schemas import DIRECTORY, drift, write_all
+    from koda_runtime.schemas.json_schemas import DIRECTORY, drift, write_all
 
     if check:
         stale = drift()
@@ -262,7 +262,7 @@ def schemas_write(
 @friendly
 def db_upgrade(revision: str = typer.Argument("head")) -> None:
     """Create the schema if missing and apply migrations up to REVISION."""
-    from schemas.migrate import upgrade
+    from koda_runtime.schemas.migrate import upgrade
 
     settings = load_settings(database=True)
     upgrade(settings, revision)
@@ -284,12 +284,12 @@ def chunks_compact(
     batch: int = typer.Option(100, "--batch", min=1, help="Runs per transaction."),
 ) -> None:
     """Replace finished runs' chunk records with one <run_id>:final record each."""
-    from processors.compactor import ChunkCompactor
+    from koda_runtime.processors.compactor import ChunkCompactor
 
     compactor = ChunkCompactor(load_settings(kafka=True, database=True))
     try:
         if every is not None:
-            from koda.logs import configure_logging
+            from koda_runtime.logs import configure_logging
 
             configure_logging()
             compactor.run_forever(every, older_than)
@@ -311,7 +311,7 @@ def chunks_repair(
     ),
 ) -> None:
     """Produce again, from Postgres, the chunks of finished runs not known to be on the topic."""
-    from processors.compactor import ChunkCompactor
+    from koda_runtime.processors.compactor import ChunkCompactor
 
     compactor = ChunkCompactor(load_settings())
     try:
@@ -333,9 +333,9 @@ def chunks_verify(
     """Compare the chunk topic with Postgres for finished runs; exit 1 on any gap."""
     from datetime import UTC, datetime
 
-    from processors.chunkverify import verify_chunks
-    from topics.replay.errors import BadTimestampError
-    from topics.replay.positions import TIMESTAMP_FORMATS, parse_timestamp
+    from koda_runtime.processors.chunkverify import verify_chunks
+    from koda_runtime.topics.replay.errors import BadTimestampError
+    from koda_runtime.topics.replay.positions import TIMESTAMP_FORMATS, parse_timestamp
 
     try:
         start = datetime.fromtimestamp(parse_timestamp(since) / 1000, UTC)
@@ -359,7 +359,7 @@ def chunks_outputs() -> None:
     """Rebuild every run's output from the chunk topic alone; print JSON lines."""
     import json
 
-    from topics.chunklog import read_chunk_log
+    from koda_runtime.topics.chunklog import read_chunk_log
 
     for run in read_chunk_log(load_settings(kafka=True)).runs.values():
         row = {"run_id": run.run_id, "end": run.end, "compacted": run.compacted}
@@ -368,7 +368,7 @@ def chunks_outputs() -> None:
 
 def require_confirmation(settings: Settings, confirmed: bool, what: str) -> None:
     """Destructive or shared-state commands demand ``--confirm-prod`` in prod."""
-    from koda.naming import AppEnv
+    from koda_runtime.naming import AppEnv
 
     if settings.app_env is AppEnv.PROD and not confirmed:
         raise KodaError(f"`koda {what}` in APP_ENV=prod needs --confirm-prod")
@@ -378,8 +378,8 @@ def require_confirmation(settings: Settings, confirmed: bool, what: str) -> None
 @friendly
 def worker_command() -> None:
     """Run one worker of the consumer group in the foreground (SIGTERM drains)."""
-    from koda.logs import configure_logging
-    from processors.bootstrap import run_worker
+    from koda_runtime.logs import configure_logging
+    from koda_runtime.processors.bootstrap import run_worker
 
     configure_logging()
     run_worker(load_settings())
@@ -407,7 +407,7 @@ def entrypoint_command(
     }
     if role not in commands:
         fail(f"ROLE={role!r}: use one of {', '.join(commands)}")
-    argv = [sys.executable, "-m", "koda", *commands[role], *ctx.args]
+    argv = [sys.executable, "-m", "koda_runtime", *commands[role], *ctx.args]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)  # noqa: S606 - replaces this process, keeps the PID
@@ -417,8 +417,8 @@ def entrypoint_command(
 @friendly
 def scheduler_command() -> None:
     """Run one scheduler replica in the foreground: due schedules become runs (SIGTERM stops)."""
-    from koda.logs import configure_logging
-    from scheduler.app import run_scheduler
+    from koda_runtime.logs import configure_logging
+    from koda_runtime.scheduler.app import run_scheduler
 
     configure_logging()
     run_scheduler(load_settings())
@@ -428,8 +428,8 @@ def scheduler_command() -> None:
 @friendly
 def gateway_command() -> None:
     """Run the HTTP gateway in the foreground on KODA_GATEWAY_PORT."""
-    from gateway.server import serve
-    from koda.logs import configure_logging
+    from koda_runtime.gateway.server import serve
+    from koda_runtime.logs import configure_logging
 
     configure_logging()
     serve(load_settings())
@@ -445,16 +445,16 @@ def dev_command(
     import os
     from pathlib import Path
 
-    from koda.devrun import run_dev
+    from koda_runtime.devrun import run_dev
 
     raise typer.Exit(run_dev(Path(state_dir), os.environ, workers=workers))
 
 
 def _add_optional_apps() -> None:
-    from gateway.client import runs_app
-    from gateway.memories_cli import memories_app
-    from gateway.schedules_cli import schedules_app
-    from koda.localstack.cli import services_app
+    from koda_runtime.gateway.client import runs_app
+    from koda_runtime.gateway.memories_cli import memories_app
+    from koda_runtime.gateway.schedules_cli import schedules_app
+    from koda_runtime.localstack.cli import services_app
 
     app.add_typer(services_app, name="services")
     app.add_typer(runs_app, name="runs")
@@ -463,7 +463,7 @@ def _add_optional_apps() -> None:
 
 
 def _add_ledger_apps() -> None:
-    from koda.ledgercli import register
+    from koda_runtime.ledgercli import register
 
     register(app, friendly)
 

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from koda.settings import Settings
+from koda_runtime.settings import Settings
 
 
 def sqlalchemy_url(database_url: str) -> str:

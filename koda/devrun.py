@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
-from koda.localstack import down, env_lines, prometheus, up
-from koda.settings import Settings
+from koda_runtime.localstack import down, env_lines, prometheus, up
+from koda_runtime.settings import Settings
 
 CHILD_GRACE_S = 25.0
 DEV_WORKER_PORT = 9101  # worker i serves /livez, /readyz, /metrics on DEV_WORKER_PORT + i
@@ -35,8 +35,8 @@ def run_dev(state_dir: Path, environ: Mapping[str, str], *, workers: int = 2) ->
     env.setdefault("APP_ENV", "dev")
     settings = Settings.from_env(env)
 
-    from schemas.migrate import upgrade
-    from topics.admin import apply_topics, check_topics
+    from koda_runtime.schemas.migrate import upgrade
+    from koda_runtime.topics.admin import apply_topics, check_topics
 
     upgrade(settings)
     apply_topics(settings)
@@ -44,7 +44,7 @@ def run_dev(state_dir: Path, environ: Mapping[str, str], *, workers: int = 2) ->
     if drifts:
         print("koda: topic drift: " + "; ".join(map(str, drifts)), file=sys.stderr)
         return 1
-    koda = [sys.executable, "-m", "koda"]
+    koda = [sys.executable, "-m", "koda_runtime"]
     env.setdefault("KODA_EXPECTED_WORKERS", str(workers))
     children = [_spawn([*koda, "gateway"], env), _spawn([*koda, "scheduler"], env)]
     base_port = settings.worker_port or DEV_WORKER_PORT

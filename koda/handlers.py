@@ -18,7 +18,7 @@ Plugging in a handler: publish a factory in the :data:`ENTRY_POINT_GROUP` entry 
 group of your distribution and name it in ``KODA_HANDLER``::
 
     # pyproject.toml of your package
-    [project.entry-points."koda.handlers"]
+    [project.entry-points."koda_runtime.handlers"]
     echo = "my_package.echo:build"
 
     # my_package/echo.py
@@ -27,7 +27,7 @@ group of your distribution and name it in ``KODA_HANDLER``::
 
 The worker looks ``KODA_HANDLER`` up among the built-in handlers (``demo``,
 ``openai``) first, then among the installed entry points, calls the factory once at
-start with the worker's :class:`~koda.settings.Settings`, and refuses to start, naming
+start with the worker's :class:`~koda_runtime.settings.Settings`, and refuses to start, naming
 the known handlers, when the name is neither.
 """
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from koda.lifecycle.handler import (
+from koda_runtime.lifecycle.handler import (
     CancelToken,
     Handler,
     Item,
@@ -44,7 +44,7 @@ from koda.lifecycle.handler import (
     ToolActivity,
     Usage,
 )
-from koda.settings import Settings
+from koda_runtime.settings import Settings
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -58,6 +58,6 @@ __all__ = [
     "Usage",
 ]
 
-ENTRY_POINT_GROUP = "koda.handlers"
+ENTRY_POINT_GROUP = "koda_runtime.handlers"
 # What an entry point in ENTRY_POINT_GROUP names: called once per worker process.
 HandlerFactory = Callable[[Settings], Handler]

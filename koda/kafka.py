@@ -1,5 +1,5 @@
 """Client configurations for librdkafka (every koda client) and aiokafka (Faust), in
-one place, from :class:`~koda.settings.Settings`.
+one place, from :class:`~koda_runtime.settings.Settings`.
 
 The clients themselves live in topics/kafka/ (the tail, the bounded reader, the offsets
 reader); this module stays in the core because the reach probe (koda/reach.py) builds
@@ -18,7 +18,7 @@ from __future__ import annotations
 import ssl
 from typing import Any
 
-from koda.settings import Settings
+from koda_runtime.settings import Settings
 
 PARTITIONER = "murmur2_random"
 

@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from functools import cache
 from typing import Any, get_type_hints
 
-from koda.errors import ConfigError
+from koda_runtime.errors import ConfigError
 
 __all__ = ["KNOB", "Knob", "Parser", "check_choices", "knob", "knobs", "load", "number"]
 

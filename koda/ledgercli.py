@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import typer
 
-from koda.errors import KodaError
-from koda.lifecycle.ledger import check_window, parse_time, parse_usd
+from koda_runtime.errors import KodaError
+from koda_runtime.lifecycle.ledger import check_window, parse_time, parse_usd
 
 T = TypeVar("T")
 
@@ -38,7 +38,7 @@ def _command(group: typer.Typer, name: str) -> Callable[[Callable[..., None]], C
 
 def register(app: typer.Typer, wrap: Callable[[Callable[..., None]], Callable[..., None]]) -> None:
     """Add ``prices``, ``budgets`` and ``usage`` to ``app``; ``wrap`` turns KodaError into
-    the CLI's one-line message (koda.cli.friendly)."""
+    the CLI's one-line message (koda_runtime.cli.friendly)."""
     for group, name, fn in _COMMANDS:
         group.command(name)(wrap(fn))
     app.add_typer(prices_app, name="prices")
@@ -57,9 +57,9 @@ def _run(work: Callable[[Any], Awaitable[T]]) -> T:
     """Run ``work(conn)`` in one transaction on the environment's database."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from koda.db import async_engine
-    from koda.errors import DatabaseError
-    from koda.settings import Settings
+    from koda_runtime.db import async_engine
+    from koda_runtime.errors import DatabaseError
+    from koda_runtime.settings import Settings
 
     async def main() -> T:
         engine = async_engine(Settings.from_env(), pool_size=1)
@@ -109,7 +109,7 @@ def prices_set(
     ),
 ) -> None:
     """Add a price from a time on; earlier calls keep the price they were written with."""
-    from schemas.ledger import PriceRefused, set_price
+    from koda_runtime.schemas.ledger import PriceRefused, set_price
 
     name = _model(model)
     p, c = _usd(prompt, "--prompt"), _usd(completion, "--completion")
@@ -130,7 +130,7 @@ def prices_list(
     fmt: str = typer.Option("table", "--format", help="table, csv or json."),
 ) -> None:
     """Every price, oldest first per model (history is never rewritten)."""
-    from schemas.ledger import list_prices
+    from koda_runtime.schemas.ledger import list_prices
 
     _format(fmt)
     prices = _run(lambda conn: list_prices(conn, model))
@@ -149,7 +149,7 @@ def budgets_set(
     soft: str = typer.Option("0.8", "--soft", help="Share of a budget that raises an alert."),
 ) -> None:
     """Set (replace) a user's budgets; a new run over a spent budget is refused (402)."""
-    from schemas.ledger import set_budget
+    from koda_runtime.schemas.ledger import set_budget
 
     if not 0 < len(user) <= 128 or not user.isprintable():
         raise LedgerInputError(f"USER must be 1-128 printable chars: {user!r}")
@@ -167,7 +167,7 @@ def budgets_set(
 @_command(budgets_app, "list")
 def budgets_list(fmt: str = typer.Option("table", "--format", help="table, csv or json.")) -> None:
     """Every user's budgets with this month's and today's spend."""
-    from schemas.ledger import list_budgets
+    from koda_runtime.schemas.ledger import list_budgets
 
     _format(fmt)
     rows = [b.as_json() for b in _run(lambda conn: list_budgets(conn))]
@@ -186,8 +186,8 @@ def usage_report(
     fmt: str = typer.Option("table", "--format", help="table, csv or json."),
 ) -> None:
     """Cost, tokens, calls and runs per group, with unit costs and failed/cancelled spend."""
-    from schemas.ledger import GROUPS
-    from schemas.ledger import usage_report as report_of
+    from koda_runtime.schemas.ledger import GROUPS
+    from koda_runtime.schemas.ledger import usage_report as report_of
 
     if by not in GROUPS:
         raise LedgerInputError(f"--by must be one of {', '.join(GROUPS)}, got {by!r}")

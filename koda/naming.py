@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from koda.errors import ConfigError
+from koda_runtime.errors import ConfigError
 
 APP = "koda"
 

@@ -18,8 +18,8 @@ import socket
 import time
 from urllib.parse import parse_qs, urlsplit
 
-from koda.errors import ServiceError
-from koda.settings import Settings
+from koda_runtime.errors import ServiceError
+from koda_runtime.settings import Settings
 
 PROBE_TIMEOUT_S = 3.0
 _FIX = "start the local stack (`make dev` or `koda services up`) or point {key} at a running one"
@@ -46,14 +46,14 @@ class _Silent(logging.Logger):
     """Swallows librdkafka's log lines (a connect failure every 50 ms) during the probe."""
 
     def __init__(self) -> None:
-        super().__init__("koda.reach.librdkafka", logging.CRITICAL + 1)
+        super().__init__("koda_runtime.reach.librdkafka", logging.CRITICAL + 1)
 
 
 def _kafka_metadata(settings: Settings, timeout_s: float) -> str | None:
     """None once a broker answers a metadata request, else why not."""
     from confluent_kafka import Consumer, KafkaException
 
-    from koda.kafka import consumer_config
+    from koda_runtime.kafka import consumer_config
 
     conf = consumer_config(settings, "probe", settings.names.group("probe"))
     conf["logger"] = _Silent()

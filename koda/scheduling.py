@@ -34,7 +34,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from croniter import croniter
 from croniter.croniter import CroniterError
 
-from koda.errors import KodaError
+from koda_runtime.errors import KodaError
 
 EXAMPLE_CRON = "30 2 * * 1-5"
 EXAMPLE_TIMEZONE = "Europe/Berlin"

@@ -2,14 +2,14 @@
 
 Nothing else in koda reads ``os.environ``: entrypoints call :meth:`Settings.from_env`
 and pass the result down. In dev, the addresses of a running local stack come from
-its ``.koda/services.env`` (found by :mod:`koda.stackenv`) unless the environment
+its ``.koda/services.env`` (found by :mod:`koda_runtime.stackenv`) unless the environment
 names them; every setting's origin is kept for error messages.
 
 Each knob is declared once, as a field of :class:`Settings` (or :class:`KafkaSecurity`)
-made by :func:`koda.knobs.knob`: its environment variable, type (the annotation),
+made by :func:`koda_runtime.knobs.knob`: its environment variable, type (the annotation),
 default, unit, bounds or choices and a one-line meaning sit together.
-:func:`koda.knobs.load` is the one loop that reads them all, and README's settings
-table is rendered from the same fields (``python -m koda.settingsdoc``). Cross-field rules
+:func:`koda_runtime.knobs.load` is the one loop that reads them all, and README's settings
+table is rendered from the same fields (``python -m koda_runtime.settingsdoc``). Cross-field rules
 (a power-of-two partition count, the handoff ceiling below the rebalance timeout, prod's
 refusals) stay in ``__post_init__``.
 """
@@ -25,10 +25,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from koda import __version__, stackenv
-from koda.errors import ConfigError
-from koda.knobs import check_choices, knob, load
-from koda.naming import AppEnv, Names
+from koda_runtime import __version__, stackenv
+from koda_runtime.errors import ConfigError
+from koda_runtime.knobs import check_choices, knob, load
+from koda_runtime.naming import AppEnv, Names
 
 DEFAULT_DATABASE_URL = "postgresql://koda@127.0.0.1:5432/koda"
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
@@ -344,7 +344,7 @@ class Settings:
     handler: str = knob(
         "demo",
         "KODA_HANDLER",
-        "the job: `demo`, `openai` or a name in the `koda.handlers` entry point group",
+        "the job: `demo`, `openai` or a name in the `koda_runtime.handlers` entry point group",
     )
     openai_base_url: str = knob(
         "https://api.openai.com", "KODA_OPENAI_BASE_URL", "an OpenAI-compatible API"

@@ -4,7 +4,7 @@
 PostgreSQL into ``<state dir>/services.env`` (``.koda/`` by default) and delete it
 again on ``koda services down``. :func:`find` looks for that file the way git looks
 for ``.git``: in ``$KODA_STATE_DIR`` when it is set, otherwise in ``.koda/`` of the
-working directory and each of its parents. Only :mod:`koda.settings` calls it; the
+working directory and each of its parents. Only :mod:`koda_runtime.settings` calls it; the
 rules for what the file may change (never prod, never an explicit variable) live
 there.
 
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from koda.errors import ConfigError
+from koda_runtime.errors import ConfigError
 
 ENV_FILE = "services.env"
 DEFAULT_STATE_DIR = ".koda"

@@ -25,18 +25,18 @@ from typing import Any, cast
 import faust
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
-from koda.kafka import aiokafka_security
-from koda.lifecycle.handler import CancelToken
-from koda.metrics import HANDOFF_SECONDS, REBALANCES
-from koda.settings import Settings
-from processors.chains import ChainSet
-from processors.control import ControlListener
-from processors.cursor import PartitionCursors
-from processors.groupcommit import GroupWriter
-from processors.ops import WorkerOps
-from processors.runner import FencedOut, Record, RunExecutor
-from processors.store import Fence, RunStore
-from topics.kafka.offsets import GroupOffsetReader
+from koda_runtime.kafka import aiokafka_security
+from koda_runtime.lifecycle.handler import CancelToken
+from koda_runtime.metrics import HANDOFF_SECONDS, REBALANCES
+from koda_runtime.processors.chains import ChainSet
+from koda_runtime.processors.control import ControlListener
+from koda_runtime.processors.cursor import PartitionCursors
+from koda_runtime.processors.groupcommit import GroupWriter
+from koda_runtime.processors.ops import WorkerOps
+from koda_runtime.processors.runner import FencedOut, Record, RunExecutor
+from koda_runtime.processors.store import Fence, RunStore
+from koda_runtime.settings import Settings
+from koda_runtime.topics.kafka.offsets import GroupOffsetReader
 
 log = logging.getLogger("koda.worker")
 

@@ -13,13 +13,13 @@ import logging
 from decimal import Decimal
 from typing import Any
 
-from koda.lifecycle.handler import RunContext, Usage
-from koda.lifecycle.ledger import LedgerCall, Outcome, calls_of
-from koda.metrics import LEDGER_CALLS
-from processors.ports import RunOutput, WorkerStore
-from processors.store import Fence, Finished
-from processors.streaming import CallTally
-from schemas.ledger import PricedCall
+from koda_runtime.lifecycle.handler import RunContext, Usage
+from koda_runtime.lifecycle.ledger import LedgerCall, Outcome, calls_of
+from koda_runtime.metrics import LEDGER_CALLS
+from koda_runtime.processors.ports import RunOutput, WorkerStore
+from koda_runtime.processors.store import Fence, Finished
+from koda_runtime.processors.streaming import CallTally
+from koda_runtime.schemas.ledger import PricedCall
 
 log = logging.getLogger("koda.worker")
 

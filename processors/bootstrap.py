@@ -26,29 +26,29 @@ from typing import Any
 import faust
 from faust.types import TP
 
-from koda.db import async_engine
-from koda.settings import Settings
-from processors.app import (
+from koda_runtime.db import async_engine
+from koda_runtime.processors.app import (
     KodaApp,
     PartitionFences,
     RecordProcessor,
     WorkerRuntime,
     faust_settings,
 )
-from processors.chains import ChainSet
-from processors.control import ControlListener
-from processors.cursor import PartitionCursors
-from processors.emitter import Emitter
-from processors.handlers import build_handler
-from processors.health import GroupMembership, HealthServer, LoopProbe
-from processors.heartbeat import Heartbeat
-from processors.identity import TwinWatch
-from processors.lag import LagMonitor
-from processors.ops import WorkerOps
-from processors.runner import FencedOut, RunExecutor
-from processors.store import RunStore
-from topics.catalogue import RUNS
-from topics.kafka.offsets import GroupOffsetReader
+from koda_runtime.processors.chains import ChainSet
+from koda_runtime.processors.control import ControlListener
+from koda_runtime.processors.cursor import PartitionCursors
+from koda_runtime.processors.emitter import Emitter
+from koda_runtime.processors.handlers import build_handler
+from koda_runtime.processors.health import GroupMembership, HealthServer, LoopProbe
+from koda_runtime.processors.heartbeat import Heartbeat
+from koda_runtime.processors.identity import TwinWatch
+from koda_runtime.processors.lag import LagMonitor
+from koda_runtime.processors.ops import WorkerOps
+from koda_runtime.processors.runner import FencedOut, RunExecutor
+from koda_runtime.processors.store import RunStore
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS
+from koda_runtime.topics.kafka.offsets import GroupOffsetReader
 
 log = logging.getLogger("koda.worker")
 

@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from koda.lifecycle.handler import CancelToken
-from koda.metrics import RUNS_IN_FLIGHT
+from koda_runtime.lifecycle.handler import CancelToken
+from koda_runtime.metrics import RUNS_IN_FLIGHT
 
 log = logging.getLogger("koda.worker")
 

@@ -1,7 +1,7 @@
 """``koda chunks verify``: does the chunk topic hold every chunk Postgres holds?
 
 For every run that reached a terminal state since a given time, the topic (read from
-offset 0 to its current end, :func:`topics.chunklog.read_chunk_log`) must hold each of
+offset 0 to its current end, :func:`koda_runtime.topics.chunklog.read_chunk_log`) must hold each of
 the run's messages under ``<run_id>:<seq>`` with Postgres's kind, content and attempt,
 or, once compacted, a ``<run_id>:final`` record whose ``last_seq`` is the run's last.
 A run that misses anything is a gap; the command prints one line per such run and
@@ -17,10 +17,10 @@ from datetime import datetime
 
 from sqlalchemy import Engine, text
 
-from koda.db import sync_engine
-from koda.lifecycle.states import TERMINAL
-from koda.settings import Settings
-from topics.chunklog import ChunkLog, read_chunk_log
+from koda_runtime.db import sync_engine
+from koda_runtime.lifecycle.states import TERMINAL
+from koda_runtime.settings import Settings
+from koda_runtime.topics.chunklog import ChunkLog, read_chunk_log
 
 _FINISHED = text(
     """

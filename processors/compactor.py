@@ -9,7 +9,7 @@ rows (``FOR UPDATE SKIP LOCKED``: two compactors never take the same run):
 2. produce ``<run_id>:final`` (``run.final/1``: the text after the last reset and the
    terminal kind) to the run's partition, *then* a tombstone for every
    ``<run_id>:<seq>``. Final first: a reader at any moment finds either the chunks or
-   the final text (see :mod:`topics.chunklog`);
+   the final text (see :mod:`koda_runtime.topics.chunklog`);
 3. wait for every delivery; only then set ``runs.compacted_at`` and commit.
 
 A crash anywhere before the commit leaves ``compacted_at`` null and the next pass
@@ -41,15 +41,21 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from sqlalchemy import Engine, text
 
-from koda.db import sync_engine
-from koda.errors import KodaError
-from koda.kafka import producer_config
-from koda.lifecycle.chunks import TERMINAL_KINDS, chunk_key, end_kind, final_key, visible_output
-from koda.lifecycle.states import TERMINAL, RunStatus
-from koda.metrics import CHUNK_RUNS_COMPACTED, CHUNKS_REPUBLISHED
-from koda.settings import Settings
-from schemas.records import RUN_CHUNK, RUN_FINAL, FinalRecord, chunk_value, headers_for
-from topics.catalogue import RUN_CHUNKS, partition_for_key
+from koda_runtime.db import sync_engine
+from koda_runtime.errors import KodaError
+from koda_runtime.kafka import producer_config
+from koda_runtime.lifecycle.chunks import (
+    TERMINAL_KINDS,
+    chunk_key,
+    end_kind,
+    final_key,
+    visible_output,
+)
+from koda_runtime.lifecycle.states import TERMINAL, RunStatus
+from koda_runtime.metrics import CHUNK_RUNS_COMPACTED, CHUNKS_REPUBLISHED
+from koda_runtime.schemas.records import RUN_CHUNK, RUN_FINAL, FinalRecord, chunk_value, headers_for
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from koda.lifecycle.control import CANCEL, MERGE, ControlRecord, decode_control
-from koda.lifecycle.handler import CancelToken
-from koda.settings import Settings
-from processors.store import RunSteer
-from topics.catalogue import RUN_CONTROL
-from topics.kafka.tail import TailEvents, TopicTail
+from koda_runtime.lifecycle.control import CANCEL, MERGE, ControlRecord, decode_control
+from koda_runtime.lifecycle.handler import CancelToken
+from koda_runtime.processors.store import RunSteer
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CONTROL
+from koda_runtime.topics.kafka.tail import TailEvents, TopicTail
 
 log = logging.getLogger("koda.worker")
 

@@ -31,8 +31,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-from koda.errors import TopicError
-from koda.metrics import OFFSET_REWINDS
+from koda_runtime.errors import TopicError
+from koda_runtime.metrics import OFFSET_REWINDS
 
 log = logging.getLogger("koda.worker")
 

@@ -11,11 +11,10 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from koda.lifecycle.chunks import Chunk, chunk_key
-from koda.metrics import DEAD_LETTERS
-from koda.settings import Settings
-from processors.ports import Record
-from schemas.records import (
+from koda_runtime.lifecycle.chunks import Chunk, chunk_key
+from koda_runtime.metrics import DEAD_LETTERS
+from koda_runtime.processors.ports import Record
+from koda_runtime.schemas.records import (
     DEAD_LETTER,
     RUN_CHUNK,
     RUN_EVENT,
@@ -24,7 +23,8 @@ from schemas.records import (
     event_value,
     headers_for,
 )
-from topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS_DLQ
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS_DLQ
 
 SendFn = Callable[..., Awaitable[Any]]
 

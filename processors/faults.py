@@ -20,7 +20,7 @@ import os
 import signal
 from collections.abc import Sequence
 
-from processors.store import ChunkWrite, FinishWrite, GroupWrite
+from koda_runtime.processors.store import ChunkWrite, FinishWrite, GroupWrite
 
 log = logging.getLogger("koda.worker")
 

@@ -35,9 +35,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from koda.metrics import GROUP_COMMIT_RUNS
-from processors import faults
-from processors.store import (
+from koda_runtime.metrics import GROUP_COMMIT_RUNS
+from koda_runtime.processors import faults
+from koda_runtime.processors.store import (
     ChunkWrite,
     Claim,
     ClaimWrite,

@@ -28,8 +28,8 @@ from typing import Any
 import faust
 from aiohttp import web
 
-from koda import metrics
-from koda.background import BackgroundTask
+from koda_runtime import metrics
+from koda_runtime.background import BackgroundTask
 
 log = logging.getLogger("koda.worker")
 

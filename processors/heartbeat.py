@@ -21,11 +21,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from koda.background import BackgroundTask
-from koda.metrics import HEARTBEATS
-from koda.settings import Settings
-from schemas.heartbeats import Beat, beat_headers
-from topics.catalogue import WORKERS
+from koda_runtime.background import BackgroundTask
+from koda_runtime.metrics import HEARTBEATS
+from koda_runtime.schemas.heartbeats import Beat, beat_headers
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import WORKERS
 
 log = logging.getLogger("koda.worker")
 

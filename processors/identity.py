@@ -20,12 +20,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from koda.errors import RecordError
-from koda.metrics import WORKER_ID_TWIN_BEATS
-from koda.settings import Settings
-from processors.heartbeat import Heartbeat
-from schemas.heartbeats import Beat, decode_beat
-from topics.workerlog import worker_log_tail
+from koda_runtime.errors import RecordError
+from koda_runtime.metrics import WORKER_ID_TWIN_BEATS
+from koda_runtime.processors.heartbeat import Heartbeat
+from koda_runtime.schemas.heartbeats import Beat, decode_beat
+from koda_runtime.settings import Settings
+from koda_runtime.topics.workerlog import worker_log_tail
 
 log = logging.getLogger("koda.worker")
 

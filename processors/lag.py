@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterable
 
 from confluent_kafka import KafkaException
 
-from koda.background import BackgroundTask
-from koda.metrics import CONSUMER_LAG
-from topics.kafka.offsets import GroupOffsetReader
+from koda_runtime.background import BackgroundTask
+from koda_runtime.metrics import CONSUMER_LAG
+from koda_runtime.topics.kafka.offsets import GroupOffsetReader
 
 log = logging.getLogger("koda.worker")
 

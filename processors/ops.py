@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
-from processors.health import GroupMembership, HealthServer, LoopProbe
-from processors.heartbeat import Heartbeat
-from processors.identity import TwinWatch
-from processors.lag import LagMonitor
+from koda_runtime.processors.health import GroupMembership, HealthServer, LoopProbe
+from koda_runtime.processors.heartbeat import Heartbeat
+from koda_runtime.processors.identity import TwinWatch
+from koda_runtime.processors.lag import LagMonitor
 
 log = logging.getLogger("koda.worker")
 

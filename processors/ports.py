@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from koda.lifecycle.chunks import Chunk
-from koda.lifecycle.ledger import LedgerCall
-from processors.groupcommit import GroupStore
-from processors.store import Fence, RunRow, SteerObserver
-from schemas.ledger import PricedCall
+from koda_runtime.lifecycle.chunks import Chunk
+from koda_runtime.lifecycle.ledger import LedgerCall
+from koda_runtime.processors.groupcommit import GroupStore
+from koda_runtime.processors.store import Fence, RunRow, SteerObserver
+from koda_runtime.schemas.ledger import PricedCall
 
 
 @dataclass(frozen=True)

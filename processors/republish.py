@@ -16,7 +16,7 @@ acked, so the partition's next owner meets the run again, in one of two states:
 
 Whoever has seen every message 0..terminal acknowledged writes ``published_seq``
 (through the group writer, waiting for nothing). The compactor's completeness pass
-(:mod:`processors.compactor`) catches what no worker meets again: runs finished
+(:mod:`koda_runtime.processors.compactor`) catches what no worker meets again: runs finished
 ``KODA_REPAIR_AFTER`` ago and still not known to be whole.
 
 The records are keyed ``<run_id>:<seq>`` with the same bytes as the first time, so
@@ -30,10 +30,10 @@ import asyncio
 import logging
 from typing import Any
 
-from koda.metrics import CHUNKS_REPUBLISHED
-from processors.groupcommit import GroupWriter
-from processors.ports import RunOutput, WorkerStore
-from processors.store import RunRow
+from koda_runtime.metrics import CHUNKS_REPUBLISHED
+from koda_runtime.processors.groupcommit import GroupWriter
+from koda_runtime.processors.ports import RunOutput, WorkerStore
+from koda_runtime.processors.store import RunRow
 
 log = logging.getLogger("koda.worker")
 

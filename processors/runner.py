@@ -7,9 +7,9 @@ successor redoes the work. ``asyncio.CancelledError`` (handoff ceiling) also
 leaves the record unacked.
 
 The executor is a thin service: what an attempt leads to (start, retry, give up,
-reset) is decided by :mod:`koda.lifecycle.attempts`; it talks to Postgres through a
-:class:`~processors.ports.WorkerStore` (every claim, batch and finish through the
-group writer) and to Kafka through a :class:`~processors.ports.RunOutput`.
+reset) is decided by :mod:`koda_runtime.lifecycle.attempts`; it talks to Postgres through a
+:class:`~koda_runtime.processors.ports.WorkerStore` (every claim, batch and finish through the
+group writer) and to Kafka through a :class:`~koda_runtime.processors.ports.RunOutput`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from koda.errors import HandlerError, RecordError
-from koda.lifecycle.attempts import (
+from koda_runtime.errors import HandlerError, RecordError
+from koda_runtime.lifecycle.attempts import (
     ERROR_ROW_CHARS,
     MAX_CLAIMS_PER_ATTEMPT,
     GiveUp,
@@ -32,26 +32,38 @@ from koda.lifecycle.attempts import (
     end_event,
     first_output,
 )
-from koda.lifecycle.chunks import ChunkKind, SeqCounter
-from koda.lifecycle.handler import CancelToken, Handler, RunContext, RunFailed, Usage
-from koda.lifecycle.ledger import Outcome
-from koda.lifecycle.retry import RetryPolicy
-from koda.lifecycle.states import RunStatus
-from koda.metrics import (
+from koda_runtime.lifecycle.chunks import ChunkKind, SeqCounter
+from koda_runtime.lifecycle.handler import CancelToken, Handler, RunContext, RunFailed, Usage
+from koda_runtime.lifecycle.ledger import Outcome
+from koda_runtime.lifecycle.retry import RetryPolicy
+from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.metrics import (
     QUEUE_AGE_SECONDS,
     RETRIES,
     RUN_DURATION_SECONDS,
     RUNS,
 )
-from koda.settings import Settings
-from processors.billing import Billing
-from processors.control import ControlBoard, RunControl
-from processors.groupcommit import GroupWriter
-from processors.ports import Record, RunOutput, WorkerStore
-from processors.republish import ChunkRepair
-from processors.store import ClaimWrite, Fence, Finished, FinishWrite, RunRow, Superseded
-from processors.streaming import CallTally, ChunkBatcher, FencedOut, stream
-from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, headers_for
+from koda_runtime.processors.billing import Billing
+from koda_runtime.processors.control import ControlBoard, RunControl
+from koda_runtime.processors.groupcommit import GroupWriter
+from koda_runtime.processors.ports import Record, RunOutput, WorkerStore
+from koda_runtime.processors.republish import ChunkRepair
+from koda_runtime.processors.store import (
+    ClaimWrite,
+    Fence,
+    Finished,
+    FinishWrite,
+    RunRow,
+    Superseded,
+)
+from koda_runtime.processors.streaming import CallTally, ChunkBatcher, FencedOut, stream
+from koda_runtime.schemas.records import (
+    RUN_REQUESTED,
+    RunRequested,
+    decode_run_requested,
+    headers_for,
+)
+from koda_runtime.settings import Settings
 
 __all__ = [
     "MAX_CLAIMS_PER_ATTEMPT",

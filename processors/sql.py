@@ -2,11 +2,11 @@
 
 Every statement works on a whole group of runs (``unnest`` of parallel arrays): a
 group of one is a group, so there is one statement per kind of write. Every value is
-a bound parameter; status and kind values come from :mod:`koda.lifecycle`.
+a bound parameter; status and kind values come from :mod:`koda_runtime.lifecycle`.
 
 A status UPDATE never names its allowed source statuses: it is given the state
 machine's edges into its target statuses (:func:`edges`, asked of
-``koda.lifecycle.states``) and moves a row only along one of them.
+``koda_runtime.lifecycle.states``) and moves a row only along one of them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from sqlalchemy import text
 
-from koda.lifecycle.states import RunStatus, can_transition
+from koda_runtime.lifecycle.states import RunStatus, can_transition
 
 
 def edges(targets: Iterable[RunStatus]) -> dict[str, list[str]]:

@@ -18,13 +18,13 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from koda.errors import TransitionRejected
-from koda.lifecycle.chunks import Chunk, ChunkKind
-from koda.lifecycle.handler import Usage
-from koda.lifecycle.ledger import LedgerCall
-from koda.lifecycle.states import ACTIVE, OPEN, RunStatus
-from processors import sql
-from schemas.ledger import PricedCall, insert_calls
+from koda_runtime.errors import TransitionRejected
+from koda_runtime.lifecycle.chunks import Chunk, ChunkKind
+from koda_runtime.lifecycle.handler import Usage
+from koda_runtime.lifecycle.ledger import LedgerCall
+from koda_runtime.lifecycle.states import ACTIVE, OPEN, RunStatus
+from koda_runtime.processors import sql
+from koda_runtime.schemas.ledger import PricedCall, insert_calls
 
 
 @dataclass(frozen=True)
@@ -313,7 +313,7 @@ class RunStore:
         committing meanwhile waits for this transaction, then finds the run terminal;
         one committed before it is seen here. Ownership rows are locked in (partition,
         run) order, the order in which an epoch bump takes them, so a group and a bump
-        cannot deadlock. Raises :class:`koda.errors.TransitionRejected` when a
+        cannot deadlock. Raises :class:`koda_runtime.errors.TransitionRejected` when a
         transition matches no row (nothing of the group is written); the group writer
         then writes each part as a group of its own, where only that run fails. A group
         must not name a run twice.

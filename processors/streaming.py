@@ -15,17 +15,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from koda.errors import HandlerError, KodaError
-from koda.lifecycle.attempts import first_output
-from koda.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
-from koda.lifecycle.handler import Item, RunContext, ToolActivity, Usage
-from koda.metrics import TIME_TO_FIRST_CHUNK_SECONDS
-from processors.control import RunControl
-from processors.groupcommit import GroupWriter
-from processors.store import ChunkWrite, Fence
+from koda_runtime.errors import HandlerError, KodaError
+from koda_runtime.lifecycle.attempts import first_output
+from koda_runtime.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
+from koda_runtime.lifecycle.handler import Item, RunContext, ToolActivity, Usage
+from koda_runtime.metrics import TIME_TO_FIRST_CHUNK_SECONDS
+from koda_runtime.processors.control import RunControl
+from koda_runtime.processors.groupcommit import GroupWriter
+from koda_runtime.processors.store import ChunkWrite, Fence
 
 if TYPE_CHECKING:
-    from processors.ports import RunOutput
+    from koda_runtime.processors.ports import RunOutput
 
 log = logging.getLogger("koda.worker")
 

@@ -12,15 +12,15 @@ import contextlib
 import logging
 import signal
 
-from gateway.publisher import RunPublisher
-from gateway.scheduled import ScheduleStore
-from gateway.store import RunStore
-from gateway.sweeper import Sweeper
-from koda import metrics
-from koda.db import async_engine
-from koda.kafka import producer_config
-from koda.settings import Settings
-from scheduler.service import Scheduler
+from koda_runtime import metrics
+from koda_runtime.db import async_engine
+from koda_runtime.gateway.publisher import RunPublisher
+from koda_runtime.gateway.scheduled import ScheduleStore
+from koda_runtime.gateway.store import RunStore
+from koda_runtime.gateway.sweeper import Sweeper
+from koda_runtime.kafka import producer_config
+from koda_runtime.scheduler.service import Scheduler
+from koda_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """``koda scheduler``: fire every due (schedule, scheduled minute) exactly once, statelessly.
 
 Each pass reads Postgres's clock and, in batches, the schedules whose persisted
-``next_fire_at`` is not after it, plans each one with :func:`koda.scheduling.plan`
+``next_fire_at`` is not after it, plans each one with :func:`koda_runtime.scheduling.plan`
 (pure), fires the minutes the plan says fire, oldest first, through
-:func:`gateway.scheduled.fire_many` (the gateway's insert, batched, and its publish),
+:func:`koda_runtime.gateway.scheduled.fire_many` (the gateway's insert, batched, and its publish),
 then moves ``next_fire_at`` on with a compare-and-set on the value it read. Nothing is
 held between passes and nothing is locked:
 
@@ -30,8 +30,10 @@ import time
 from dataclasses import dataclass, field
 from datetime import date, datetime
 
-from gateway.publisher import Delivery, RunPublisher
-from gateway.scheduled import (
+from koda_runtime import metrics
+from koda_runtime.errors import DatabaseError, KodaError
+from koda_runtime.gateway.publisher import Delivery, RunPublisher
+from koda_runtime.gateway.scheduled import (
     Advance,
     Fired,
     ScheduleRow,
@@ -39,10 +41,8 @@ from gateway.scheduled import (
     fire_many,
     scheduled_run,
 )
-from gateway.store import NewRun, RunStore
-from koda import metrics
-from koda.errors import DatabaseError, KodaError
-from koda.scheduling import (
+from koda_runtime.gateway.store import NewRun, RunStore
+from koda_runtime.scheduling import (
     CronSpec,
     Facts,
     Outcome,

@@ -1,4 +1,7 @@
-"""Reading ``run.dead-letter/1`` values (written by :func:`schemas.records.dead_letter_value`)."""
+"""Reading ``run.dead-letter/1`` values.
+
+They are written by :func:`koda_runtime.schemas.records.dead_letter_value`.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from koda.errors import RecordError
+from koda_runtime.errors import RecordError
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""Reading ``run.event/1`` values (written by :func:`schemas.records.event_value`).
+"""Reading ``run.event/1`` values (written by :func:`koda_runtime.schemas.records.event_value`).
 
 Two variants, told apart by ``event``: a status ``transition`` and a ``usage`` record
-(one model call). Fields are checked against :data:`schemas.record_specs.RUN_EVENT`.
+(one model call). Fields are checked against :data:`koda_runtime.schemas.record_specs.RUN_EVENT`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 
-from koda.errors import RecordError
-from schemas import record_specs as spec
-from schemas.records import json_object
+from koda_runtime.errors import RecordError
+from koda_runtime.schemas import record_specs as spec
+from koda_runtime.schemas.records import json_object
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from koda.errors import RecordError
-from schemas import record_specs as spec
-from schemas.records import HEARTBEAT, Headers, dumps, headers_for
+from koda_runtime.errors import RecordError
+from koda_runtime.schemas import record_specs as spec
+from koda_runtime.schemas.records import HEARTBEAT, Headers, dumps, headers_for
 
 __all__ = ["HEARTBEAT", "Beat", "beat_headers", "decode_beat"]
 

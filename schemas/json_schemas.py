@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from schemas.record_specs import ALL
-from schemas.specs import Field, RecordSpec
+from koda_runtime.schemas.record_specs import ALL
+from koda_runtime.schemas.specs import Field, RecordSpec
 
 DIRECTORY = Path(__file__).resolve().parent / "json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"

@@ -26,7 +26,7 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from koda.lifecycle.ledger import BudgetState, LedgerCall, Period
+from koda_runtime.lifecycle.ledger import BudgetState, LedgerCall, Period
 
 GROUPS = ("user", "day", "model", "kind")
 USD_PLACES = Decimal("0.00000001")
@@ -155,7 +155,7 @@ _ADMIT_RUN = text(
            AND d.starts_at = date_trunc('day', now(), 'UTC')
          WHERE b.user_id = :user_id AND :budgets
     ), ins AS (
-        -- The rule of koda.lifecycle.ledger.exceeded: a budget is spent at its limit.
+        -- The rule of koda_runtime.lifecycle.ledger.exceeded: a budget is spent at its limit.
         INSERT INTO runs (id, session_id, user_id, idempotency_key, input, metadata, partition,
                           schedule_id, scheduled_for)
         SELECT :id, :session_id, :user_id, :key, :input, :metadata, :partition,
@@ -201,7 +201,7 @@ _SPENT = text(
       LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
        AND d.starts_at = date_trunc('day', now(), 'UTC')
      WHERE b.user_id = ANY(CAST(:users AS text[]))
-       -- The rule of koda.lifecycle.ledger.exceeded, as in the admission insert.
+       -- The rule of koda_runtime.lifecycle.ledger.exceeded, as in the admission insert.
        AND ((b.monthly_usd IS NOT NULL AND COALESCE(m.spend_usd, 0) >= b.monthly_usd)
          OR (b.daily_usd IS NOT NULL AND COALESCE(d.spend_usd, 0) >= b.daily_usd))
     """

@@ -9,9 +9,9 @@ from alembic.config import Config
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from koda.db import sync_engine
-from koda.errors import DatabaseError
-from koda.settings import Settings
+from koda_runtime.db import sync_engine
+from koda_runtime.errors import DatabaseError
+from koda_runtime.settings import Settings
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from koda.errors import RecordError
-from schemas import record_specs as spec
+from koda_runtime.errors import RecordError
+from koda_runtime.schemas import record_specs as spec
 
 CONTENT_TYPE = "application/json"
 RUN_REQUESTED = spec.RUN_REQUESTED.name

@@ -1,9 +1,10 @@
 """Field specs of koda's records: the one description of every record's fields.
 
 Three things read these specs, so they cannot disagree: the encoders in
-:mod:`schemas.records` and :mod:`schemas.heartbeats` take their field names from them,
+:mod:`koda_runtime.schemas.records` and :mod:`koda_runtime.schemas.heartbeats` take their field
+names from them,
 the decoders check values with :meth:`RecordSpec.check`, and
-:mod:`schemas.json_schemas` renders them as the JSON Schema files in ``schemas/json/``
+:mod:`koda_runtime.schemas.json_schemas` renders them as the JSON Schema files in ``schemas/json/``
 (``koda schemas write``; ``tests/unit/test_record_specs.py`` fails on drift).
 
 A spec describes what koda *writes*. Readers stay lenient where they always were: an
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from koda.errors import RecordError
+from koda_runtime.errors import RecordError
 
 
 @dataclass(frozen=True)

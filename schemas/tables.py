@@ -1,7 +1,7 @@
 """SQLAlchemy table definitions of docs/design.md §3 (Postgres is the source of truth).
 
 Tables are declared without a schema: every connection sets ``search_path`` to the
-schema named by :meth:`koda.naming.Names.pg_schema`, so dev, prod and test
+schema named by :meth:`koda_runtime.naming.Names.pg_schema`, so dev, prod and test
 namespaces never share rows.
 """
 
@@ -28,7 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from koda.lifecycle.states import RunStatus
+from koda_runtime.lifecycle.states import RunStatus
 
 metadata = MetaData()
 

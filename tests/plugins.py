@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ECHO_MODULE = """
-from koda.handlers import Usage
+from koda_runtime.handlers import Usage
 
 
 class EchoHandler:
@@ -42,7 +42,7 @@ def echo_output(group: str, text: str) -> str:
 
 
 def install(root: Path, dist: str, entry_points: dict[str, str], module: str = "") -> Path:
-    """Write distribution ``dist`` (version 1.0) with ``koda.handlers`` entry points
+    """Write distribution ``dist`` (version 1.0) with ``koda_runtime.handlers`` entry points
     (name -> ``module:attr``) and, if given, the module ``koda_echo_plugin`` into
     ``root``; return ``root`` (the directory to put on the path)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -52,5 +52,5 @@ def install(root: Path, dist: str, entry_points: dict[str, str], module: str = "
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
     lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
-    (info / "entry_points.txt").write_text(f"[koda.handlers]\n{lines}")
+    (info / "entry_points.txt").write_text(f"[koda_runtime.handlers]\n{lines}")
     return root

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from gateway.eventstream import TERMINAL_KINDS, Event, EventParser
+from koda_runtime.gateway.eventstream import TERMINAL_KINDS, Event, EventParser
 
 
 @dataclass

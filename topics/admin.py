@@ -15,9 +15,9 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     ResourceType,
 )
 
-from koda.errors import TopicError
-from koda.settings import Settings
-from topics.catalogue import TopicSpec, catalogue
+from koda_runtime.errors import TopicError
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import TopicSpec, catalogue
 
 ADMIN_TIMEOUT_S = 30.0
 # Only these configs are compared by `check`: they change semantics if they drift.

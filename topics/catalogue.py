@@ -1,6 +1,6 @@
 """The catalogue: every koda topic with its key, partitions and cleanup policy.
 
-Names come from :mod:`koda.naming` only. The runs, run-control, run-chunks and
+Names come from :mod:`koda_runtime.naming` only. The runs, run-control, run-chunks and
 run-events topics share one partition count so a user's records land in the
 same partition number everywhere (co-partitioning).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from koda.settings import Settings
+from koda_runtime.settings import Settings
 
 DAY_MS = 24 * 3600 * 1000
 RUNS_MAX_MESSAGE_BYTES = 2 * 1024 * 1024

@@ -27,12 +27,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from koda.errors import RecordError
-from koda.lifecycle.chunks import TERMINAL_KINDS, split_chunk_key, visible_output
-from koda.settings import Settings
-from schemas.records import ChunkRecord, FinalRecord, decode_chunk_value, decode_final_value
-from topics.catalogue import RUN_CHUNKS
-from topics.kafka.bounded import BoundedReader
+from koda_runtime.errors import RecordError
+from koda_runtime.lifecycle.chunks import TERMINAL_KINDS, split_chunk_key, visible_output
+from koda_runtime.schemas.records import (
+    ChunkRecord,
+    FinalRecord,
+    decode_chunk_value,
+    decode_final_value,
+)
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS
+from koda_runtime.topics.kafka.bounded import BoundedReader
 
 
 @dataclass

@@ -26,12 +26,12 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from koda.errors import DeadLetterError, RecordError, TopicError
-from koda.kafka import producer_config
-from koda.settings import Settings
-from schemas.dead_letters import DeadLetter, decode_dead_letter
-from topics.catalogue import RUNS, RUNS_DLQ
-from topics.kafka.bounded import BoundedReader
+from koda_runtime.errors import DeadLetterError, RecordError, TopicError
+from koda_runtime.kafka import producer_config
+from koda_runtime.schemas.dead_letters import DeadLetter, decode_dead_letter
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ
+from koda_runtime.topics.kafka.bounded import BoundedReader
 
 ROLE = "dlq-replay"
 TIMEOUT_S = 30.0

@@ -6,7 +6,7 @@ import base64
 import json
 from datetime import UTC, datetime
 
-from topics.dlq import LetterAt
+from koda_runtime.topics.dlq import LetterAt
 
 PREVIEW = 60
 

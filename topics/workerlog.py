@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from koda.settings import Settings
-from topics.catalogue import WORKERS
-from topics.kafka.tail import TailEvents, TopicTail
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import WORKERS
+from koda_runtime.topics.kafka.tail import TailEvents, TopicTail
 
 ApplyFn = Callable[[bytes | None, bytes | None, int], None]
 Record = tuple[bytes | None, bytes | None, int]

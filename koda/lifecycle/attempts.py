@@ -14,9 +14,9 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from koda.lifecycle.chunks import END_KIND, Chunk, ChunkKind
-from koda.lifecycle.retry import RetryPolicy
-from koda.lifecycle.states import RunStatus
+from koda_runtime.lifecycle.chunks import END_KIND, Chunk, ChunkKind
+from koda_runtime.lifecycle.retry import RetryPolicy
+from koda_runtime.lifecycle.states import RunStatus
 
 # A run may be claimed at most max_attempts x this many times (handler failures and
 # resumptions together) before it is given up.

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from koda.lifecycle.states import RunStatus
+from koda_runtime.lifecycle.states import RunStatus
 
 
 class ChunkKind(str, Enum):

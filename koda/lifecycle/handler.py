@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from koda.errors import HandlerError
+from koda_runtime.errors import HandlerError
 
 
 class CancelToken:

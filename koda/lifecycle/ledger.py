@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
 
-from koda.lifecycle.handler import Usage
+from koda_runtime.lifecycle.handler import Usage
 
 
 class Outcome(StrEnum):

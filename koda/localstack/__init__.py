@@ -1,6 +1,6 @@
 """Local real services for development and tests: Apache Kafka (KRaft) and PostgreSQL.
 
-    from koda.localstack import up, down
+    from koda_runtime.localstack import up, down
     info = up(Path(".koda"), brokers=3)   # StackInfo(kafka_bootstrap, database_url, brokers)
     down(Path(".koda"))
 
@@ -8,13 +8,13 @@ Fault tests stop, kill and restart single processes with ``kafka_node_stop``,
 ``kafka_node_kill``, ``kafka_node_start``, ``pg_stop``, ``pg_kill`` and ``pg_start``.
 """
 
-from koda.localstack.kafka import (
+from koda_runtime.localstack.kafka import (
     kafka_node_kill,
     kafka_node_pid,
     kafka_node_start,
     kafka_node_stop,
 )
-from koda.localstack.stack import (
+from koda_runtime.localstack.stack import (
     StackInfo,
     down,
     env_lines,

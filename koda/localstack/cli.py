@@ -14,8 +14,8 @@ from typing import Annotated, Any
 
 import typer
 
-from koda.errors import KodaError
-from koda.localstack import kafka_cluster, prometheus, stack
+from koda_runtime.errors import KodaError
+from koda_runtime.localstack import kafka_cluster, prometheus, stack
 
 services_app = typer.Typer(
     help="Start, stop and inspect the local Kafka and PostgreSQL.",
@@ -89,9 +89,9 @@ def _apply_catalogue(info: stack.StackInfo) -> None:
     """Migrations and topics for APP_ENV on the stack just started (docs/design.md §11)."""
     import os
 
-    from koda.settings import Settings
-    from schemas.migrate import upgrade
-    from topics.admin import apply_topics
+    from koda_runtime.schemas.migrate import upgrade
+    from koda_runtime.settings import Settings
+    from koda_runtime.topics.admin import apply_topics
 
     env = dict(os.environ)
     env.update(line.split("=", 1) for line in stack.env_lines(info))  # type: ignore[misc]

@@ -6,7 +6,7 @@ When some are missing they are resolved with Maven (``deploy/local/pom.xml``) if
 ``mvn`` is installed, and whatever is still missing is downloaded from Maven Central
 over HTTPS; every new jar must match its sha256 before it enters the cache.
 
-Regenerate the lock after changing the pom: ``python -m koda.localstack.jars relock``.
+Regenerate the lock after changing the pom: ``python -m koda_runtime.localstack.jars relock``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from koda.errors import PrerequisiteError, ServiceError
-from koda.localstack.procs import disk_error, write_text
+from koda_runtime.errors import PrerequisiteError, ServiceError
+from koda_runtime.localstack.procs import disk_error, write_text
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ def render_lock(jars: Iterable[LockedJar]) -> str:
     """The lock file text for ``jars`` (inverse of :func:`parse_lock`)."""
     lines = [
         "# Jars of the local Kafka broker, resolved from deploy/local/pom.xml (runtime scope).",
-        "# group:artifact:version sha256 -- regenerate with: python -m koda.localstack.jars relock",
+        "# group:artifact:version sha256 -- regenerate with: "
+        "python -m koda_runtime.localstack.jars relock",
     ]
     lines += [f"{jar.coordinates} {jar.sha256}" for jar in jars]
     return "\n".join(lines) + "\n"
@@ -205,7 +206,7 @@ def _fetch(missing: list[LockedJar], lib: Path, *, repository: str, use_maven: b
                 raise ServiceError(
                     f"{jar.filename} has sha256 {actual}, but {LOCK_NAME} pins {jar.sha256}: "
                     "the download is corrupt or deploy/local/pom.xml and the lock disagree "
-                    "(regenerate the lock with `python -m koda.localstack.jars relock`)"
+                    "(regenerate the lock with `python -m koda_runtime.localstack.jars relock`)"
                 )
         for jar in missing:
             os.replace(staging / jar.filename, lib / jar.filename)
@@ -294,6 +295,6 @@ def parse_dependency_list(text: str) -> list[LockedJar]:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["relock"]:
-        sys.exit("usage: python -m koda.localstack.jars relock")
+        sys.exit("usage: python -m koda_runtime.localstack.jars relock")
     for entry in relock():
         print(entry.coordinates)

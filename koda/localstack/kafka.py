@@ -1,7 +1,7 @@
 """Local Apache Kafka processes in KRaft mode: format, start, wait, stop, kill.
 
 One combined broker+controller node, or three with a static quorum (see
-:mod:`koda.localstack.kafka_cluster` for the config and the on-disk layout). A node
+:mod:`koda_runtime.localstack.kafka_cluster` for the config and the on-disk layout). A node
 is identified by its config path on its command line, so a recycled pid is never
 mistaken for a broker.
 """
@@ -21,9 +21,9 @@ from typing import Any
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from koda.errors import PrerequisiteError, ServiceError
-from koda.localstack import jars, procs
-from koda.localstack.kafka_cluster import (
+from koda_runtime.errors import PrerequisiteError, ServiceError
+from koda_runtime.localstack import jars, procs
+from koda_runtime.localstack.kafka_cluster import (
     ClusterSpec,
     NodePaths,
     NodeSpec,

@@ -11,7 +11,7 @@ Layout under ``<state_dir>/kafka``::
 
 Ports are chosen once and remembered in ``cluster.json``, so a restart reuses them.
 Pure apart from reading and writing files in the state dir; processes are in
-:mod:`koda.localstack.kafka`.
+:mod:`koda_runtime.localstack.kafka`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from koda.errors import ConfigError, ServiceError
-from koda.localstack import procs
+from koda_runtime.errors import ConfigError, ServiceError
+from koda_runtime.localstack import procs
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import psycopg
 
-from koda.errors import PrerequisiteError, ServiceError
-from koda.localstack import procs
+from koda_runtime.errors import PrerequisiteError, ServiceError
+from koda_runtime.localstack import procs
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from koda.errors import ServiceError
+from koda_runtime.errors import ServiceError
 
 log = logging.getLogger(__name__)
 

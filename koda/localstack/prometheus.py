@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from koda.errors import PrerequisiteError, ServiceError
-from koda.localstack import procs
+from koda_runtime.errors import PrerequisiteError, ServiceError
+from koda_runtime.localstack import procs
 
 log = logging.getLogger(__name__)
 

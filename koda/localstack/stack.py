@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from koda import stackenv
-from koda.errors import ServiceError
-from koda.localstack import kafka, kafka_cluster, postgres, procs, prometheus
+from koda_runtime import stackenv
+from koda_runtime.errors import ServiceError
+from koda_runtime.localstack import kafka, kafka_cluster, postgres, procs, prometheus
 
 log = logging.getLogger(__name__)
 

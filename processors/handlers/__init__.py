@@ -1,7 +1,7 @@
 """The handler registry: the built-in ``demo`` and ``openai``, then installed plugins.
 
 ``KODA_HANDLER`` names the handler. A built-in name wins; any other name is looked up
-in the ``koda.handlers`` entry point group (koda/handlers.py describes the API), and a
+in the ``koda_runtime.handlers`` entry point group (koda/handlers.py describes the API), and a
 name found in neither stops the worker at start with the known names listed.
 """
 
@@ -12,20 +12,20 @@ from importlib.metadata import EntryPoint, entry_points
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda.errors import ConfigError
-from koda.handlers import ENTRY_POINT_GROUP, Handler
-from koda.settings import Settings
-from processors.memory.service import MemoryService, build_memory
+from koda_runtime.errors import ConfigError
+from koda_runtime.handlers import ENTRY_POINT_GROUP, Handler
+from koda_runtime.processors.memory.service import MemoryService, build_memory
+from koda_runtime.settings import Settings
 
 
 def _demo(settings: Settings, memory: MemoryService | None) -> Handler:
-    from processors.handlers.demo import DemoHandler
+    from koda_runtime.processors.handlers.demo import DemoHandler
 
     return DemoHandler(memory)
 
 
 def _openai(settings: Settings, memory: MemoryService | None) -> Handler:
-    from processors.handlers.openai import OpenAIHandler
+    from koda_runtime.processors.handlers.openai import OpenAIHandler
 
     return OpenAIHandler(
         base_url=settings.openai_base_url,
@@ -44,7 +44,7 @@ BUILT_IN: dict[str, Callable[[Settings, MemoryService | None], Handler]] = {
 
 
 def plugins() -> dict[str, list[EntryPoint]]:
-    """The installed entry points of the ``koda.handlers`` group, by name."""
+    """The installed entry points of the ``koda_runtime.handlers`` group, by name."""
     found: dict[str, list[EntryPoint]] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         found.setdefault(ep.name, []).append(ep)

@@ -36,10 +36,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from koda.errors import HandlerError
-from koda.lifecycle.handler import RunContext, Usage
-from processors.memory.distil import demo_statements
-from processors.memory.service import MemoryService
+from koda_runtime.errors import HandlerError
+from koda_runtime.lifecycle.handler import RunContext, Usage
+from koda_runtime.processors.memory.distil import demo_statements
+from koda_runtime.processors.memory.service import MemoryService
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import httpx
 
-from koda.errors import ConfigError, HandlerError
-from koda.lifecycle.handler import Item, RunContext, RunFailed, ToolActivity, Usage
-from processors.handlers.tools import ToolCall, ToolCallAssembler, activity
-from processors.memory import tool as tool_module
-from processors.memory.service import MemoryService
+from koda_runtime.errors import ConfigError, HandlerError
+from koda_runtime.lifecycle.handler import Item, RunContext, RunFailed, ToolActivity, Usage
+from koda_runtime.processors.handlers.tools import ToolCall, ToolCallAssembler, activity
+from koda_runtime.processors.memory import tool as tool_module
+from koda_runtime.processors.memory.service import MemoryService
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from koda.errors import HandlerError
+from koda_runtime.errors import HandlerError
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from processors.memory.chunking import chunk, sentences
+from koda_runtime.processors.memory.chunking import chunk, sentences
 
 _FIRST_PERSON = re.compile(r"\b(i|i'm|i've|i'd|my|me|mine|we|our|ours)\b", re.IGNORECASE)
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from koda.errors import HandlerError
+from koda_runtime.errors import HandlerError
 
 DIMENSIONS = 256
 

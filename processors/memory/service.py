@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda.lifecycle.handler import RunContext, Usage
-from koda.settings import Settings
-from processors.memory import store, tool
-from processors.memory.distil import statements_to_chunks
-from processors.memory.embedders import Embedded, Embedder, OpenAIEmbedder, wordllama
+from koda_runtime.lifecycle.handler import RunContext, Usage
+from koda_runtime.processors.memory import store, tool
+from koda_runtime.processors.memory.distil import statements_to_chunks
+from koda_runtime.processors.memory.embedders import Embedded, Embedder, OpenAIEmbedder, wordllama
+from koda_runtime.settings import Settings
 
 EMBEDDING_PREFIX = "embedding:"
 Hook = Callable[[], Awaitable[None]]

@@ -23,11 +23,11 @@ from typing import Literal
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from processors.memory.chunking import content_hash
-from schemas.memories import Memory, forget, list_for
+from koda_runtime.processors.memory.chunking import content_hash
+from koda_runtime.schemas.memories import Memory, forget, list_for
 
 __all__ = ["Hit", "Memory", "forget", "insert", "list_for", "memory_id", "search"]
-from processors.memory.embedders import to_pgvector
+from koda_runtime.processors.memory.embedders import to_pgvector
 
 Plan = Literal["exact", "iterative", "hnsw"]
 PLANS: tuple[Plan, ...] = ("exact", "iterative", "hnsw")

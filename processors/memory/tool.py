@@ -15,9 +15,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda.errors import HandlerError
-from processors.memory import store
-from processors.memory.embedders import Embedded, Embedder
+from koda_runtime.errors import HandlerError
+from koda_runtime.processors.memory import store
+from koda_runtime.processors.memory.embedders import Embedded, Embedder
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from alembic import context
 
-from koda.db import sync_engine
-from schemas.tables import metadata
+from koda_runtime.db import sync_engine
+from koda_runtime.schemas.tables import metadata
 
 settings = context.config.attributes["koda_settings"]
 schema = settings.names.pg_schema()

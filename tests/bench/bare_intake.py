@@ -18,11 +18,11 @@ from typing import Any
 import uvicorn
 from confluent_kafka import Producer
 
-from koda.kafka import producer_config
-from koda.lifecycle.ids import uuid7
-from koda.settings import Settings
-from schemas.records import RUN_REQUESTED, RunRequested, headers_for
-from topics.catalogue import RUNS
+from koda_runtime.kafka import producer_config
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, headers_for
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS
 
 
 def build(settings: Settings) -> Any:

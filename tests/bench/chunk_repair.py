@@ -34,21 +34,21 @@ from pathlib import Path
 from confluent_kafka import Producer
 from sqlalchemy import text
 
-from koda.db import async_engine, sync_engine
-from koda.kafka import producer_config
-from koda.lifecycle.chunks import Chunk, ChunkKind, chunk_key
-from koda.lifecycle.ids import uuid7
-from koda.lifecycle.states import RunStatus
-from koda.localstack import StackInfo, down, up
-from koda.settings import Settings
-from processors.chunkverify import verify_chunks
-from processors.compactor import _TERMINAL_STATUSES, _UNPUBLISHED, ChunkCompactor
-from processors.store import ClaimWrite, Fence, FinishWrite, PublishedWrite, RunStore
-from schemas.migrate import upgrade
-from schemas.records import RUN_CHUNK, chunk_value, headers_for
+from koda_runtime.db import async_engine, sync_engine
+from koda_runtime.kafka import producer_config
+from koda_runtime.lifecycle.chunks import Chunk, ChunkKind, chunk_key
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.localstack import StackInfo, down, up
+from koda_runtime.processors.chunkverify import verify_chunks
+from koda_runtime.processors.compactor import _TERMINAL_STATUSES, _UNPUBLISHED, ChunkCompactor
+from koda_runtime.processors.store import ClaimWrite, Fence, FinishWrite, PublishedWrite, RunStore
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.schemas.records import RUN_CHUNK, chunk_value, headers_for
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
-from topics.admin import apply_topics
-from topics.catalogue import RUN_CHUNKS, partition_for_key
 
 
 def populate(settings: Settings, runs: int, messages: int, gapped: float) -> list[str]:

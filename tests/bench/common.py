@@ -23,16 +23,16 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 from sqlalchemy import text
 
-from koda.db import sync_engine
-from koda.kafka import producer_config
-from koda.lifecycle.ids import uuid7
-from koda.localstack import StackInfo, down, up
-from koda.settings import Settings
-from schemas.migrate import upgrade
-from schemas.records import RUN_REQUESTED, RunRequested, headers_for
+from koda_runtime.db import sync_engine
+from koda_runtime.kafka import producer_config
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.localstack import StackInfo, down, up
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, headers_for
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUNS, partition_for_key
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
-from topics.admin import apply_topics
-from topics.catalogue import RUNS, partition_for_key
 
 TERMINAL = ("done", "failed", "cancelled")
 

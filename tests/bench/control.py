@@ -25,7 +25,7 @@ from datetime import datetime
 
 import aiohttp
 
-from koda.localstack import StackInfo
+from koda_runtime.localstack import StackInfo
 from tests.bench.common import (
     Loader,
     Table,

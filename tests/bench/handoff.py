@@ -18,14 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from koda.localstack import StackInfo, down, up
-from schemas.migrate import upgrade
+from koda_runtime.localstack import StackInfo, down, up
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import partition_for_key
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import WorkerProcess
 from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from topics.admin import apply_topics
-from topics.catalogue import partition_for_key
 
 
 def owners(sub: Submitter) -> dict[int, str]:

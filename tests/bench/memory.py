@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from koda.localstack import StackInfo
+from koda_runtime.localstack import StackInfo
 from tests.bench.common import Loader, Table, demo_input, namespace, services, wait_group
 from tests.fixtures.processes import WorkerProcess
 

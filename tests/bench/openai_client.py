@@ -18,8 +18,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from koda.lifecycle.handler import RunContext
-from processors.handlers.openai import OpenAIHandler
+from koda_runtime.lifecycle.handler import RunContext
+from koda_runtime.processors.handlers.openai import OpenAIHandler
 from tests.bench.common import Table
 
 CHUNKS = 5000

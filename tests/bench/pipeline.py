@@ -20,13 +20,13 @@ from pathlib import Path
 
 import httpx
 
-from koda.localstack import StackInfo, down, up
-from schemas.migrate import upgrade
+from koda_runtime.localstack import StackInfo, down, up
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.topics.admin import apply_topics
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from topics.admin import apply_topics
 
 
 async def submit_all(url: str, runs: int, chunks: int, users: int, concurrency: int) -> list[str]:

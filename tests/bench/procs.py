@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from koda.settings import Settings
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS
 from tests.fixtures.processes import ROOT, ChildProcess
-from topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS
 
 QUIX_PYTHON = ROOT / ".venv-quix" / "bin" / "python"
 

@@ -30,14 +30,14 @@ from pathlib import Path
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
-from koda.kafka import consumer_config, producer_config
-from koda.lifecycle.chunks import chunk_key
-from koda.lifecycle.ids import uuid7
-from koda.settings import Settings
-from schemas.records import RUN_CHUNK, chunk_value, headers_for
+from koda_runtime.kafka import consumer_config, producer_config
+from koda_runtime.lifecycle.chunks import chunk_key
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.schemas.records import RUN_CHUNK, chunk_value, headers_for
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
+from koda_runtime.topics.replay import ReplayOptions, run_replay
 from tests.bench.common import Table, fmt, namespace, services
-from topics.catalogue import RUN_CHUNKS, partition_for_key
-from topics.replay import ReplayOptions, run_replay
 
 PARTITIONS = 32
 CHUNKS_PER_RUN = 20

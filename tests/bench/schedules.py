@@ -31,13 +31,13 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import text
 
-from koda.db import sync_engine
-from koda.lifecycle.ids import uuid7
-from koda.settings import Settings
+from koda_runtime.db import sync_engine
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS
 from tests.bench.common import Table, cpu_seconds, namespace, percentile, services
 from tests.fixtures.processes import SchedulerProcess
 from tests.fixtures.runs import read_topic
-from topics.catalogue import RUNS
 
 GOAL_S = 10.0
 LEAD_S = 25.0  # schedulers are up and idle this long before M

@@ -32,17 +32,17 @@ import httpx
 import psutil
 from confluent_kafka import Consumer, TopicPartition
 
-from gateway.eventstream import TERMINAL_KINDS, EventParser
-from koda.kafka import consumer_config
-from koda.localstack import StackInfo, down, up
-from koda.settings import Settings
-from schemas.migrate import upgrade
+from koda_runtime.gateway.eventstream import TERMINAL_KINDS, EventParser
+from koda_runtime.kafka import consumer_config
+from koda_runtime.localstack import StackInfo, down, up
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUN_CHUNKS
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from topics.admin import apply_topics
-from topics.catalogue import RUN_CHUNKS
 
 
 @dataclass

@@ -33,8 +33,8 @@ from typing import Any
 import aiohttp
 from sqlalchemy import text
 
-from koda.localstack import StackInfo
-from koda.settings import Settings
+from koda_runtime.localstack import StackInfo
+from koda_runtime.settings import Settings
 from tests.bench.common import (
     Loader,
     Table,

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from koda.localstack import StackInfo
+from koda_runtime.localstack import StackInfo
+from koda_runtime.topics.catalogue import RUN_CHUNKS
 from tests.bench.common import (
     Loader,
     Table,
@@ -38,7 +39,6 @@ from tests.bench.common import (
 )
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import read_topic
-from topics.catalogue import RUN_CHUNKS
 
 PARTITIONS = 256
 TERMINAL = {b"done", b"error", b"cancelled"}

@@ -16,7 +16,7 @@ import sys
 import time
 from collections import defaultdict
 
-from koda.localstack import StackInfo
+from koda_runtime.localstack import StackInfo
 from tests.bench.common import Table, demo_input, fmt, namespace, percentile, services
 from tests.bench.w1_throughput import post_runs
 from tests.fixtures.processes import ChildProcess, GatewayProcess, free_port, settings_env

@@ -58,13 +58,13 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from koda.kafka import consumer_config
-from koda.settings import Settings
-from processors.handlers.demo import demo_tokens
+from koda_runtime.kafka import consumer_config
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
 from tests.chaos.cluster import QUIET, CommitMonitor, Postgres
 from tests.chaos.load import InjectedPoison, PlannedRun, Viewer
 from tests.fixtures.runs import position, read_topic
-from topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
 
 TERMINAL = ("done", "failed", "cancelled")
 TERMINAL_KINDS = ("done", "error", "cancelled")

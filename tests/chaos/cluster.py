@@ -1,6 +1,6 @@
 """The processes under test (one gateway, a pool of workers) and probes into the stack.
 
-Everything here is started the way a user starts it (``python -m koda worker|gateway``)
+Everything here is started the way a user starts it (``python -m koda_runtime worker|gateway``)
 against a real Kafka and PostgreSQL; the probes read Postgres and the broker directly.
 """
 
@@ -16,12 +16,12 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from sqlalchemy import text
 
-from koda.db import sync_engine
-from koda.kafka import consumer_config
-from koda.localstack import StackInfo
-from koda.settings import Settings
+from koda_runtime.db import sync_engine
+from koda_runtime.kafka import consumer_config
+from koda_runtime.localstack import StackInfo
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS, WORKER_GROUP
 from tests.fixtures.processes import GatewayProcess, WorkerProcess, free_port
-from topics.catalogue import RUNS, WORKER_GROUP
 
 # The harness's own clients stay quiet while a broker is down on purpose.
 QUIET = {"log_level": 0}

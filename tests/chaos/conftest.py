@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from koda.localstack import down, kafka_node_start, pg_start, up
+from koda_runtime.localstack import down, kafka_node_start, pg_start, up
 from tests.chaos.cluster import Stack
 
 

@@ -31,15 +31,15 @@ from pathlib import Path
 
 import httpx
 
-from koda.localstack import StackInfo, down, up
-from koda.settings import Settings
-from schemas.migrate import upgrade
+from koda_runtime.localstack import StackInfo, down, up
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUNS_DLQ
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import WorkerProcess, free_port
 from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from topics.admin import apply_topics
-from topics.catalogue import RUNS_DLQ
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -22,7 +22,7 @@ from random import Random
 
 import httpx
 
-from koda.localstack import (
+from koda_runtime.localstack import (
     kafka_node_kill,
     kafka_node_start,
     kafka_node_stop,

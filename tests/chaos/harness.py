@@ -35,12 +35,13 @@ from random import Random
 
 import httpx
 
-from koda.localstack import down, up
-from koda.naming import AppEnv
-from koda.settings import Settings
-from processors.chunkverify import verify_chunks
-from processors.compactor import ChunkCompactor
-from schemas.migrate import upgrade
+from koda_runtime.localstack import down, up
+from koda_runtime.naming import AppEnv
+from koda_runtime.processors.chunkverify import verify_chunks
+from koda_runtime.processors.compactor import ChunkCompactor
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
 from tests.chaos import faults as fk
 from tests.chaos.checks import (
     Findings,
@@ -60,7 +61,6 @@ from tests.chaos.load import (
     user_session,
 )
 from tests.support import wait_until
-from topics.admin import apply_topics
 
 
 @dataclass

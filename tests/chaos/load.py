@@ -26,10 +26,10 @@ from typing import Any
 import httpx
 from confluent_kafka import Producer
 
-from gateway.eventstream import TERMINAL_KINDS, EventParser
-from koda.kafka import producer_config
-from koda.settings import Settings
-from topics.catalogue import RUNS
+from koda_runtime.gateway.eventstream import TERMINAL_KINDS, EventParser
+from koda_runtime.kafka import producer_config
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS
 
 
 @dataclass

@@ -16,17 +16,17 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from koda.localstack import pg_start, pg_stop
-from koda.settings import Settings
-from processors.handlers.demo import demo_tokens
-from schemas.migrate import upgrade
+from koda_runtime.localstack import pg_start, pg_stop
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUN_CHUNKS
 from tests.chaos.cluster import Stack
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from topics.admin import apply_topics
-from topics.catalogue import RUN_CHUNKS
 
 RETRY_LINE = re.compile(r"record failed, will retry in ~[0-9.]+s .* error=OperationalError")
 

@@ -12,14 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from koda.localstack import StackInfo, down, kafka_node_start, kafka_node_stop, up
-from koda.settings import Settings
-from schemas.migrate import upgrade
+from koda_runtime.localstack import StackInfo, down, kafka_node_start, kafka_node_stop, up
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
 from tests.fixtures.namespaces import make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from topics.admin import apply_topics
 
 
 @pytest.fixture(scope="module")

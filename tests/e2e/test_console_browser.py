@@ -20,17 +20,17 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from koda.lifecycle.control import merge_inputs
-from koda.settings import Settings
-from processors.handlers.demo import demo_tokens
-from schemas.heartbeats import Beat, beat_headers
-from schemas.migrate import upgrade
+from koda_runtime.lifecycle.control import merge_inputs
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.schemas.heartbeats import Beat, beat_headers
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import WORKERS
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from topics.admin import apply_topics
-from topics.catalogue import WORKERS
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = [

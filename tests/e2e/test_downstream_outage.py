@@ -4,7 +4,7 @@ within their bounds, and koda recovers by itself once the downstream heals."""
 
 from __future__ import annotations
 
-from koda.settings import Settings
+from koda_runtime.settings import Settings
 from tests.chaos.drills import downstream_outage
 
 

@@ -11,17 +11,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from koda.naming import AppEnv
-from koda.settings import Settings
-from processors.handlers.demo import demo_tokens
-from schemas.migrate import upgrade
+from koda_runtime.naming import AppEnv
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ, WORKER_GROUP, WORKERS
 from tests.fixtures.model_server import PIECES
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings, new_namespace
 from tests.fixtures.processes import WorkerProcess
 from tests.fixtures.runs import Submitter, committed_offsets, read_topic
 from tests.support import wait_until
-from topics.admin import apply_topics
-from topics.catalogue import RUNS, RUNS_DLQ, WORKER_GROUP, WORKERS
 
 
 @pytest.fixture

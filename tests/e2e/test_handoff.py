@@ -10,12 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from koda.settings import Settings
-from processors.handlers.demo import demo_tokens
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS, RUNS, partition_for_key
 from tests.fixtures.processes import WorkerPool
 from tests.fixtures.runs import Submitter, committed_offsets, read_topic
 from tests.support import wait_until
-from topics.catalogue import RUN_CHUNKS, RUNS, partition_for_key
 
 
 @pytest.fixture
@@ -181,7 +181,7 @@ def test_a_frozen_worker_that_wakes_up_writes_nothing(env, submitter, workers) -
 def end_offsets(env: Settings) -> dict[int, int]:
     from confluent_kafka import Consumer, TopicPartition
 
-    from koda.kafka import consumer_config
+    from koda_runtime.kafka import consumer_config
 
     topic = env.names.topic(RUNS)
     consumer = Consumer(consumer_config(env, "test-ends", env.names.group("ends-probe")))

@@ -7,12 +7,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from gateway.livefeed import LiveEvent, LiveFeed
-from koda.localstack import down, kafka_node_start, kafka_node_stop, up
+from koda_runtime.gateway.livefeed import LiveEvent, LiveFeed
+from koda_runtime.localstack import down, kafka_node_start, kafka_node_stop, up
+from koda_runtime.topics.admin import apply_topics
 from tests.fixtures.livefeed import collect, produce
 from tests.fixtures.namespaces import make_settings
 from tests.support import async_wait_until
-from topics.admin import apply_topics
 
 
 async def test_live_feed_survives_a_broker_restart() -> None:

@@ -6,6 +6,7 @@ import signal
 
 import httpx
 
+from koda_runtime.topics.catalogue import RUNS
 from tests.fixtures.ops import (
     FAST_BEATS,
     Samples,
@@ -20,7 +21,6 @@ from tests.fixtures.ops import (
 from tests.fixtures.processes import GatewayProcess
 from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from topics.catalogue import RUNS
 
 
 def test_a_frozen_worker_goes_stale_a_stopped_one_disappears(env, procs) -> None:

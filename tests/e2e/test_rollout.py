@@ -34,14 +34,14 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
-from koda.kafka import producer_config
-from koda.settings import Settings
-from processors.handlers.demo import demo_tokens
-from schemas.records import RUN_REQUESTED, headers_for
+from koda_runtime.kafka import producer_config
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.schemas.records import RUN_REQUESTED, headers_for
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ
 from tests.fixtures.processes import ROOT, WorkerProcess
 from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from topics.catalogue import RUNS, RUNS_DLQ
 
 RELEASE_TAGS = "v[0-9]*"
 

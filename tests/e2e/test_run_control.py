@@ -23,17 +23,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
-from koda.lifecycle.control import merge_inputs
-from koda.settings import Settings
-from processors.handlers.demo import demo_tokens
-from schemas.migrate import upgrade
+from koda_runtime.lifecycle.control import merge_inputs
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUN_EVENTS, RUNS
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter, committed_offsets, read_topic
 from tests.sse_client import bearer, follow_run
 from tests.support import wait_until
-from topics.admin import apply_topics
-from topics.catalogue import RUN_EVENTS, RUNS
 
 MERGE_WINDOW_G2_S = 1.5  # the second gateway's KODA_MERGE_WINDOW_S
 
@@ -692,7 +692,7 @@ def test_koda_runs_cancel_cancels_through_the_gateway(cluster: Cluster) -> None:
     user = c.user("cli")
     run_id = post_run(c.g1, user, demo(400, 20))["run_id"]
     wait_until(lambda: "chunk" in c.kinds(run_id), timeout=30, what="output")
-    cmd = [sys.executable, "-m", "koda", "runs", "cancel", run_id, "--user", user]
+    cmd = [sys.executable, "-m", "koda_runtime", "runs", "cancel", run_id, "--user", user]
     out = subprocess.run(  # noqa: S603
         [*cmd, "--reason", "from the shell", "--gateway", c.g2.url],
         capture_output=True,
@@ -705,7 +705,7 @@ def test_koda_runs_cancel_cancels_through_the_gateway(cluster: Cluster) -> None:
     wait_until(lambda: status_is(c, run_id, "cancelled"), timeout=30, what="cancelled")
     assert c.row(run_id).cancel_reason == "from the shell"
     other = subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "koda", "runs", "cancel", run_id, "--user", "intruder"]
+        [sys.executable, "-m", "koda_runtime", "runs", "cancel", run_id, "--user", "intruder"]
         + ["--gateway", c.g2.url],
         capture_output=True,
         text=True,

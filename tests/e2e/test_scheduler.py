@@ -22,14 +22,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import text
 
-from gateway.scheduled import fire_key
-from koda.db import sync_engine
-from koda.lifecycle.ids import uuid7
-from schemas.migrate import upgrade
+from koda_runtime.db import sync_engine
+from koda_runtime.gateway.scheduled import fire_key
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.topics.admin import apply_topics
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import SchedulerProcess, WorkerProcess
 from tests.support import wait_until
-from topics.admin import apply_topics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 

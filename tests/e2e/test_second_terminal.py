@@ -1,7 +1,7 @@
 """A second terminal: `koda` commands find the local stack by its `.koda/services.env`,
 and an address that does not answer fails in one line, fast.
 
-The commands run as a user runs them (``python -m koda`` in a directory of its own),
+The commands run as a user runs them (``python -m koda_runtime`` in a directory of its own),
 with no KODA_KAFKA_BOOTSTRAP, KODA_DATABASE_URL or APP_ENV in their environment. Only
 KODA_NAMESPACE is set, so that the test's topics and schema are its own even when the
 suite runs against a developer's `make dev` stack.
@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 
-from koda.kafka import producer_config
-from koda.localstack import StackInfo, env_lines
-from koda.localstack.procs import free_port
-from koda.settings import Settings
-from schemas.records import DEAD_LETTER, RUN_REQUESTED, dead_letter_value, headers_for
-from topics.catalogue import RUNS, RUNS_DLQ
+from koda_runtime.kafka import producer_config
+from koda_runtime.localstack import StackInfo, env_lines
+from koda_runtime.localstack.procs import free_port
+from koda_runtime.schemas.records import DEAD_LETTER, RUN_REQUESTED, dead_letter_value, headers_for
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ
 
 # Well below librdkafka's 30 s metadata timeout, the failure this guards against; far
 # above the probe's 3 s deadline so a loaded machine does not fail it.
@@ -45,7 +45,7 @@ def koda(
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.monotonic()
     done = subprocess.run(  # noqa: S603 - our own executable
-        [sys.executable, "-m", "koda", *args],
+        [sys.executable, "-m", "koda_runtime", *args],
         cwd=cwd,
         env=env,
         capture_output=True,

@@ -7,14 +7,14 @@ import uuid
 
 import httpx
 
-from koda.naming import AppEnv
-from koda.settings import Settings
-from schemas.migrate import upgrade
+from koda_runtime.naming import AppEnv
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
 from tests.fixtures.namespaces import delete_topics, drop_schema
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter
 from tests.support import wait_until
-from topics.admin import apply_topics
 
 
 def read_some(url: str, path: str, **kw: object) -> tuple[int, bytes]:

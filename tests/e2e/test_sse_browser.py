@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import sync_playwright
 
-from koda.lifecycle.chunks import visible_output
-from koda.settings import Settings
-from processors.handlers.demo import demo_tokens
+from koda_runtime.lifecycle.chunks import visible_output
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.settings import Settings
 from tests.fixtures.processes import ROOT, GatewayProcess, WorkerProcess, settings_env
 from tests.fixtures.runs import Submitter
 
@@ -61,7 +61,7 @@ def test_browser_and_cli_resume_across_a_gateway_restart(env: Settings) -> None:
             [
                 sys.executable,
                 "-m",
-                "koda",
+                "koda_runtime",
                 "runs",
                 "follow",
                 run_id,

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 from confluent_kafka.admin import AdminClient
 
-from koda.settings import Settings
+from koda_runtime.settings import Settings
 from tests.fixtures.ops import FAST_BEATS, scrape, value, workers_report
 from tests.fixtures.processes import ROOT, GatewayProcess, WorkerProcess, free_port, settings_env
 from tests.support import wait_until
@@ -133,7 +133,7 @@ def test_two_workers_forced_to_one_id_are_a_conflict(env: Settings, procs: list[
 
 def test_static_membership_needs_a_stable_id(env: Settings, procs: list[Any]) -> None:
     refused = subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "koda", "worker"],
+        [sys.executable, "-m", "koda_runtime", "worker"],
         env=settings_env(env, KODA_STATIC_MEMBERSHIP="true"),
         cwd=ROOT,
         capture_output=True,

@@ -20,20 +20,20 @@ import duckdb
 import httpx
 from sqlalchemy import text
 
-from koda.db import sync_engine
-from koda.lifecycle.chunks import visible_output
-from koda.lifecycle.ids import uuid7
-from koda.settings import Settings
-from processors.compactor import ChunkCompactor
-from schemas.migrate import upgrade
-from schemas.records import RUN_REQUESTED, RunRequested, headers_for
+from koda_runtime.db import sync_engine
+from koda_runtime.lifecycle.chunks import visible_output
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.processors.compactor import ChunkCompactor
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, headers_for
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUNS_DLQ
+from koda_runtime.topics.replay import tables as t
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import ROOT, GatewayProcess, WorkerProcess, settings_env
 from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from topics.admin import apply_topics
-from topics.catalogue import RUNS_DLQ
-from topics.replay import tables as t
 
 END_KIND = {"done": "done", "failed": "error", "cancelled": "cancelled"}
 
@@ -150,9 +150,9 @@ def populate(stack: Any) -> Iterator[Populated]:
 
 
 def koda(p: Populated, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``python -m koda ARGS`` as a user runs it; fails the test on a non-zero exit."""
+    """``python -m koda_runtime ARGS`` as a user runs it; fails the test on a non-zero exit."""
     done = subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "koda", *args],
+        [sys.executable, "-m", "koda_runtime", *args],
         env=p.env,
         cwd=ROOT,
         capture_output=True,

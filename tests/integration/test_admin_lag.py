@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from gateway.workers import WorkerDirectory
-from koda.kafka import consumer_config, producer_config
-from koda.settings import Settings
-from topics.catalogue import RUNS
+from koda_runtime.gateway.workers import WorkerDirectory
+from koda_runtime.kafka import consumer_config, producer_config
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS
 
 
 async def test_lag_reads_commits_and_ends_with_one_client(kafka_topics: Settings) -> None:

@@ -35,16 +35,16 @@ from hypothesis import settings as hypothesis_settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.result import Ok
 
-from koda.kafka import producer_config
-from koda.settings import Settings
-from schemas.migrate import upgrade
-from schemas.records import RUN_REQUESTED, RunRequested, headers_for
+from koda_runtime.kafka import producer_config
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, headers_for
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from topics.admin import apply_topics
-from topics.catalogue import RUNS, RUNS_DLQ
 
 FUZZ_USER = "fuzz-" + uuid.uuid4().hex[:6]
 

@@ -34,18 +34,18 @@ from confluent_kafka import Producer
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from koda import cli
-from koda.kafka import producer_config
-from koda.lifecycle.chunks import chunk_key, visible_output
-from koda.settings import Settings
-from processors.compactor import ChunkCompactor
-from processors.handlers.demo import demo_tokens
-from schemas.records import RUN_CHUNK, chunk_value, headers_for
+from koda_runtime import cli
+from koda_runtime.kafka import producer_config
+from koda_runtime.lifecycle.chunks import chunk_key, visible_output
+from koda_runtime.processors.compactor import ChunkCompactor
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.schemas.records import RUN_CHUNK, chunk_value, headers_for
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
+from koda_runtime.topics.chunklog import RunLog, read_chunk_log
 from tests.fixtures.processes import ROOT, WorkerProcess, free_port, settings_env
 from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from topics.catalogue import RUN_CHUNKS, partition_for_key
-from topics.chunklog import RunLog, read_chunk_log
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,15 @@ def test_a_worker_killed_between_the_finish_commit_and_the_produce(
         # A warehouse replayed from the topics, before any compaction, has the whole answer.
         path = tmp_path / "warehouse.duckdb"
         replay = subprocess.run(  # noqa: S603 - as a data team runs it
-            [sys.executable, "-m", "koda", "replay", "--quiet", "--to", f"duckdb:///{path}"],
+            [
+                sys.executable,
+                "-m",
+                "koda_runtime",
+                "replay",
+                "--quiet",
+                "--to",
+                f"duckdb:///{path}",
+            ],
             env=settings_env(env),
             cwd=ROOT,
             capture_output=True,

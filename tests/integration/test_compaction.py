@@ -13,18 +13,18 @@ import pytest
 from confluent_kafka import Producer
 from sqlalchemy import text
 
-from koda.kafka import producer_config
-from koda.lifecycle.chunks import chunk_key, final_key, visible_output
-from koda.settings import Settings
-from processors.compactor import ChunkCompactor
-from processors.handlers.demo import demo_tokens
-from schemas.records import chunk_value
+from koda_runtime.kafka import producer_config
+from koda_runtime.lifecycle.chunks import chunk_key, final_key, visible_output
+from koda_runtime.processors.compactor import ChunkCompactor
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.schemas.records import chunk_value
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS
+from koda_runtime.topics.chunklog import read_chunk_log
 from tests.fixtures.processes import ROOT, GatewayProcess, WorkerProcess, settings_env
 from tests.fixtures.runs import Submitter, read_topic
 from tests.sse_client import bearer, contents, read_stream
 from tests.support import wait_until
-from topics.catalogue import RUN_CHUNKS
-from topics.chunklog import read_chunk_log
 
 END = {"done": "done", "failed": "error", "cancelled": "cancelled"}
 
@@ -105,7 +105,7 @@ def test_compaction_keeps_every_output_rebuildable_from_the_topic(
     # The command, again: only the new runs; then nothing; a run marked back is redone.
     def compact_cli() -> str:
         done = subprocess.run(  # noqa: S603
-            [sys.executable, "-m", "koda", "chunks", "compact", "--older-than", "0"],
+            [sys.executable, "-m", "koda_runtime", "chunks", "compact", "--older-than", "0"],
             env=settings_env(env),
             cwd=ROOT,
             capture_output=True,

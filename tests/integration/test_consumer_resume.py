@@ -7,9 +7,9 @@ from typing import Any
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from koda.kafka import consumer_config, producer_config
-from koda.settings import Settings
-from topics.catalogue import RUNS
+from koda_runtime.kafka import consumer_config, producer_config
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS
 
 
 def consume(conf: dict, topic: str, count: int, deadline_s: float = 30.0) -> list:

@@ -16,9 +16,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from koda.db import async_engine
-from koda.settings import Settings
-from processors.store import RunStore
+from koda_runtime.db import async_engine
+from koda_runtime.processors.store import RunStore
+from koda_runtime.settings import Settings
 
 TOPIC = "frozen-lock-topic"
 

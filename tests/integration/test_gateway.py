@@ -25,24 +25,24 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from gateway.app import create_app
-from gateway.client import runs_app
-from gateway.components import build_components
-from gateway.publisher import RunPublisher
-from koda import metrics
-from koda.kafka import producer_config
-from koda.lifecycle.ids import scoped_idempotency_key, uuid7
-from koda.naming import AppEnv
-from koda.settings import Settings
-from schemas.migrate import upgrade
-from schemas.records import decode_run_requested, header_value
+from koda_runtime import metrics
+from koda_runtime.gateway.app import create_app
+from koda_runtime.gateway.client import runs_app
+from koda_runtime.gateway.components import build_components
+from koda_runtime.gateway.publisher import RunPublisher
+from koda_runtime.kafka import producer_config
+from koda_runtime.lifecycle.ids import scoped_idempotency_key, uuid7
+from koda_runtime.naming import AppEnv
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.schemas.records import decode_run_requested, header_value
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import partition_for_key
 from tests.fixtures.gateway import db_rows, read_runs_topic, records_of, serve_app
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.runs import payload
 from tests.sse_client import bearer
 from tests.support import wait_until
-from topics.admin import apply_topics
-from topics.catalogue import partition_for_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -742,7 +742,8 @@ def test_serve_stops_gracefully_on_sigterm(env: Settings) -> None:
         "KODA_GATEWAY_PORT": str(port),
     }
     code = (
-        "from gateway.server import serve; from koda.settings import Settings; "
+        "from koda_runtime.gateway.server import serve; "
+        "from koda_runtime.settings import Settings; "
         "serve(Settings.from_env())"
     )
     proc = subprocess.Popen(  # noqa: S603

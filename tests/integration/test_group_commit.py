@@ -19,17 +19,16 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda.db import async_engine
-from koda.errors import TransitionRejected
-from koda.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
-from koda.lifecycle.handler import Usage
-from koda.lifecycle.ids import uuid7
-from koda.lifecycle.states import RunStatus
-from koda.settings import Settings
-from processors.emitter import Emitter
-from processors.groupcommit import GroupWriter
-from processors.runner import ChunkBatcher
-from processors.store import (
+from koda_runtime.db import async_engine
+from koda_runtime.errors import TransitionRejected
+from koda_runtime.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
+from koda_runtime.lifecycle.handler import Usage
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.processors.emitter import Emitter
+from koda_runtime.processors.groupcommit import GroupWriter
+from koda_runtime.processors.runner import ChunkBatcher
+from koda_runtime.processors.store import (
     ChunkWrite,
     Claim,
     ClaimWrite,
@@ -40,7 +39,8 @@ from processors.store import (
     GroupWrite,
     RunStore,
 )
-from schemas.records import chunk_value
+from koda_runtime.schemas.records import chunk_value
+from koda_runtime.settings import Settings
 from tests.support import async_wait_until
 
 TOPIC = "group-commit-runs"

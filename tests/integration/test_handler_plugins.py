@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from koda.localstack import StackInfo
-from koda.settings import Settings
+from koda_runtime.localstack import StackInfo
+from koda_runtime.settings import Settings
 from tests.fixtures.namespaces import make_settings, prepared_namespace
 from tests.fixtures.processes import WorkerProcess
 from tests.fixtures.runs import Submitter

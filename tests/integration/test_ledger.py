@@ -17,9 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from koda import metrics
-from koda.settings import Settings
-from schemas.migrate import upgrade
+from koda_runtime import metrics
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUN_EVENTS
 from tests.fixtures.gateway import db_rows
 from tests.fixtures.ledger import koda, system_call, write_calls
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
@@ -27,8 +29,6 @@ from tests.fixtures.processes import WorkerProcess
 from tests.fixtures.runs import Submitter, read_topic, wait_terminal
 from tests.sse_client import bearer
 from tests.support import wait_until
-from topics.admin import apply_topics
-from topics.catalogue import RUN_EVENTS
 
 MICRO = Decimal(1_000_000)
 

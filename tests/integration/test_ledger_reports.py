@@ -1,7 +1,7 @@
 """The ledger's money against the real PostgreSQL: prices, reports, budgets API, bad input.
 
 One namespace and one in-process gateway for the module. Ledger rows are written with
-the same statement the workers use (schemas.ledger.insert_calls); report figures are
+the same statement the workers use (koda_runtime.schemas.ledger.insert_calls); report figures are
 checked against SQL written here, independently of the report's own.
 """
 
@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
-from koda.lifecycle.handler import Usage
-from koda.lifecycle.ledger import LedgerCall, Outcome
-from koda.settings import Settings
-from schemas.migrate import upgrade
+from koda_runtime.gateway.app import create_app
+from koda_runtime.lifecycle.handler import Usage
+from koda_runtime.lifecycle.ledger import LedgerCall, Outcome
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
 from tests.fixtures.gateway import db_rows, serve_app
 from tests.fixtures.ledger import koda, system_call, write_calls
 from tests.fixtures.namespaces import drop_schema, make_settings

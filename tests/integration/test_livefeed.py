@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from confluent_kafka.admin import AdminClient, NewPartitions  # type: ignore[attr-defined]
 
-from gateway.livefeed import LiveEvent, LiveFeed
-from koda.settings import Settings
+from koda_runtime.gateway.livefeed import LiveEvent, LiveFeed
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS
 from tests.fixtures.livefeed import collect, produce
 from tests.support import async_wait_until
-from topics.catalogue import RUN_CHUNKS
 
 
 async def test_feed_starts_at_the_end_and_notices_new_partitions(kafka_topics: Settings) -> None:

@@ -9,15 +9,15 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda.db import async_engine
-from koda.errors import HandlerError
-from koda.lifecycle.handler import RunContext, ToolActivity, Usage
-from koda.settings import Settings
-from processors.handlers.openai import OpenAIHandler
-from processors.memory import store, tool
-from processors.memory.distil import demo_statements, statements_to_chunks
-from processors.memory.embedders import OpenAIEmbedder, wordllama
-from processors.memory.service import MemoryService
+from koda_runtime.db import async_engine
+from koda_runtime.errors import HandlerError
+from koda_runtime.lifecycle.handler import RunContext, ToolActivity, Usage
+from koda_runtime.processors.handlers.openai import OpenAIHandler
+from koda_runtime.processors.memory import store, tool
+from koda_runtime.processors.memory.distil import demo_statements, statements_to_chunks
+from koda_runtime.processors.memory.embedders import OpenAIEmbedder, wordllama
+from koda_runtime.processors.memory.service import MemoryService
+from koda_runtime.settings import Settings
 from tests.fixtures.model_server import ScriptedModel, serve_scripted_model
 from tests.memory_corpus import PAIRS
 

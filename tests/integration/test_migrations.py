@@ -7,9 +7,9 @@ import pytest
 from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError
 
-from koda.db import sync_engine
-from koda.settings import Settings
-from schemas.migrate import upgrade
+from koda_runtime.db import sync_engine
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
 from tests.fixtures.namespaces import drop_schema, make_settings
 
 TABLES = {"sessions", "runs", "messages", "usage", "prices", "partition_epochs", "memories"}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from koda.errors import HandlerError
-from koda.lifecycle.handler import RunContext, Usage
-from processors.handlers.openai import OpenAIHandler
+from koda_runtime.errors import HandlerError
+from koda_runtime.lifecycle.handler import RunContext, Usage
+from koda_runtime.processors.handlers.openai import OpenAIHandler
 from tests.fixtures.model_server import PIECES, FakeCompletions
 
 

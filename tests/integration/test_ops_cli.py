@@ -9,10 +9,9 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 from typer.testing import CliRunner
 
-from koda import cli
-from koda.kafka import producer_config
-from koda.settings import Settings
-from schemas.records import (
+from koda_runtime import cli
+from koda_runtime.kafka import producer_config
+from koda_runtime.schemas.records import (
     DEAD_LETTER,
     MAX_DEAD_LETTER_ORIGINAL,
     RUN_REQUESTED,
@@ -20,11 +19,12 @@ from schemas.records import (
     dead_letter_value,
     headers_for,
 )
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ, catalogue, partition_for_key
 from tests.fixtures.processes import settings_env
 from tests.fixtures.runs import read_topic
 from tests.support import wait_until
-from topics.admin import apply_topics
-from topics.catalogue import RUNS, RUNS_DLQ, catalogue, partition_for_key
 
 runner = CliRunner()
 

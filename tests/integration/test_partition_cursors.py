@@ -13,11 +13,11 @@ from confluent_kafka import Producer
 from confluent_kafka import TopicPartition as CkTopicPartition
 from confluent_kafka.admin import AdminClient
 
-from koda.kafka import aiokafka_security, producer_config
-from koda.settings import Settings
-from processors.cursor import PartitionCursors
-from topics.catalogue import RUNS
-from topics.kafka.offsets import GroupOffsetReader
+from koda_runtime.kafka import aiokafka_security, producer_config
+from koda_runtime.processors.cursor import PartitionCursors
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS
+from koda_runtime.topics.kafka.offsets import GroupOffsetReader
 
 PARTITION = 2
 

@@ -7,9 +7,9 @@ import asyncio
 from aiokafka import AIOKafkaProducer
 from confluent_kafka import Message, Producer
 
-from koda.kafka import producer_config
-from koda.settings import Settings
-from topics.catalogue import RUNS, partition_for_key
+from koda_runtime.kafka import producer_config
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS, partition_for_key
 
 KEYS = [f"user-{i}" for i in range(200)] + ["", "a", "ünïcode-ユーザー", "x" * 300]
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, text
 
-from koda.db import sync_engine
-from koda.errors import PrerequisiteError
-from koda.localstack import StackInfo, postgres
-from koda.settings import Settings
-from schemas.migrate import upgrade
+from koda_runtime.db import sync_engine
+from koda_runtime.errors import PrerequisiteError
+from koda_runtime.localstack import StackInfo, postgres
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
 from tests.fixtures.namespaces import drop_schema, make_settings
 
 

@@ -22,10 +22,20 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 from sqlalchemy import text
 
-from koda.kafka import consumer_config
-from schemas import record_specs
-from schemas.json_schemas import DIRECTORY, file_name
-from schemas.records import header_value
+from koda_runtime.kafka import consumer_config
+from koda_runtime.schemas import record_specs
+from koda_runtime.schemas.json_schemas import DIRECTORY, file_name
+from koda_runtime.schemas.records import header_value
+from koda_runtime.topics.catalogue import (
+    RUN_CHUNKS,
+    RUN_EVENTS,
+    RUNS,
+    RUNS_DLQ,
+    WORKER_GROUP,
+    WORKERS,
+    partition_for_key,
+)
+from koda_runtime.topics.replay import tables as t
 from tests.fixtures.processes import ROOT
 from tests.fixtures.runs import committed_offsets, read_topic
 from tests.integration.replay_stack import (
@@ -38,16 +48,6 @@ from tests.integration.replay_stack import (
     postgres_truth,
 )
 from tests.support import wait_until
-from topics.catalogue import (
-    RUN_CHUNKS,
-    RUN_EVENTS,
-    RUNS,
-    RUNS_DLQ,
-    WORKER_GROUP,
-    WORKERS,
-    partition_for_key,
-)
-from topics.replay import tables as t
 
 REPLAYED = (RUNS, RUN_EVENTS, RUN_CHUNKS, RUNS_DLQ)
 
@@ -156,7 +156,17 @@ def test_postgres_and_parquet_hold_the_same_tables_even_from_overlapping_replays
 ) -> None:
     p = populated
     url = p.settings.database_url
-    argv = [sys.executable, "-m", "koda", "replay", "--quiet", "--batch", "300", "--to", url]
+    argv = [
+        sys.executable,
+        "-m",
+        "koda_runtime",
+        "replay",
+        "--quiet",
+        "--batch",
+        "300",
+        "--to",
+        url,
+    ]
     both = [
         subprocess.Popen(argv, env=p.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # noqa: S603
         for _ in range(2)
@@ -199,7 +209,7 @@ def test_a_job_killed_half_way_resumes_to_the_same_tables(
     total = backlog(p, topics)
     args = ["replay", "--job", "nightly", "--to", f"duckdb:///{path}", "--batch", "100"]
     proc = subprocess.Popen(  # noqa: S603
-        [sys.executable, "-m", "koda", *args, "--max-rate", "1500"],
+        [sys.executable, "-m", "koda_runtime", *args, "--max-rate", "1500"],
         env=p.env,
         cwd=ROOT,
         stdout=subprocess.PIPE,

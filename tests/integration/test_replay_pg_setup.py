@@ -13,10 +13,10 @@ from typing import Any
 
 import psycopg
 
-from koda.naming import AppEnv, Names
+from koda_runtime.naming import AppEnv, Names
+from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.sinks.postgres import PostgresSink
 from tests.fixtures.namespaces import new_namespace
-from topics.replay import tables as t
-from topics.replay.sinks.postgres import PostgresSink
 
 WRITERS = 6
 ROUNDS = 4

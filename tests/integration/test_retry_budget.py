@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 
-from koda.settings import Settings
-from processors.handlers.demo import demo_tokens
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS_DLQ
 from tests.fixtures.processes import WorkerProcess
 from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
-from topics.catalogue import RUNS_DLQ
 
 
 def as_if_claimed(sub: Submitter, run_id: str, *, attempt: int, failures: int | None) -> None:

@@ -1,6 +1,6 @@
 """The scheduler serves its metrics on KODA_SCHEDULER_PORT.
 
-The scheduler has no HTTP server of its own; koda.metrics.start_metrics_server serves
+The scheduler has no HTTP server of its own; koda_runtime.metrics.start_metrics_server serves
 the registry for it (the gateway and the workers serve /metrics from their own servers).
 """
 
@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from koda.localstack import StackInfo
-from koda.settings import Settings
-from schemas.migrate import upgrade
+from koda_runtime.localstack import StackInfo
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.settings import Settings
 from tests.fixtures.namespaces import drop_schema, make_settings
 from tests.fixtures.processes import SchedulerProcess, free_port
 from tests.support import wait_until

@@ -22,27 +22,27 @@ import pytest
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from gateway.publisher import RunPublisher
-from gateway.scheduled import ScheduleStore, fire_key, scheduled_run
-from gateway.schedules_cli import schedules_app
-from gateway.store import RunStore
-from koda import metrics
-from koda.db import async_engine
-from koda.lifecycle.ids import uuid7
-from koda.scheduling import CronSpec
-from koda.settings import Settings
-from scheduler.service import Scheduler
-from schemas.migrate import downgrade, upgrade
+from koda_runtime import metrics
+from koda_runtime.db import async_engine
+from koda_runtime.gateway.publisher import RunPublisher
+from koda_runtime.gateway.scheduled import ScheduleStore, fire_key, scheduled_run
+from koda_runtime.gateway.schedules_cli import schedules_app
+from koda_runtime.gateway.store import RunStore
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.scheduler.service import Scheduler
+from koda_runtime.scheduling import CronSpec
+from koda_runtime.schemas.migrate import downgrade, upgrade
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS
+from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.engine import ReplayOptions, run_replay
+from koda_runtime.topics.replay.sinks.duckdb import DUCKDB_TYPES
+from koda_runtime.topics.replay.sql import create_table
 from tests.fixtures.gateway import db_rows, records_of
 from tests.fixtures.namespaces import drop_schema, make_settings
 from tests.fixtures.runs import payload
 from tests.sse_client import bearer
 from tests.support import wait_until
-from topics.catalogue import RUNS
-from topics.replay import tables as t
-from topics.replay.engine import ReplayOptions, run_replay
-from topics.replay.sinks.duckdb import DUCKDB_TYPES
-from topics.replay.sql import create_table
 
 KEYS = {
     "id",

@@ -15,7 +15,7 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from koda.localstack import (
+from koda_runtime.localstack import (
     StackInfo,
     down,
     kafka_node_kill,
@@ -29,10 +29,10 @@ from koda.localstack import (
     status,
     up,
 )
-from koda.localstack.jars import kafka_version, load_lock
-from koda.localstack.kafka_cluster import prepare_cluster
-from koda.localstack.procs import pid_alive, wait_until
-from koda.localstack.stack import ENV_FILE, env_lines
+from koda_runtime.localstack.jars import kafka_version, load_lock
+from koda_runtime.localstack.kafka_cluster import prepare_cluster
+from koda_runtime.localstack.procs import pid_alive, wait_until
+from koda_runtime.localstack.stack import ENV_FILE, env_lines
 
 
 @pytest.fixture

@@ -23,24 +23,24 @@ from hypothesis import strategies as st
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from gateway.app import create_app
-from gateway.client import runs_app
-from gateway.eventstream import TERMINAL_KINDS, Event, EventParser
-from koda import metrics
-from koda.kafka import producer_config
-from koda.lifecycle.chunks import chunk_key, visible_output
-from koda.settings import Settings
-from processors.handlers.demo import demo_tokens
-from schemas.migrate import upgrade
-from schemas.records import chunk_value
+from koda_runtime import metrics
+from koda_runtime.gateway.app import create_app
+from koda_runtime.gateway.client import runs_app
+from koda_runtime.gateway.eventstream import TERMINAL_KINDS, Event, EventParser
+from koda_runtime.kafka import producer_config
+from koda_runtime.lifecycle.chunks import chunk_key, visible_output
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.schemas.records import chunk_value
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
 from tests.fixtures.gateway import serve_app
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter
 from tests.sse_client import bearer, contents, follow_run, numbered, read_stream
 from tests.support import async_wait_until, wait_until
-from topics.admin import apply_topics
-from topics.catalogue import RUN_CHUNKS, partition_for_key
 
 GATEWAY_ENV = {
     "KODA_SSE_KEEPALIVE": "0.5",

@@ -7,9 +7,9 @@ import json
 
 import httpx
 
-from koda.lifecycle.chunks import visible_output
-from koda.settings import Settings
-from processors.handlers.demo import demo_tokens
+from koda_runtime.lifecycle.chunks import visible_output
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.settings import Settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter
 from tests.sse_client import bearer, contents, follow_run, numbered, read_stream

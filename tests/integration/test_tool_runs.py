@@ -11,12 +11,12 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from gateway.app import create_app
-from gateway.memories_cli import memories_app
-from koda.db import async_engine
-from koda.settings import Settings
-from processors.memory import store
-from processors.memory.embedders import wordllama
+from koda_runtime.db import async_engine
+from koda_runtime.gateway.app import create_app
+from koda_runtime.gateway.memories_cli import memories_app
+from koda_runtime.processors.memory import store
+from koda_runtime.processors.memory.embedders import wordllama
+from koda_runtime.settings import Settings
 from tests.fixtures.gateway import serve_app
 from tests.fixtures.model_server import (
     DISTILLED,

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 
-from koda.settings import Settings
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import admin_client, apply_topics, check_topics
+from koda_runtime.topics.catalogue import RUN_CHUNKS, RUNS, catalogue
 from tests.fixtures.namespaces import delete_topics
 from tests.support import wait_until
-from topics.admin import admin_client, apply_topics, check_topics
-from topics.catalogue import RUN_CHUNKS, RUNS, catalogue
 
 
 def create_raw(settings: Settings, name: str, partitions: int, **config: str) -> None:

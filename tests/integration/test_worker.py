@@ -7,10 +7,17 @@ from decimal import Decimal
 
 from sqlalchemy import text
 
-from processors.handlers.demo import demo_tokens
+from koda_runtime.processors.handlers.demo import demo_tokens
+from koda_runtime.topics.catalogue import (
+    RUN_CHUNKS,
+    RUN_EVENTS,
+    RUNS,
+    RUNS_DLQ,
+    WORKER_GROUP,
+    partition_for_key,
+)
 from tests.fixtures.runs import committed_offsets, read_topic, wait_terminal
 from tests.support import wait_until
-from topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ, WORKER_GROUP, partition_for_key
 
 
 def test_runs_reach_done_with_contiguous_chunks_and_events(env, submitter, workers) -> None:

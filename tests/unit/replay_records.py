@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from koda.lifecycle.chunks import chunk_key, final_key
-from koda.naming import AppEnv, Names
-from schemas.records import (
+from koda_runtime.lifecycle.chunks import chunk_key, final_key
+from koda_runtime.naming import AppEnv, Names
+from koda_runtime.schemas.records import (
     DEAD_LETTER,
     RUN_CHUNK,
     RUN_EVENT,
@@ -23,9 +23,9 @@ from schemas.records import (
     dead_letter_value,
     headers_for,
 )
-from topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
-from topics.replay.prices import Price, PriceBook
-from topics.replay.rows import RecordDecoder, RowBatch
+from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
+from koda_runtime.topics.replay.prices import Price, PriceBook
+from koda_runtime.topics.replay.rows import RecordDecoder, RowBatch
 
 NAMES = Names(AppEnv.DEV, "unit")
 TS = 1_764_000_000_000  # 2025-11-24, a record timestamp in ms

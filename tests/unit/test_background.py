@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from koda.background import BackgroundTask
+from koda_runtime.background import BackgroundTask
 from tests.support import async_wait_until
 
 

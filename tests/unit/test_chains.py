@@ -8,8 +8,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from koda.lifecycle.handler import CancelToken
-from processors.chains import ChainSet
+from koda_runtime.lifecycle.handler import CancelToken
+from koda_runtime.processors.chains import ChainSet
 
 
 class Fenced(Exception):

@@ -6,7 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-SERVER_MODULES = ("fastapi", "starlette", "uvicorn", "gateway.app", "gateway.components")
+SERVER_MODULES = (
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "koda_runtime.gateway.app",
+    "koda_runtime.gateway.components",
+)
 
 
 def _loaded_after(statements: str) -> list[str]:
@@ -21,17 +27,23 @@ def _loaded_after(statements: str) -> list[str]:
 
 
 def test_the_gateway_clients_import_no_server_module() -> None:
-    assert _loaded_after("import gateway.client, gateway.schedules_cli, gateway.memories_cli") == []
+    assert (
+        _loaded_after(
+            "import koda_runtime.gateway.client, koda_runtime.gateway.schedules_cli, "
+            "koda_runtime.gateway.memories_cli"
+        )
+        == []
+    )
 
 
 def test_the_koda_command_with_its_subcommands_imports_no_server_module() -> None:
-    assert _loaded_after("import koda.cli\nkoda.cli._add_optional_apps()") == []
+    assert _loaded_after("import koda_runtime.cli\nkoda.cli._add_optional_apps()") == []
 
 
 def test_the_scheduler_imports_no_server_module() -> None:
-    assert _loaded_after("import scheduler.app") == []
+    assert _loaded_after("import koda_runtime.scheduler.app") == []
 
 
 def test_the_probe_sees_a_server_import() -> None:
     # Without this, a probe that never saw anything would pass the two tests above.
-    assert "gateway.app" in _loaded_after("import gateway.server")
+    assert "koda_runtime.gateway.app" in _loaded_after("import koda_runtime.gateway.server")

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.app import create_app
-from gateway.components import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S
-from gateway.server import GRACEFUL_SHUTDOWN_S
-from koda.db import async_engine
-from koda.naming import AppEnv
-from koda.settings import Settings
-from processors.health import ROUTES as WORKER_ROUTES
+from koda_runtime.db import async_engine
+from koda_runtime.gateway.app import create_app
+from koda_runtime.gateway.components import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S
+from koda_runtime.gateway.server import GRACEFUL_SHUTDOWN_S
+from koda_runtime.naming import AppEnv
+from koda_runtime.processors.health import ROUTES as WORKER_ROUTES
+from koda_runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -67,7 +67,7 @@ def gateway_routes() -> set[str]:
 
 def pool_sizes() -> tuple[int, int]:
     """(worker, gateway) connection pool sizes, as the code builds them (no I/O)."""
-    from processors.bootstrap import build_worker
+    from koda_runtime.processors.bootstrap import build_worker
 
     settings = Settings(app_env=AppEnv.DEV, namespace="unit", max_inflight=8)
     with tempfile.TemporaryDirectory() as datadir:
@@ -80,7 +80,7 @@ def pool_sizes() -> tuple[int, int]:
 
 def scheduler_pool() -> int:
     """A scheduler replica's pool size, as scheduler/app.py builds it."""
-    from scheduler.app import POOL_SIZE
+    from koda_runtime.scheduler.app import POOL_SIZE
 
     engine = async_engine(DEFAULTS, pool_size=POOL_SIZE)
     return engine.pool.size() + engine.pool._max_overflow  # type: ignore[attr-defined]
@@ -104,7 +104,7 @@ def test_one_image_multi_stage_non_root_exec_form_python_as_pid_1() -> None:
     assert user and user[-1].split(":")[0] not in ("root", "0")
     (entry,) = [line for line in instructions if line.startswith("ENTRYPOINT ")]
     argv = json.loads(entry.removeprefix("ENTRYPOINT "))  # exec form is a JSON array
-    assert argv[0].endswith("python") and argv[1:] == ["-m", "koda", "entrypoint"]
+    assert argv[0].endswith("python") and argv[1:] == ["-m", "koda_runtime", "entrypoint"]
     assert not [
         line
         for line in instructions

@@ -14,14 +14,19 @@ from typing import Any
 
 import pytest
 
-from koda.lifecycle.attempts import MAX_CLAIMS_PER_ATTEMPT
-from koda.lifecycle.handler import CancelToken, RunFailed, Usage
-from koda.lifecycle.ledger import Outcome
-from koda.lifecycle.states import RunStatus
-from koda.naming import AppEnv
-from koda.settings import Settings
-from processors.runner import FencedOut, Record, RunExecutor
-from schemas.records import RUN_REQUESTED, RunRequested, decode_run_requested, headers_for
+from koda_runtime.lifecycle.attempts import MAX_CLAIMS_PER_ATTEMPT
+from koda_runtime.lifecycle.handler import CancelToken, RunFailed, Usage
+from koda_runtime.lifecycle.ledger import Outcome
+from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.naming import AppEnv
+from koda_runtime.processors.runner import FencedOut, Record, RunExecutor
+from koda_runtime.schemas.records import (
+    RUN_REQUESTED,
+    RunRequested,
+    decode_run_requested,
+    headers_for,
+)
+from koda_runtime.settings import Settings
 from tests.unit.worker_fakes import TOPIC, FakeOutput, FakeStore, ScriptedHandler
 
 SETTINGS = Settings(

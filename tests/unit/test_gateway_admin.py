@@ -8,12 +8,12 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 
-from gateway.app import create_app
-from gateway.components import build_components
-from koda import metrics
-from koda.naming import AppEnv
-from koda.settings import Settings
-from schemas.heartbeats import Beat
+from koda_runtime import metrics
+from koda_runtime.gateway.app import create_app
+from koda_runtime.gateway.components import build_components
+from koda_runtime.naming import AppEnv
+from koda_runtime.schemas.heartbeats import Beat
+from koda_runtime.settings import Settings
 
 BASE = Settings(
     app_env=AppEnv.DEV,

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.auth import Authenticator, valid_user_id
-from gateway.errors import Unauthorized
-from koda.naming import AppEnv
+from koda_runtime.gateway.auth import Authenticator, valid_user_id
+from koda_runtime.gateway.errors import Unauthorized
+from koda_runtime.naming import AppEnv
 
 
 def dev() -> Authenticator:

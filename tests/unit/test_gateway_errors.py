@@ -7,10 +7,10 @@ from decimal import Decimal
 
 import pytest
 
-from gateway.errors import BadRequest, http_error
-from gateway.exceptions import OverBudget, PublishError, SessionNotOwned
-from koda.errors import DatabaseError
-from koda.lifecycle.ledger import Exceeded, Period
+from koda_runtime.errors import DatabaseError
+from koda_runtime.gateway.errors import BadRequest, http_error
+from koda_runtime.gateway.exceptions import OverBudget, PublishError, SessionNotOwned
+from koda_runtime.lifecycle.ledger import Exceeded, Period
 
 
 def test_a_session_of_another_user_answers_404_naming_the_field() -> None:

@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.components import build_components
-from koda import metrics
-from koda.naming import AppEnv
-from koda.settings import Settings
+from koda_runtime import metrics
+from koda_runtime.gateway.app import create_app
+from koda_runtime.gateway.components import build_components
+from koda_runtime.naming import AppEnv
+from koda_runtime.settings import Settings
 
 UNREACHABLE = Settings(
     app_env=AppEnv.DEV,

@@ -7,8 +7,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.errors import BadRequest, InvalidField, PayloadTooLarge, UnsupportedMediaType
-from gateway.intake import (
+from koda_runtime.gateway.errors import (
+    BadRequest,
+    InvalidField,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
+from koda_runtime.gateway.intake import (
     MAX_DEPTH,
     check_content_type,
     check_idempotency_key,

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.ratelimit import TokenBuckets
+from koda_runtime.gateway.ratelimit import TokenBuckets
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""The handler API and its registry: built-ins first, then the ``koda.handlers`` entry
+"""The handler API and its registry: built-ins first, then the ``koda_runtime.handlers`` entry
 points, found the way importlib.metadata finds installed distributions."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-import koda.handlers
-import koda.lifecycle.handler as lifecycle
-from koda.errors import ConfigError
-from koda.naming import AppEnv
-from koda.settings import Settings
-from processors.handlers import build_handler, known_handlers
+import koda_runtime.lifecycle.handler as lifecycle
+from koda_runtime import handlers as public
+from koda_runtime.errors import ConfigError
+from koda_runtime.naming import AppEnv
+from koda_runtime.processors.handlers import build_handler, known_handlers
+from koda_runtime.settings import Settings
 from tests.plugins import ECHO_MODULE, echo_output, install
 
 DEV = Settings(app_env=AppEnv.DEV, worker_group="g7", memory_enabled=False)
@@ -43,7 +43,7 @@ def plugin_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
 
 def collect(handler: Any, text: str) -> list[Any]:
     async def run() -> list[Any]:
-        ctx = koda.handlers.RunContext("r1", "u1", {"text": text}, 1)
+        ctx = public.RunContext("r1", "u1", {"text": text}, 1)
         try:
             return [item async for item in handler.stream(ctx)]
         finally:
@@ -54,12 +54,12 @@ def collect(handler: Any, text: str) -> list[Any]:
 
 def test_the_api_is_exported_from_one_public_module() -> None:
     for name in ("Handler", "RunContext", "Usage", "CancelToken", "ToolActivity", "RunFailed"):
-        assert name in koda.handlers.__all__
-        assert getattr(koda.handlers, name) is getattr(lifecycle, name)
-    assert all(hasattr(koda.handlers, name) for name in koda.handlers.__all__)
-    assert koda.handlers.ENTRY_POINT_GROUP == "koda.handlers"
+        assert name in public.__all__
+        assert getattr(public, name) is getattr(lifecycle, name)
+    assert all(hasattr(public, name) for name in public.__all__)
+    assert public.ENTRY_POINT_GROUP == "koda_runtime.handlers"
     assert all(
-        getattr(koda.handlers, n).__doc__ for n in ("Handler", "RunContext", "CancelToken", "Usage")
+        getattr(public, n).__doc__ for n in ("Handler", "RunContext", "CancelToken", "Usage")
     )
 
 
@@ -69,11 +69,11 @@ def test_an_installed_entry_point_is_found_and_runs(plugin_path: Path) -> None:
     items = collect(handler, "hello plugin world")
     chunks = [i for i in items if isinstance(i, str)]
     assert "".join(chunks) == echo_output("g7", "hello plugin world")
-    assert items[-1] == koda.handlers.Usage("echo-1", 1, 2)
+    assert items[-1] == public.Usage("echo-1", 1, 2)
 
 
 def test_a_built_in_name_wins_over_a_plugin(plugin_path: Path) -> None:
-    from processors.handlers.demo import DemoHandler
+    from koda_runtime.processors.handlers.demo import DemoHandler
 
     assert isinstance(build_handler(DEV.with_(handler="demo")), DemoHandler)
 

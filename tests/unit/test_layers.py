@@ -15,9 +15,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The project's top-level import names: the only place they are spelled.
-PACKAGES = ("koda", "topics", "schemas", "gateway", "processors", "scheduler")
-KODA, TOPICS, SCHEMAS, GATEWAY, PROCESSORS, SCHEDULER = PACKAGES
+# The one installed import name, and the checkout folder of each of its packages
+# (pyproject's package-dir): the only place they are spelled.
+NS = "koda_runtime"
+FOLDERS = {
+    "koda": NS,
+    "topics": f"{NS}.topics",
+    "schemas": f"{NS}.schemas",
+    "gateway": f"{NS}.gateway",
+    "processors": f"{NS}.processors",
+    "scheduler": f"{NS}.scheduler",
+}
+KODA, TOPICS, SCHEMAS, GATEWAY, PROCESSORS, SCHEDULER = FOLDERS.values()
 
 # Module name prefix -> layer. The command-line modules of koda compose every package
 # (they are the entry points); the rest of koda is the core everything else stands on.
@@ -68,8 +77,21 @@ def layer_of(module: str) -> str | None:
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    folder, *parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join([FOLDERS[folder], *(parts[:-1] if parts[-1:] == ["__init__"] else parts)])
+
+
+def path_of(name: str) -> Path | None:
+    """The checkout path of a dotted name under NS (without a suffix)."""
+    for folder, package in sorted(FOLDERS.items(), key=lambda kv: -len(kv[1])):
+        if name == package or name.startswith(package + "."):
+            rest = name[len(package) :].strip(".")
+            return ROOT.joinpath(folder, *(rest.split(".") if rest else []))
+    return None
+
+
+def ours(name: str) -> bool:
+    return name == NS or name.startswith(NS + ".")
 
 
 def imports(path: Path, module: str) -> Iterator[str]:
@@ -91,7 +113,7 @@ def imports(path: Path, module: str) -> Iterator[str]:
 
 def project_modules() -> list[tuple[Path, str]]:
     found = []
-    for top in PACKAGES:
+    for top in FOLDERS:
         for path in sorted((ROOT / top).rglob("*.py")):
             found.append((path, module_name(path)))
     return found
@@ -101,7 +123,9 @@ def resolved(name: str) -> str:
     """``name`` cut back to a module or package that exists in the tree."""
     parts = name.split(".")
     for n in range(len(parts), 0, -1):
-        base = ROOT.joinpath(*parts[:n])
+        base = path_of(".".join(parts[:n]))
+        if base is None:
+            break
         if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file() or base.is_dir():
             return ".".join(parts[:n])
     return name
@@ -117,7 +141,7 @@ def crossings(modules: list[tuple[Path, str]]) -> dict[tuple[str, str], str]:
             if mine == "lifecycle" and name.split(".")[0] in LIFECYCLE_NEVER:
                 bad[(module, name)] = f"the pure lifecycle imports {name}"
                 continue
-            if name.split(".")[0] not in PACKAGES:
+            if not ours(name):
                 continue
             target = resolved(name)
             theirs = layer_of(target)

@@ -7,8 +7,8 @@ from decimal import Decimal
 
 import pytest
 
-from koda.lifecycle.handler import Usage
-from koda.lifecycle.ledger import (
+from koda_runtime.lifecycle.handler import Usage
+from koda_runtime.lifecycle.ledger import (
     BudgetState,
     Period,
     exceeded,

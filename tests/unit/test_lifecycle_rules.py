@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from koda.lifecycle.attempts import (
+from koda_runtime.lifecycle.attempts import (
     MAX_CLAIMS_PER_ATTEMPT,
     GiveUp,
     Retry,
@@ -19,9 +19,16 @@ from koda.lifecycle.attempts import (
     end_event,
     first_output,
 )
-from koda.lifecycle.chunks import END_KIND, TERMINAL_KINDS, Chunk, ChunkKind, SeqCounter, end_kind
-from koda.lifecycle.retry import RetryPolicy
-from koda.lifecycle.states import (
+from koda_runtime.lifecycle.chunks import (
+    END_KIND,
+    TERMINAL_KINDS,
+    Chunk,
+    ChunkKind,
+    SeqCounter,
+    end_kind,
+)
+from koda_runtime.lifecycle.retry import RetryPolicy
+from koda_runtime.lifecycle.states import (
     ACTIVE,
     ALLOWED,
     OPEN,
@@ -30,7 +37,7 @@ from koda.lifecycle.states import (
     can_transition,
     sources_of,
 )
-from processors.sql import edges
+from koda_runtime.processors.sql import edges
 
 POLICY = RetryPolicy(max_attempts=3, base_s=0.5, cap_s=10.0)
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from koda.errors import PrerequisiteError, ServiceError
-from koda.localstack import jars
-from koda.localstack.jars import LockedJar
+from koda_runtime.errors import PrerequisiteError, ServiceError
+from koda_runtime.localstack import jars
+from koda_runtime.localstack.jars import LockedJar
 
 SHA = "a" * 64
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from koda.errors import ConfigError, PrerequisiteError, ServiceError
-from koda.localstack import kafka, kafka_cluster
-from koda.localstack.kafka_cluster import ClusterSpec, NodePaths, NodeSpec
+from koda_runtime.errors import ConfigError, PrerequisiteError, ServiceError
+from koda_runtime.localstack import kafka, kafka_cluster
+from koda_runtime.localstack.kafka_cluster import ClusterSpec, NodePaths, NodeSpec
 
 
 def _props(text: str) -> dict[str, str]:
@@ -120,7 +120,7 @@ def test_prepare_cluster_refuses_data_of_another_cluster(tmp_path: Path) -> None
 
 
 def test_missing_java_names_the_package_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("koda.localstack.kafka.shutil.which", lambda name: None)
+    monkeypatch.setattr("koda_runtime.localstack.kafka.shutil.which", lambda name: None)
     kafka.java_path.cache_clear()
     try:
         with pytest.raises(PrerequisiteError, match="apt-get install openjdk-17-jre-headless"):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from koda.errors import PrerequisiteError
-from koda.localstack import postgres
-from koda.localstack.postgres import PgPaths
+from koda_runtime.errors import PrerequisiteError
+from koda_runtime.localstack import postgres
+from koda_runtime.localstack.postgres import PgPaths
 
 
 def _wheel(root: Path, programs: tuple[str, ...] = ("initdb", "pg_ctl", "postgres")) -> Path:

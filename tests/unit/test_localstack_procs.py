@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from koda.errors import ServiceError
-from koda.localstack import procs
+from koda_runtime.errors import ServiceError
+from koda_runtime.localstack import procs
 from tests.support import wait_until
 
 
@@ -122,7 +122,7 @@ def test_disk_full_while_writing_is_a_service_error(
     def full(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("koda.localstack.procs.os.fsync", full)
+    monkeypatch.setattr("koda_runtime.localstack.procs.os.fsync", full)
     target = tmp_path / "state.json"
     with pytest.raises(ServiceError, match=f"disk full while writing {target}"):
         procs.write_text(target, "{}")

@@ -6,7 +6,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from koda.localstack import prometheus
+from koda_runtime.localstack import prometheus
 
 
 def test_the_generated_config_and_its_rules_pass_promtool(tmp_path: Path) -> None:

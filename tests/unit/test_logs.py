@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from koda.logs import RepeatFilter
+from koda_runtime.logs import RepeatFilter
 
 
 class Clock:

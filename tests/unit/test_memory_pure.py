@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from koda.errors import HandlerError
-from processors.handlers.tools import ToolCallAssembler
-from processors.memory.chunking import CHUNK_CHARS, OVERLAP_CHARS, chunk, content_hash
-from processors.memory.distil import demo_statements
-from processors.memory.tool import ToolArgumentError, parse_args
+from koda_runtime.errors import HandlerError
+from koda_runtime.processors.handlers.tools import ToolCallAssembler
+from koda_runtime.processors.memory.chunking import CHUNK_CHARS, OVERLAP_CHARS, chunk, content_hash
+from koda_runtime.processors.memory.distil import demo_statements
+from koda_runtime.processors.memory.tool import ToolArgumentError, parse_args
 
 
 def test_chunks_are_whole_sentences_of_about_400_chars_with_80_of_overlap() -> None:
@@ -96,8 +96,8 @@ def test_limit_defaults_to_five() -> None:
 
 
 def test_memory_settings_are_read_and_checked() -> None:
-    from koda.errors import ConfigError
-    from koda.settings import Settings
+    from koda_runtime.errors import ConfigError
+    from koda_runtime.settings import Settings
 
     s = Settings.from_env(
         {
@@ -122,8 +122,8 @@ def test_memory_settings_are_read_and_checked() -> None:
 def test_runs_follow_prints_tool_activity(capsys: pytest.CaptureFixture[str]) -> None:
     import json as _json
 
-    from gateway.client import _Follower
-    from gateway.eventstream import Event
+    from koda_runtime.gateway.client import _Follower
+    from koda_runtime.gateway.eventstream import Event
 
     follower = _Follower(None)
     call = {"call_id": "c0", "name": "memory_search", "arguments": '{"query": "city"}'}

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from koda.errors import ConfigError
-from koda.naming import AppEnv, NameKind, Names, resource_name
-from koda.settings import Settings
-from topics.catalogue import catalogue
+from koda_runtime.errors import ConfigError
+from koda_runtime.naming import AppEnv, NameKind, Names, resource_name
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import catalogue
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ def test_bad_name_parts_are_refused() -> None:
         resource_name(NameKind.TOPIC, AppEnv.DEV, "runs;drop")
 
 
-# A name built anywhere but koda.naming: an env-prefixed topic or group, a Postgres schema,
+# A name built anywhere but koda_runtime.naming: an env-prefixed topic or group, a Postgres schema,
 # a literal consumer group id (librdkafka, aiokafka or Faust), or SQL naming a koda schema.
 NAME_LITERAL = re.compile(
     r"""["'](dev|prod)\.koda\.|["']koda_(dev|prod)|["']koda_\{|\{[^}]*\}\.koda\."""
@@ -105,7 +105,7 @@ def test_the_literal_scan_catches_names_built_elsewhere() -> None:
 
 
 def test_no_name_literal_outside_the_naming_function() -> None:
-    """Topic, group and schema names are built only by koda.naming."""
+    """Topic, group and schema names are built only by koda_runtime.naming."""
     files = subprocess.run(
         [
             "git",

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from koda import metrics
+from koda_runtime import metrics
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "koda.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from processors.cursor import PartitionCursors
+from koda_runtime.processors.cursor import PartitionCursors
 
 
 class FakeClock:

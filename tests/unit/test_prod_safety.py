@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from koda import cli
-from koda.errors import ConfigError
-from koda.naming import AppEnv
-from koda.settings import Settings
+from koda_runtime import cli
+from koda_runtime.errors import ConfigError
+from koda_runtime.naming import AppEnv
+from koda_runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -60,8 +60,8 @@ def test_no_client_auto_creates_a_topic_and_no_setting_turns_it_on() -> None:
     """librdkafka's producer auto-creates a missing topic by default; koda's clients turn
     that off in every environment (topics come from `koda topics apply`), so a missing
     topic is an error, never a topic with the broker's default partitions."""
-    from koda.kafka import consumer_config, producer_config
-    from koda.knobs import knobs
+    from koda_runtime.kafka import consumer_config, producer_config
+    from koda_runtime.knobs import knobs
 
     # Every librdkafka client of koda takes its config from these two (koda/kafka.py).
     for env in (AppEnv.DEV, AppEnv.PROD):
@@ -98,8 +98,8 @@ def test_with_the_flag_prod_goes_on_to_the_broker(monkeypatch: pytest.MonkeyPatc
         calls.append(s)
         return ["x"]
 
-    monkeypatch.setattr("topics.admin.delete_topics", delete)
-    monkeypatch.setattr("koda.reach.require_kafka", lambda s: None)  # no broker here
+    monkeypatch.setattr("koda_runtime.topics.admin.delete_topics", delete)
+    monkeypatch.setattr("koda_runtime.reach.require_kafka", lambda s: None)  # no broker here
     result = runner.invoke(cli.app, ["topics", "delete", "--confirm-prod"], env=PROD_ENV)
     assert result.exit_code == 0, result.output
     assert calls and calls[0].app_env is AppEnv.PROD
@@ -112,8 +112,8 @@ def test_dev_asks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
         calls.append(s)
         return []
 
-    monkeypatch.setattr("topics.admin.delete_topics", delete)
-    monkeypatch.setattr("koda.reach.require_kafka", lambda s: None)  # no broker here
+    monkeypatch.setattr("koda_runtime.topics.admin.delete_topics", delete)
+    monkeypatch.setattr("koda_runtime.reach.require_kafka", lambda s: None)  # no broker here
     result = runner.invoke(
         cli.app, ["topics", "delete"], env={"APP_ENV": "dev", **UNREACHABLE}, input=""
     )
@@ -138,7 +138,7 @@ def test_entrypoint_execs_the_role_command(monkeypatch: pytest.MonkeyPatch) -> N
         extra = ["--confirm-prod"] if role == "topics" else []
         result = runner.invoke(cli.app, ["entrypoint", *extra], env={"ROLE": role})
         assert result.exit_code == 0, result.output
-        assert execs[-1] == [sys.executable, "-m", "koda", *tail]
+        assert execs[-1] == [sys.executable, "-m", "koda_runtime", *tail]
     result = runner.invoke(cli.app, ["entrypoint"], env={"ROLE": "shell"})
     assert result.exit_code == 2 and "ROLE='shell'" in result.stderr
 
@@ -150,7 +150,7 @@ def test_entrypoint_runs_the_role_for_real() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KODA_")}
     env.update(PROD_ENV, ROLE="topics")
     proc = subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "koda", "entrypoint"],
+        [sys.executable, "-m", "koda_runtime", "entrypoint"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -12,13 +12,20 @@ import jsonschema
 import pytest
 from typer.testing import CliRunner
 
-from koda import cli
-from koda.errors import RecordError
-from schemas import record_specs
-from schemas.events import Transition, UsageEvent, decode_run_event
-from schemas.heartbeats import Beat
-from schemas.json_schemas import DIRECTORY, drift, file_name, json_schema, render, write_all
-from schemas.records import (
+from koda_runtime import cli
+from koda_runtime.errors import RecordError
+from koda_runtime.schemas import record_specs
+from koda_runtime.schemas.events import Transition, UsageEvent, decode_run_event
+from koda_runtime.schemas.heartbeats import Beat
+from koda_runtime.schemas.json_schemas import (
+    DIRECTORY,
+    drift,
+    file_name,
+    json_schema,
+    render,
+    write_all,
+)
+from koda_runtime.schemas.records import (
     FinalRecord,
     RunRequested,
     chunk_value,
@@ -29,7 +36,7 @@ from schemas.records import (
     event_value,
     headers_for,
 )
-from schemas.specs import RecordSpec
+from koda_runtime.schemas.specs import RecordSpec
 
 
 def validator(spec: RecordSpec) -> jsonschema.Draft202012Validator:
@@ -64,8 +71,8 @@ def test_schemas_write_check_exits_1_on_drift(
     runner = CliRunner()
     ok = runner.invoke(cli.app, ["schemas", "write", "--check"])
     assert ok.exit_code == 0 and "match" in ok.stdout, ok.output
-    monkeypatch.setattr("schemas.json_schemas.DIRECTORY", tmp_path)
-    monkeypatch.setattr("schemas.json_schemas.drift", lambda: drift(tmp_path))
+    monkeypatch.setattr("koda_runtime.schemas.json_schemas.DIRECTORY", tmp_path)
+    monkeypatch.setattr("koda_runtime.schemas.json_schemas.drift", lambda: drift(tmp_path))
     bad = runner.invoke(cli.app, ["schemas", "write", "--check"])
     assert bad.exit_code == 1 and "drift:" in bad.stdout
 
@@ -208,9 +215,9 @@ def test_a_variant_spec_renders_one_schema_per_variant() -> None:
 
 
 def test_spec_topics_are_in_the_catalogue() -> None:
-    from koda.naming import AppEnv
-    from koda.settings import Settings
-    from topics.catalogue import catalogue
+    from koda_runtime.naming import AppEnv
+    from koda_runtime.settings import Settings
+    from koda_runtime.topics.catalogue import catalogue
 
     bases = {s.base for s in catalogue(Settings(app_env=AppEnv.DEV))}
     assert {s.topic for s in record_specs.ALL} <= bases

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from koda import cli
-from koda.naming import AppEnv, Names
-from topics.replay.errors import BadTimestampError, OffsetsFileError, UnknownTopicError
-from topics.replay.positions import (
+from koda_runtime import cli
+from koda_runtime.naming import AppEnv, Names
+from koda_runtime.topics.replay.errors import BadTimestampError, OffsetsFileError, UnknownTopicError
+from koda_runtime.topics.replay.positions import (
     Earliest,
     FromOffsets,
     FromTimestamp,

@@ -12,7 +12,11 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from koda.lifecycle.ids import uuid7
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.prices import Price, PriceBook
+from koda_runtime.topics.replay.rows import RowBatch, run_day
+from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink
 from tests.unit.replay_records import (
     AT,
     chunk,
@@ -25,10 +29,6 @@ from tests.unit.replay_records import (
     transition,
     usage,
 )
-from topics.replay import tables as t
-from topics.replay.prices import Price, PriceBook
-from topics.replay.rows import RowBatch, run_day
-from topics.replay.sinks.duckdb import DuckDBSink
 
 
 def rows(batch: RowBatch, table: t.Table) -> list[dict[str, Any]]:

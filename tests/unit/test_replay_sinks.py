@@ -14,7 +14,12 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
-from koda.lifecycle.ids import uuid7
+from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.errors import ReplayOptionError, SinkError
+from koda_runtime.topics.replay.sinks import open_sink, redact
+from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink
+from koda_runtime.topics.replay.sinks.parquet import ParquetSink
 from tests.fixtures.processes import ROOT
 from tests.unit.replay_records import (
     AT,
@@ -27,11 +32,6 @@ from tests.unit.replay_records import (
     transition,
     usage,
 )
-from topics.replay import tables as t
-from topics.replay.errors import ReplayOptionError, SinkError
-from topics.replay.sinks import open_sink, redact
-from topics.replay.sinks.duckdb import DuckDBSink
-from topics.replay.sinks.parquet import ParquetSink
 
 
 def history(run: str, n: int = 0) -> list[Any]:
@@ -188,7 +188,7 @@ def test_two_writers_of_one_duckdb_file_get_a_clear_error(tmp_path: Path) -> Non
     first = DuckDBSink(tmp_path / "w.duckdb", "duckdb:///w.duckdb")
     first.open()
     code = (
-        "from pathlib import Path; from topics.replay.sinks.duckdb import DuckDBSink;"
+        "from pathlib import Path; from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink;"
         f"DuckDBSink(Path({str(tmp_path / 'w.duckdb')!r}), 'duckdb:///w.duckdb').open()"
     )
 

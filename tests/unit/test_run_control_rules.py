@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from koda.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
-from koda.lifecycle.control import CANCEL, MERGE, ControlRecord, decode_control, merge_inputs
-from koda.lifecycle.states import RunStatus
-from processors.control import ControlBoard
-from processors.store import ChunkWrite, Fence, FinishWrite, RunSteer
+from koda_runtime.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
+from koda_runtime.lifecycle.control import (
+    CANCEL,
+    MERGE,
+    ControlRecord,
+    decode_control,
+    merge_inputs,
+)
+from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.processors.control import ControlBoard
+from koda_runtime.processors.store import ChunkWrite, Fence, FinishWrite, RunSteer
 
 FENCE = Fence("t", 0, 1)
 

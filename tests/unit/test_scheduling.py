@@ -7,7 +7,7 @@ from itertools import islice
 
 import pytest
 
-from koda.scheduling import (
+from koda_runtime.scheduling import (
     MISSED_COUNT_LIMIT,
     CronSpec,
     Facts,

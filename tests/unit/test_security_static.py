@@ -13,9 +13,9 @@ import certifi
 import faust
 import pytest
 
-from koda.kafka import aiokafka_security, consumer_config, producer_config
-from koda.settings import Settings
-from processors.app import faust_settings
+from koda_runtime.kafka import aiokafka_security, consumer_config, producer_config
+from koda_runtime.processors.app import faust_settings
+from koda_runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("koda", "gateway", "processors", "scheduler", "topics", "schemas")

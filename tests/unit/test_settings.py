@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import yaml
 
-from koda import settingsdoc
-from koda.errors import ConfigError
-from koda.knobs import Knob, knobs
-from koda.naming import AppEnv
-from koda.settings import OTHER_VARIABLES, KafkaSecurity, Settings
+from koda_runtime import settingsdoc
+from koda_runtime.errors import ConfigError
+from koda_runtime.knobs import Knob, knobs
+from koda_runtime.naming import AppEnv
+from koda_runtime.settings import OTHER_VARIABLES, KafkaSecurity, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV = {"APP_ENV": "dev"}
@@ -157,7 +157,7 @@ _COMPUTED = {"app_env", "kafka_security", "worker_id", "worker_id_source", "orig
 
 def test_the_readme_table_is_rendered_from_the_declarations(tmp_path: Path) -> None:
     readme = (ROOT / "README.md").read_text()
-    assert settingsdoc.rendered(readme) == readme, "run python -m koda.settingsdoc"
+    assert settingsdoc.rendered(readme) == readme, "run python -m koda_runtime.settingsdoc"
     for *_, spec in ALL:
         assert f"| `{spec.env}` |" in readme
     # and the check notices a stale one

@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.errors import BadRequest
-from gateway.eventstream import EventParser, comment, event_frame, retry_frame
-from gateway.livefeed import LiveEvent, Viewer
-from gateway.sse import resume_position
-from koda.lifecycle.chunks import chunk_key, final_key, split_chunk_key, visible_output
-from schemas.records import FinalRecord, chunk_value
-from topics.chunklog import ChunkLog
+from koda_runtime.gateway.errors import BadRequest
+from koda_runtime.gateway.eventstream import EventParser, comment, event_frame, retry_frame
+from koda_runtime.gateway.livefeed import LiveEvent, Viewer
+from koda_runtime.gateway.sse import resume_position
+from koda_runtime.lifecycle.chunks import chunk_key, final_key, split_chunk_key, visible_output
+from koda_runtime.schemas.records import FinalRecord, chunk_value
+from koda_runtime.topics.chunklog import ChunkLog
 
 
 def test_frames_parse_back_in_any_split() -> None:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from koda.errors import ConfigError, ServiceError
-from koda.naming import AppEnv
-from koda.reach import database_address, kafka_addresses
-from koda.settings import DEFAULT_BOOTSTRAP, Settings
+from koda_runtime.errors import ConfigError, ServiceError
+from koda_runtime.naming import AppEnv
+from koda_runtime.reach import database_address, kafka_addresses
+from koda_runtime.settings import DEFAULT_BOOTSTRAP, Settings
 
 LINES = "KODA_KAFKA_BOOTSTRAP=127.0.0.1:19092\nKODA_DATABASE_URL=postgresql://koda@127.0.0.1:15432/koda\n"
 

@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from gateway.workers import MAX_INSTANCES, WorkerTable
-from koda.errors import ConfigError
-from koda.naming import AppEnv
-from koda.settings import Settings
-from processors.app import faust_settings
-from processors.heartbeat import Heartbeat
-from processors.identity import RELOG_S, TwinWatch
-from schemas.heartbeats import Beat
+from koda_runtime.errors import ConfigError
+from koda_runtime.gateway.workers import MAX_INSTANCES, WorkerTable
+from koda_runtime.naming import AppEnv
+from koda_runtime.processors.app import faust_settings
+from koda_runtime.processors.heartbeat import Heartbeat
+from koda_runtime.processors.identity import RELOG_S, TwinWatch
+from koda_runtime.schemas.heartbeats import Beat
+from koda_runtime.settings import Settings
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 DEV = {"APP_ENV": "dev"}
@@ -37,7 +37,7 @@ def test_the_default_id_is_host_pid_and_a_suffix_stable_for_the_process() -> Non
     assert re.fullmatch(rf"{re.escape(host)}-{pid}-[0-9a-f]{{6}}", first.worker_id)
     assert Settings.from_env(DEV).worker_id == first.worker_id  # the same all its life
     assert Settings(app_env=AppEnv.DEV).worker_id == first.worker_id
-    code = "from koda.settings import generated_worker_id as g; print(g())"
+    code = "from koda_runtime.settings import generated_worker_id as g; print(g())"
     others = {
         subprocess.run(  # noqa: S603
             [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -11,13 +11,20 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.workers import WorkerTable
-from koda.errors import ConfigError, RecordError
-from koda.naming import AppEnv
-from koda.settings import Settings
-from processors.health import ROUTES, TICK_S, Check, GroupMembership, HealthServer, LoopProbe
-from processors.heartbeat import Heartbeat
-from schemas.heartbeats import Beat, decode_beat
+from koda_runtime.errors import ConfigError, RecordError
+from koda_runtime.gateway.workers import WorkerTable
+from koda_runtime.naming import AppEnv
+from koda_runtime.processors.health import (
+    ROUTES,
+    TICK_S,
+    Check,
+    GroupMembership,
+    HealthServer,
+    LoopProbe,
+)
+from koda_runtime.processors.heartbeat import Heartbeat
+from koda_runtime.schemas.heartbeats import Beat, decode_beat
+from koda_runtime.settings import Settings
 from tests.support import async_wait_until
 
 SETTINGS = Settings(

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
-from koda.errors import TransitionRejected
-from koda.lifecycle.chunks import Chunk, ChunkKind
-from koda.lifecycle.handler import Item, RunContext
-from koda.lifecycle.ledger import LedgerCall
-from koda.lifecycle.states import ACTIVE, RunStatus, can_transition
-from processors.ports import Record
-from processors.store import (
+from koda_runtime.errors import TransitionRejected
+from koda_runtime.lifecycle.chunks import Chunk, ChunkKind
+from koda_runtime.lifecycle.handler import Item, RunContext
+from koda_runtime.lifecycle.ledger import LedgerCall
+from koda_runtime.lifecycle.states import ACTIVE, RunStatus, can_transition
+from koda_runtime.processors.ports import Record
+from koda_runtime.processors.store import (
     ChunkWrite,
     Claim,
     ClaimWrite,
@@ -35,7 +35,7 @@ from processors.store import (
     RunSteer,
     SteerObserver,
 )
-from schemas.ledger import PricedCall
+from koda_runtime.schemas.ledger import PricedCall
 
 TOPIC = "unit-runs"
 

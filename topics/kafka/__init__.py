@@ -1,11 +1,11 @@
 """koda's Kafka clients, in one place (their configurations are koda/kafka.py's).
 
-* :mod:`topics.kafka.tail`: the no-group tail, every partition of one topic read in a
+* :mod:`koda_runtime.topics.kafka.tail`: the no-group tail, every partition of one topic read in a
   thread and handed to the event loop (the live feed, the worker table, the twin
   watch, the run-control listener).
-* :mod:`topics.kafka.bounded`: the bounded reader, from a start to the end offsets
+* :mod:`koda_runtime.topics.kafka.bounded`: the bounded reader, from a start to the end offsets
   seen at the start (chunk-log folds, dead letters, ``koda replay``).
-* :mod:`topics.kafka.offsets`: the offsets reader, a group's committed offsets and the
+* :mod:`koda_runtime.topics.kafka.offsets`: the offsets reader, a group's committed offsets and the
   partitions' watermarks (partition cursors, the lag gauge, ``GET /admin/lag``).
 
 The workers' own consumer and producer are Faust's (processors/app.py); the gateway's

@@ -23,9 +23,9 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from koda.errors import TopicError
-from koda.kafka import consumer_config
-from koda.settings import Settings
+from koda_runtime.errors import TopicError
+from koda_runtime.kafka import consumer_config
+from koda_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import TypeVar
 
 from confluent_kafka import Consumer, TopicPartition
 
-from koda.kafka import consumer_config
-from koda.settings import Settings
+from koda_runtime.kafka import consumer_config
+from koda_runtime.settings import Settings
 
 T = TypeVar("T")
 

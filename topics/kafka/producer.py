@@ -7,7 +7,7 @@ itself never blocks the event loop: it only enqueues (or fails at once with a fu
 queue). Used by the gateway's and the scheduler's run publisher (gateway/publisher.py).
 
 Failures are raised as (or fail the future with) ``error``, the caller's own
-:class:`~koda.errors.KodaError` branch, so the bridge adds no error type of its own.
+:class:`~koda_runtime.errors.KodaError` branch, so the bridge adds no error type of its own.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from koda.errors import KodaError, TopicError
+from koda_runtime.errors import KodaError, TopicError
 
 log = logging.getLogger(__name__)
 

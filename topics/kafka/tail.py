@@ -39,8 +39,8 @@ from typing import Any, Generic, Literal, TypeVar
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
 from prometheus_client import Counter
 
-from koda.kafka import consumer_config
-from koda.settings import Settings
+from koda_runtime.kafka import consumer_config
+from koda_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 

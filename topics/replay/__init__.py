@@ -10,8 +10,8 @@ kind), ``progress`` (the progress line and the summary), ``engine`` (the loop),
 
 from __future__ import annotations
 
-from topics.replay.engine import ReplayOptions, run_replay
-from topics.replay.errors import (
+from koda_runtime.topics.replay.engine import ReplayOptions, run_replay
+from koda_runtime.topics.replay.errors import (
     BadTimestampError,
     OffsetsFileError,
     ReplayError,
@@ -19,8 +19,8 @@ from topics.replay.errors import (
     SinkError,
     UnknownTopicError,
 )
-from topics.replay.positions import start_spec
-from topics.replay.progress import Progress, ReplaySummary
+from koda_runtime.topics.replay.positions import start_spec
+from koda_runtime.topics.replay.progress import Progress, ReplaySummary
 
 __all__ = [
     "BadTimestampError",

@@ -7,7 +7,7 @@ from collections import Counter
 from datetime import UTC, date, datetime
 from typing import Any, Protocol
 
-from topics.replay import tables as t
+from koda_runtime.topics.replay import tables as t
 
 
 class Message(Protocol):

@@ -17,16 +17,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from koda.settings import Settings
-from topics.catalogue import RUN_EVENTS
-from topics.kafka.bounded import TP, BoundedReader
-from topics.replay import tables as t
-from topics.replay.positions import Earliest, StartSpec, format_offsets, select_topics
-from topics.replay.prices import PriceBook, load_prices
-from topics.replay.progress import Progress, ReplaySummary
-from topics.replay.reader import Plan, open_reader, plan
-from topics.replay.rows import RecordDecoder, RowBatch
-from topics.replay.sinks import DEFAULT_URL, Sink, open_sink
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_EVENTS
+from koda_runtime.topics.kafka.bounded import TP, BoundedReader
+from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.positions import Earliest, StartSpec, format_offsets, select_topics
+from koda_runtime.topics.replay.prices import PriceBook, load_prices
+from koda_runtime.topics.replay.progress import Progress, ReplaySummary
+from koda_runtime.topics.replay.reader import Plan, open_reader, plan
+from koda_runtime.topics.replay.rows import RecordDecoder, RowBatch
+from koda_runtime.topics.replay.sinks import DEFAULT_URL, Sink, open_sink
 
 log = logging.getLogger("koda.replay")
 

@@ -1,6 +1,6 @@
 """The errors of ``koda replay``, a branch of the KodaError tree (koda/errors.py).
 
-    ReplayError                 (koda.errors)
+    ReplayError                 (koda_runtime.errors)
     ├── ReplayOptionError       an option's value is wrong; nothing was read or written
     │   ├── UnknownTopicError   not one of the replayable topics (the message lists them)
     │   ├── BadTimestampError   --from-timestamp is not a time (the message lists formats)
@@ -13,7 +13,7 @@ Each message says what was wrong and what to do; the CLI prints it and exits 2.
 
 from __future__ import annotations
 
-from koda.errors import ReplayError
+from koda_runtime.errors import ReplayError
 
 __all__ = [
     "BadTimestampError",

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from koda.naming import Names
-from topics.replay.errors import (
+from koda_runtime.naming import Names
+from koda_runtime.topics.replay.errors import (
     BadTimestampError,
     OffsetsFileError,
     ReplayOptionError,
     UnknownTopicError,
 )
-from topics.replay.rows import REPLAYABLE
+from koda_runtime.topics.replay.rows import REPLAYABLE
 
 TIMESTAMP_FORMATS = (
     "an ISO 8601 date or time (2025-01-31, 2025-01-31T12:00:00Z, 2025-01-31T14:00:00+02:00; "

@@ -18,8 +18,8 @@ from decimal import ROUND_HALF_UP, Decimal
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from koda.db import sync_engine
-from koda.settings import Settings
+from koda_runtime.db import sync_engine
+from koda_runtime.settings import Settings
 
 log = logging.getLogger("koda.replay")
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from koda.errors import TopicError
-from koda.settings import Settings
-from topics.kafka.bounded import TP, BoundedReader
-from topics.replay.positions import Earliest, FromOffsets, FromTimestamp, StartSpec
+from koda_runtime.errors import TopicError
+from koda_runtime.settings import Settings
+from koda_runtime.topics.kafka.bounded import TP, BoundedReader
+from koda_runtime.topics.replay.positions import Earliest, FromOffsets, FromTimestamp, StartSpec
 
 ROLE = "replay"
 ONE_SHOT_GROUP = "replay-reader"

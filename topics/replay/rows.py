@@ -20,13 +20,13 @@ import json
 from datetime import date
 from typing import Any
 
-from koda.errors import RecordError
-from koda.lifecycle.chunks import split_chunk_key
-from koda.lifecycle.states import TERMINAL, RunStatus
-from koda.naming import Names
-from schemas.dead_letters import DeadLetter, decode_dead_letter
-from schemas.events import Transition, decode_run_event, parse_instant
-from schemas.records import (
+from koda_runtime.errors import RecordError
+from koda_runtime.lifecycle.chunks import split_chunk_key
+from koda_runtime.lifecycle.states import TERMINAL, RunStatus
+from koda_runtime.naming import Names
+from koda_runtime.schemas.dead_letters import DeadLetter, decode_dead_letter
+from koda_runtime.schemas.events import Transition, decode_run_event, parse_instant
+from koda_runtime.schemas.records import (
     CURRENT_VERSION,
     DEAD_LETTER,
     RUN_CHUNK,
@@ -37,10 +37,10 @@ from schemas.records import (
     decode_run_requested,
     header_value,
 )
-from topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
-from topics.replay import tables as t
-from topics.replay.batch import Message, RowBatch, instant, run_day, uuid7_day
-from topics.replay.prices import PriceBook
+from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
+from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.batch import Message, RowBatch, instant, run_day, uuid7_day
+from koda_runtime.topics.replay.prices import PriceBook
 
 __all__ = ["REPLAYABLE", "RecordDecoder", "RowBatch", "run_day"]
 

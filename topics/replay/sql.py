@@ -1,6 +1,6 @@
 """The SQL text of the SQL sinks, in one place.
 
-Every interpolated part is an identifier from :mod:`topics.replay.tables` (code
+Every interpolated part is an identifier from :mod:`koda_runtime.topics.replay.tables` (code
 constants: table, column and key names) or a type from a sink's fixed type map, never
 input; every value is a bound parameter. tests/unit/test_security_static.py lists these
 statements as its documented exceptions.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from topics.replay.tables import Table
+from koda_runtime.topics.replay.tables import Table
 
 
 def create_table(table: Table, types: Mapping[str, str]) -> str:

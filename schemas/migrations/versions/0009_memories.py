@@ -15,7 +15,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from koda.errors import PrerequisiteError
+from koda_runtime.errors import PrerequisiteError
 
 revision = "0009"
 down_revision = "0008"

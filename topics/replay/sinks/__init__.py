@@ -15,9 +15,9 @@ import re
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from koda.naming import Names
-from topics.replay.errors import ReplayOptionError
-from topics.replay.sinks.base import Sink
+from koda_runtime.naming import Names
+from koda_runtime.topics.replay.errors import ReplayOptionError
+from koda_runtime.topics.replay.sinks.base import Sink
 
 __all__ = ["DEFAULT_URL", "Sink", "open_sink", "redact"]
 
@@ -51,15 +51,15 @@ def open_sink(url: str, names: Names) -> Sink:
     """The sink for ``url``, not yet opened. Raises ReplayOptionError for an unknown scheme."""
     scheme = urlsplit(url).scheme.lower()
     if scheme == "duckdb":
-        from topics.replay.sinks.duckdb import DuckDBSink
+        from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink
 
         return DuckDBSink(_path(url, "duckdb"), redact(url))
     if scheme == "parquet":
-        from topics.replay.sinks.parquet import ParquetSink
+        from koda_runtime.topics.replay.sinks.parquet import ParquetSink
 
         return ParquetSink(_path(url, "parquet"), redact(url))
     if scheme in ("postgresql", "postgres"):
-        from topics.replay.sinks.postgres import PostgresSink
+        from koda_runtime.topics.replay.sinks.postgres import PostgresSink
 
         parts = urlsplit(url)
         query = parse_qsl(parts.query, keep_blank_values=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from topics.replay.tables import Table
+from koda_runtime.topics.replay.tables import Table
 
 ARROW_TYPES: dict[str, pa.DataType] = {
     "text": pa.string(),

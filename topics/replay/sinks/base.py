@@ -1,6 +1,6 @@
 """What every sink does with a batch: one transaction of upserts, then the outputs rows.
 
-A sink writes a :class:`~topics.replay.rows.RowBatch` in one transaction: every
+A sink writes a :class:`~koda_runtime.topics.replay.rows.RowBatch` in one transaction: every
 table's rows (in the fixed table order, by key), then the ``outputs`` rows: a run's
 ``run.final`` record when the batch has one, else the text rebuilt from the run's
 ``chunks`` rows as they stand after this batch (the text after the last reset, the
@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from koda.lifecycle.chunks import TERMINAL_KINDS, visible_output
-from topics.replay import tables as t
-from topics.replay.rows import RowBatch
+from koda_runtime.lifecycle.chunks import TERMINAL_KINDS, visible_output
+from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.rows import RowBatch
 
 
 class Sink(ABC):

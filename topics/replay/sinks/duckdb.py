@@ -14,11 +14,11 @@ from typing import Any
 
 import duckdb
 
-from topics.replay import sql
-from topics.replay import tables as t
-from topics.replay.errors import SinkError
-from topics.replay.sinks.arrow import to_arrow
-from topics.replay.sinks.base import SqlSink
+from koda_runtime.topics.replay import sql
+from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.errors import SinkError
+from koda_runtime.topics.replay.sinks.arrow import to_arrow
+from koda_runtime.topics.replay.sinks.base import SqlSink
 
 DUCKDB_TYPES = {
     "text": "VARCHAR",

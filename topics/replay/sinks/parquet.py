@@ -22,12 +22,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from topics.replay import sql
-from topics.replay import tables as t
-from topics.replay.errors import SinkError
-from topics.replay.rows import RowBatch
-from topics.replay.sinks.arrow import arrow_schema
-from topics.replay.sinks.duckdb import DuckDBSink
+from koda_runtime.topics.replay import sql
+from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.errors import SinkError
+from koda_runtime.topics.replay.rows import RowBatch
+from koda_runtime.topics.replay.sinks.arrow import arrow_schema
+from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink
 
 STATE_FILE = "_state.duckdb"
 _DIRTY = (

@@ -20,11 +20,11 @@ import psycopg
 from psycopg import errors
 from psycopg import sql as pgsql
 
-from topics.replay import sql
-from topics.replay import tables as t
-from topics.replay.errors import SinkError
-from topics.replay.rows import RowBatch
-from topics.replay.sinks.base import SqlSink
+from koda_runtime.topics.replay import sql
+from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.errors import SinkError
+from koda_runtime.topics.replay.rows import RowBatch
+from koda_runtime.topics.replay.sinks.base import SqlSink
 
 PG_TYPES = {
     "text": "TEXT",
