@@ -237,25 +237,34 @@ def replay_command(
         raise typer.Exit(130)
 
 
+SCHEMAS_OUT = typer.Option(
+    None, "--out", help="Write into this folder (default: schemas/json of the source checkout)."
+)
+
+
 @schemas_app.command("write")
 @friendly
 def schemas_write(
     check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 on drift."),
+    out: Path | None = SCHEMAS_OUT,
 ) -> None:
     """Regenerate schemas/json/*.schema.json from the record specs."""
+    from koda_runtime import resources
     from koda_runtime.schemas.json_schemas import DIRECTORY, drift, write_all
 
     if check:
-        stale = drift()
+        directory = out or DIRECTORY
+        stale = drift(directory)
         for name in stale:
-            typer.echo(f"drift: {DIRECTORY / name}")
+            typer.echo(f"drift: {directory / name}")
         if stale:
             raise typer.Exit(1)
         typer.echo("JSON Schemas match the record specs")
         return
-    for path in write_all():
+    directory = out or resources.checkout_path("schemas", "json", what="koda schemas write")
+    for path in write_all(directory):
         typer.echo(f"wrote {path}")
-    typer.echo(f"JSON Schemas up to date in {DIRECTORY}")
+    typer.echo(f"JSON Schemas up to date in {directory}")
 
 
 @db_app.command("upgrade")

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from koda_runtime import resources
 from koda_runtime.errors import PrerequisiteError, ServiceError
 from koda_runtime.localstack.procs import disk_error, write_text
 
@@ -63,14 +64,8 @@ class LockedJar:
 
 
 def deploy_dir() -> Path:
-    """``deploy/local`` of the source checkout this package runs from."""
-    path = Path(__file__).resolve().parents[2] / "deploy" / "local"
-    if not path.is_dir():
-        raise PrerequisiteError(
-            f"{path} is missing: run koda's local services from a source checkout of koda "
-            "(deploy/local holds the Kafka pom, jar lock and logging config)"
-        )
-    return path
+    """``deploy/local`` as shipped in the package: the Kafka pom, jar lock and logging config."""
+    return resources.deploy_path("local")
 
 
 def parse_lock(text: str, *, source: str = LOCK_NAME) -> list[LockedJar]:
@@ -257,8 +252,8 @@ def _download(jar: LockedJar, target: Path, repository: str) -> None:
 
 def relock(pom: Path | None = None, lock: Path | None = None) -> list[LockedJar]:
     """Resolve ``pom`` with Maven and rewrite ``lock`` with each jar's coordinates and sha256."""
-    pom = pom or deploy_dir() / "pom.xml"
-    lock = lock or deploy_dir() / LOCK_NAME
+    pom = pom or resources.checkout_path("deploy", "local", "pom.xml", what="relock")
+    lock = lock or resources.checkout_path("deploy", "local", LOCK_NAME, what="relock")
     mvn = shutil.which("mvn")
     if mvn is None:
         raise PrerequisiteError("relocking needs Maven: apt-get install maven")

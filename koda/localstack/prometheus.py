@@ -13,7 +13,7 @@ Layout under ``<state_dir>/prometheus``::
 Targets are files rather than a fixed list because the worker count and ports are
 only known to ``koda dev`` (``--workers``, KODA_WORKER_PORT, KODA_GATEWAY_PORT);
 Prometheus re-reads them on change, so it may start before or after ``make dev``.
-The rules are deploy/prometheus/alerts.yml of the source checkout.
+The rules are deploy/prometheus/alerts.yml, shipped in the package.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from koda_runtime import resources
 from koda_runtime.errors import PrerequisiteError, ServiceError
 from koda_runtime.localstack import procs
 
@@ -76,14 +77,8 @@ class PromPaths:
 
 
 def alerts_file() -> Path:
-    """deploy/prometheus/alerts.yml of the source checkout this package runs from."""
-    path = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
-    if not path.is_file():
-        raise PrerequisiteError(
-            f"{path} is missing: run `koda services up --with-prometheus` from a source "
-            "checkout of koda"
-        )
-    return path
+    """deploy/prometheus/alerts.yml as shipped in the package."""
+    return resources.deploy_path("prometheus", "alerts.yml")
 
 
 def find_binary() -> str:

@@ -71,10 +71,20 @@ def test_schemas_write_check_exits_1_on_drift(
     runner = CliRunner()
     ok = runner.invoke(cli.app, ["schemas", "write", "--check"])
     assert ok.exit_code == 0 and "match" in ok.stdout, ok.output
-    monkeypatch.setattr("koda_runtime.schemas.json_schemas.DIRECTORY", tmp_path)
-    monkeypatch.setattr("koda_runtime.schemas.json_schemas.drift", lambda: drift(tmp_path))
-    bad = runner.invoke(cli.app, ["schemas", "write", "--check"])
+    bad = runner.invoke(cli.app, ["schemas", "write", "--check", "--out", str(tmp_path)])
     assert bad.exit_code == 1 and "drift:" in bad.stdout
+    wrote = runner.invoke(cli.app, ["schemas", "write", "--out", str(tmp_path)])
+    assert wrote.exit_code == 0 and drift(tmp_path) == [], wrote.output
+
+
+def test_schemas_write_refuses_to_write_into_an_installed_package(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Outside a source checkout the files would land in site-packages: it needs --out."""
+    monkeypatch.setattr("koda_runtime.resources.checkout_root", lambda: None)
+    result = CliRunner().invoke(cli.app, ["schemas", "write"])
+    assert result.exit_code == 2
+    assert "writes into a source checkout" in result.output, result.output
 
 
 def test_the_wire_format_is_unchanged() -> None:

@@ -38,6 +38,9 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+WAREHOUSE_EXTRA = "koda-runtime[warehouse]"
+
+
 def _path(url: str, scheme: str) -> Path:
     rest = url[len(scheme) + len("://") :]
     if not rest.startswith("/") or rest == "/":
@@ -50,13 +53,18 @@ def _path(url: str, scheme: str) -> Path:
 def open_sink(url: str, names: Names) -> Sink:
     """The sink for ``url``, not yet opened. Raises ReplayOptionError for an unknown scheme."""
     scheme = urlsplit(url).scheme.lower()
-    if scheme == "duckdb":
-        from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink
-
-        return DuckDBSink(_path(url, "duckdb"), redact(url))
-    if scheme == "parquet":
-        from koda_runtime.topics.replay.sinks.parquet import ParquetSink
-
+    if scheme in ("duckdb", "parquet"):
+        try:
+            from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink
+            from koda_runtime.topics.replay.sinks.parquet import ParquetSink
+        except ModuleNotFoundError as exc:
+            raise ReplayOptionError(
+                f"--to {redact(url)}: the {scheme} sink needs {exc.name}, which comes with "
+                f"the warehouse extra: pip install '{WAREHOUSE_EXTRA}' (the postgresql:// "
+                "sink needs neither)"
+            ) from exc
+        if scheme == "duckdb":
+            return DuckDBSink(_path(url, "duckdb"), redact(url))
         return ParquetSink(_path(url, "parquet"), redact(url))
     if scheme in ("postgresql", "postgres"):
         from koda_runtime.topics.replay.sinks.postgres import PostgresSink
