@@ -27,16 +27,20 @@ import httpx
 import pytest
 
 from koda_runtime.localstack.procs import free_port
+from tests.fixtures.processes import ROOT
 from tests.support import wait_until
-from tests.workers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
-def run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, **kw)  # type: ignore[call-overload]  # noqa: S603
+def run(
+    argv: list[str], *, cwd: str | Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(  # noqa: S603 - our own interpreter and wheel
+        argv, capture_output=True, text=True, timeout=300, cwd=cwd, env=env
+    )
     assert done.returncode == 0, f"{argv}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done  # type: ignore[no-any-return]
+    return done
 
 
 @pytest.fixture(scope="module")

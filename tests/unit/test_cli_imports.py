@@ -37,7 +37,7 @@ def test_the_gateway_clients_import_no_server_module() -> None:
 
 
 def test_the_koda_command_with_its_subcommands_imports_no_server_module() -> None:
-    assert _loaded_after("import koda_runtime.cli\nkoda.cli._add_optional_apps()") == []
+    assert _loaded_after("import koda_runtime.cli\nkoda_runtime.cli._add_optional_apps()") == []
 
 
 def test_the_scheduler_imports_no_server_module() -> None:
