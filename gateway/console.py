@@ -32,7 +32,9 @@ from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.dependencies import ADMIN, Gateway, User
 from koda_runtime.gateway.errors import NotFound, Unavailable
 
-STATIC = Path(__file__).with_name("console_static")
+# Resolved: an editable install links each file, and StaticFiles serves no file whose
+# link points outside its directory.
+STATIC = Path(__file__).resolve().with_name("console_static")
 MAX_RUN_ID_CHARS = 128
 
 router = APIRouter()
