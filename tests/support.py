@@ -48,3 +48,17 @@ async def async_wait_until(
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
         await asyncio.sleep(interval)
+
+
+async def loop_until(
+    condition: Callable[[], object], *, timeout: float = 5.0, what: str = ""
+) -> None:
+    """Turn the event loop until an in-memory ``condition()`` holds; fail after ``timeout``.
+
+    For unit tests whose state changes only when other tasks run: it checks every
+    millisecond, where :func:`async_wait_until` polls a service."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        await asyncio.sleep(0.001)

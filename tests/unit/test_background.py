@@ -13,10 +13,11 @@ from tests.support import async_wait_until
 
 
 async def test_stop_cancels_the_loop_and_waits_until_it_unwound() -> None:
-    unwound = asyncio.Event()
+    waiting, unwound = asyncio.Event(), asyncio.Event()
 
     async def forever() -> None:
         try:
+            waiting.set()
             await asyncio.Event().wait()
         finally:
             unwound.set()
@@ -25,7 +26,7 @@ async def test_stop_cancels_the_loop_and_waits_until_it_unwound() -> None:
     task.start()
     task.start()  # a no-op while it runs: one loop, not two
     assert sum(t.get_name() == "unit-forever" for t in asyncio.all_tasks()) == 1
-    await asyncio.sleep(0)  # let it begin waiting
+    await asyncio.wait_for(waiting.wait(), 5)
     await task.stop()
     assert unwound.is_set()
     assert not task.running
@@ -55,18 +56,22 @@ async def test_a_loop_that_died_is_logged_at_stop_not_raised(
 
 
 async def test_a_cancelled_owner_is_not_swallowed() -> None:
+    waiting, unwinding = asyncio.Event(), asyncio.Event()
+
     async def slow_unwind() -> None:
         try:
+            waiting.set()
             await asyncio.Event().wait()
         except asyncio.CancelledError:
-            await asyncio.sleep(10)  # shielded work on the way out
+            unwinding.set()
+            await asyncio.sleep(10)  # slow work on the way out: the stop() that waits for it
             raise
 
     task = BackgroundTask("unit-slow", slow_unwind)
     task.start()
-    await asyncio.sleep(0)
+    await asyncio.wait_for(waiting.wait(), 5)
     owner = asyncio.create_task(task.stop())
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(unwinding.wait(), 5)  # stop() cancelled the loop and now waits
     owner.cancel()
     with pytest.raises(asyncio.CancelledError):
         await owner

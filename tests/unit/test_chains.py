@@ -10,6 +10,7 @@ from typing import Any
 
 from koda_runtime.lifecycle.handler import CancelToken
 from koda_runtime.processors.chains import ChainSet
+from tests.support import loop_until
 
 
 class Fenced(Exception):
@@ -58,25 +59,17 @@ class Harness:
             assert self.chains.dispatch((partition, offset), partition, offset)
 
 
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    async def wait() -> None:
-        while not condition():
-            await asyncio.sleep(0.001)
-
-    await asyncio.wait_for(wait(), timeout)
-
-
 async def test_acks_follow_offset_order_and_a_busy_partition_holds_no_other() -> None:
     h = Harness()
     gate = asyncio.Event()
     h.behaviour[(0, 0)] = gate.wait
     h.send(0, 0, 1, 2)
     h.send(1, 0, 1)
-    await until(lambda: len(h.acked) == 2)
+    await loop_until(lambda: len(h.acked) == 2)
     assert h.acked == [(1, 0), (1, 1)]  # partition 1 went on while 0 waits
     assert (0, 1) not in h.started  # one record at a time per partition
     gate.set()
-    await until(lambda: len(h.acked) == 5)
+    await loop_until(lambda: len(h.acked) == 5)
     assert [e for e in h.acked if e[0] == 0] == [(0, 0), (0, 1), (0, 2)]
     await h.chains.drain(h.chains.held(), 1.0)
 
@@ -87,12 +80,12 @@ async def test_runs_in_flight_never_exceed_the_bound() -> None:
     for p in range(5):
         h.behaviour[(p, 0)] = gate.wait
         h.send(p, 0)
-    await until(lambda: h.running == 2)
-    for _ in range(20):
-        await asyncio.sleep(0)
+    await loop_until(lambda: h.running == 2)
+    for _ in range(20):  # loop turns in which a wrong start would happen: an absence
+        await asyncio.sleep(0)  # cannot be waited on
     assert h.most_running == 2 and h.chains.in_flight == 2
     gate.set()
-    await until(lambda: len(h.acked) == 5)
+    await loop_until(lambda: len(h.acked) == 5)
     assert h.most_running == 2
     await h.chains.drain(h.chains.held(), 1.0)
 
@@ -108,7 +101,7 @@ async def test_a_failing_record_is_retried_in_place_and_acked_once() -> None:
 
     h.behaviour[(0, 0)] = flaky
     h.send(0, 0, 1)
-    await until(lambda: len(h.acked) == 2, timeout=10)
+    await loop_until(lambda: len(h.acked) == 2, timeout=10)
     assert h.acked == [(0, 0), (0, 1)]
     assert h.started == [(0, 0), (0, 0), (0, 0), (0, 1)]
     await h.chains.drain(h.chains.held(), 1.0)
@@ -122,7 +115,7 @@ async def test_a_fenced_record_closes_its_chain_unacked() -> None:
 
     h.behaviour[(0, 1)] = lost
     h.send(0, 0, 1, 2)
-    await until(lambda: h.chains.chains[0].closed)
+    await loop_until(lambda: h.chains.chains[0].closed)
     assert h.acked == [(0, 0)]
     assert (0, 2) not in h.started
     assert not h.chains.dispatch((0, 3), 0, 3)  # refused: never acked by this worker
@@ -134,9 +127,9 @@ async def test_drain_waits_for_running_work_and_drops_the_queue_unacked() -> Non
     gate = asyncio.Event()
     h.behaviour[(0, 0)] = gate.wait
     h.send(0, 0, 1, 2)
-    await until(lambda: h.running == 1)
+    await loop_until(lambda: h.running == 1)
     drained = asyncio.create_task(h.chains.drain([0], 5.0))
-    await asyncio.sleep(0.01)
+    await loop_until(lambda: h.chains.held() == [], what="the drain to take the chain")
     gate.set()
     counts = await drained
     assert counts == {"partitions": 1, "running": 1, "cut_off": 0}
@@ -159,7 +152,7 @@ async def test_work_past_the_ceiling_is_cut_off_and_never_acked() -> None:
     h.behaviour[(0, 0)] = long_run
     h.send(0, 0)
     h.send(1, 0)
-    await until(lambda: (1, 0) in h.acked and h.running == 1)
+    await loop_until(lambda: (1, 0) in h.acked and h.running == 1)
     counts = await h.chains.drain([0, 1], 0.05)
     assert counts == {"partitions": 2, "running": 1, "cut_off": 1}
     assert cut == [True]
@@ -173,10 +166,10 @@ async def test_a_backlog_pauses_its_partition_until_it_drains_below_low_water() 
     gate = asyncio.Event()
     h.behaviour[(0, 0)] = gate.wait
     h.send(0, *range(6))
-    await until(lambda: h.running == 1)
+    await loop_until(lambda: h.running == 1)
     assert h.paused and set(h.paused) == {0}
     assert h.resumed == []
     gate.set()
-    await until(lambda: len(h.acked) == 6)
+    await loop_until(lambda: len(h.acked) == 6)
     assert h.resumed == [0]
     await h.chains.drain([0], 1.0)

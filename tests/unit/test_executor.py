@@ -27,6 +27,7 @@ from koda_runtime.schemas.records import (
     headers_for,
 )
 from koda_runtime.settings import Settings
+from tests.support import loop_until
 from tests.unit.worker_fakes import TOPIC, FakeOutput, FakeStore, ScriptedHandler
 
 SETTINGS = Settings(
@@ -62,12 +63,7 @@ class World:
     async def marked(self, run_id: str, seq: int) -> None:
         """Until the run's published mark (written by a coming group) is in."""
         row = self.store.runs[run_id]
-        await asyncio.wait_for(_until(lambda: row.published_seq == seq), 5)
-
-
-async def _until(condition: Any) -> None:
-    while not condition():
-        await asyncio.sleep(0.001)
+        await loop_until(lambda: row.published_seq == seq)
 
 
 @pytest.fixture(autouse=True)
@@ -157,9 +153,9 @@ async def test_the_record_is_acked_only_after_every_delivery() -> None:
     w.store.add("r1")
     task = asyncio.create_task(w.run("r1"))
 
-    await asyncio.wait_for(_until(lambda: w.store.runs["r1"].status is RunStatus.DONE), 5)
-    for _ in range(20):
-        await asyncio.sleep(0)
+    await loop_until(lambda: w.store.runs["r1"].status is RunStatus.DONE)
+    for _ in range(20):  # loop turns in which a wrong start would happen: an absence
+        await asyncio.sleep(0)  # cannot be waited on
     assert not task.done(), "returned (acked) before its records were delivered"
     assert w.store.runs["r1"].published_seq is None
     w.out.hold = False
@@ -174,7 +170,7 @@ async def test_a_run_cut_off_writes_no_end_and_bills_its_calls_cancelled() -> No
     w.store.add("r1")
     task = asyncio.create_task(w.run("r1"))
 
-    await asyncio.wait_for(_until(lambda: len(w.store.messages_of["r1"]) >= 2), 5)
+    await loop_until(lambda: len(w.store.messages_of["r1"]) >= 2)
     task.cancel()  # the handoff ceiling
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -190,7 +186,7 @@ async def test_a_run_cut_off_writes_no_end_and_bills_its_calls_cancelled() -> No
 
 async def test_a_partition_lost_mid_run_fences_the_run_out() -> None:
     async def lose_the_partition() -> None:
-        await _until(lambda: len(w.store.messages_of["r1"]) >= 2)
+        await loop_until(lambda: len(w.store.messages_of["r1"]) >= 2)
         w.store.own(0)
 
     w = World(ScriptedHandler(["a", "b", lose_the_partition, "c", "d"]))
