@@ -1,14 +1,14 @@
 """koda as a user installs it: the built wheel in a fresh venv, run outside the checkout.
 
-``pip wheel .`` builds the wheel, a new venv installs it (``--no-deps``), and the venv
-reaches the dependencies by path from the development venv (one ``.pth`` line: no
-download, and no editable link to the checkout, since a path line does not run the
-development venv's own ``.pth`` files). ``pip check`` then proves that the wheel's
-requirements are met. From an empty directory, the installed ``koda`` starts the local
-stack from the data the wheel ships (``koda dev``: Kafka from the packaged pom and jar
-lock, PostgreSQL, migrations, topics, a gateway, a worker and a scheduler) and runs a run
-to ``done``. Any file the package reads from the checkout instead of its own data fails
-here.
+``pip wheel`` builds the wheel from a copy of the checkout's files, a new venv installs
+it (``--no-deps``), and the venv reaches the dependencies by path from the development
+venv (one ``.pth`` line: no download, and no editable link to the checkout, since a path
+line does not run the development venv's own ``.pth`` files). ``pip check`` then proves
+that the wheel's requirements are met. From an empty directory, the installed ``koda``
+starts the local stack from the data the wheel ships (``koda dev``: Kafka from the
+packaged pom and jar lock, PostgreSQL, migrations, topics, a gateway, a worker and a
+scheduler) and runs a run to ``done``. Any file the package reads from the checkout
+instead of its own data fails here.
 """
 
 from __future__ import annotations
@@ -48,7 +48,16 @@ def venv() -> Iterator[Path]:
     """A fresh venv with the wheel installed, and its dependencies by path."""
     work = Path(tempfile.mkdtemp(prefix="koda-wheel-", dir="/tmp"))
     try:
-        run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(work), str(ROOT)])
+        # Built from a copy of the files git would commit: pip builds a local folder in
+        # place, and a stale build/lib of the checkout would put deleted modules into
+        # the wheel (and the build would write into the checkout).
+        source = work / "source"
+        listed = run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT).stdout
+        for name in listed.splitlines():
+            if (ROOT / name).is_file():
+                (source / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / name, source / name)
+        run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(work), str(source)])
         (wheel,) = work.glob("koda_runtime-*.whl")
         target = work / "venv"
         run([sys.executable, "-m", "venv", str(target)])
