@@ -342,10 +342,11 @@ async def harness(module_env: Settings) -> AsyncIterator[Harness]:
     # boundary crossed in between would add a due minute. Start well inside a minute.
     wait_until(lambda: datetime.now(UTC).second < 45, timeout=20, what="a point early in a minute")
     h = Harness(module_env)
-    # A pass fires every due schedule of the namespace: those the module's earlier tests
-    # left enabled would add fires to this test's counts.
+    # A pass plans every due schedule of the namespace: those the module's earlier tests
+    # left would add fires (or, paused, skips) to this test's counts. Moved out of reach,
+    # they are never due again.
     async with h.engine.begin() as conn:
-        await conn.execute(text("UPDATE schedules SET enabled = false"))
+        await conn.execute(text("UPDATE schedules SET next_fire_at = '9999-01-01T00:00Z'"))
     await h.publisher.start()
     yield h
     await h.publisher.stop(5)
