@@ -1,7 +1,7 @@
 """Bounded-pool drill 3: a rolling deploy with two versions of the worker at once.
 
-The old version is the previous release: the newest release tag (``v*``, see README.md
-"Releases") before HEAD, extracted with ``git archive`` and run from its own tree with
+The old version is the previous release: the newest one recorded in deploy/releases.txt
+(see README.md "Releases"), extracted with ``git archive`` and run from its own tree with
 ``python -S`` so nothing of this tree can leak into it through the editable install;
 the new one is this tree. The database is migrated first (migration 0003 adds the
 nullable ``runs.failures``, which the old code has never heard of and the new code
@@ -43,7 +43,7 @@ from tests.fixtures.processes import ROOT, WorkerProcess
 from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until
 
-RELEASE_TAGS = "v[0-9]*"
+RELEASES = ROOT / "deploy" / "releases.txt"
 
 
 def git(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -56,30 +56,45 @@ def git(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     )
 
 
+def releases() -> list[tuple[str, str]]:
+    """deploy/releases.txt as (version, commit) pairs, oldest first."""
+    pairs = []
+    for line in RELEASES.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            version, commit = line.split()
+            pairs.append((version, commit))
+    return pairs
+
+
 def previous_release() -> str:
-    """The newest release tag before HEAD (HEAD itself may be a release)."""
+    """The commit of the newest recorded release other than HEAD itself.
 
-    def describe() -> subprocess.CompletedProcess[str]:
-        return git("describe", "--tags", "--abbrev=0", "--match", RELEASE_TAGS, "HEAD^")
+    The record is a tracked file, not the tags, because a checkout may carry no tags.
+    """
+    head = git("rev-parse", "HEAD").stdout.strip()
+    version, commit = next((v, c) for v, c in reversed(releases()) if c != head)
 
-    found = describe()
-    if found.returncode != 0:
-        # A shallow clone, or one made without tags: fetch the history and the tags.
-        shallow = git("rev-parse", "--is-shallow-repository").stdout.strip() == "true"
-        git(
-            "fetch",
-            "--quiet",
-            "--tags",
-            *(["--unshallow"] if shallow else []),
-            "origin",
-            timeout=300,
-        )
-        found = describe()
-    assert found.returncode == 0, (
-        f"no release tag matching {RELEASE_TAGS} before HEAD, not even after fetching the"
-        f" tags from origin: {found.stderr.strip()}"
+    def have() -> bool:
+        return git("cat-file", "-e", f"{commit}^{{commit}}").returncode == 0
+
+    if not have():
+        # A shallow checkout: ask the remote it came from for that one commit.
+        git("fetch", "--quiet", "--depth=1", "origin", commit, timeout=300)
+    assert have(), (
+        f"release {version} ({commit[:10]}, from {RELEASES.name}) is neither in this"
+        " checkout nor fetchable from origin"
     )
-    return found.stdout.strip()
+    return commit
+
+
+def test_the_release_record_matches_the_tags_that_are_present() -> None:
+    for version, commit in releases():
+        tagged = git("rev-parse", "--verify", "--quiet", f"refs/tags/{version}^{{commit}}")
+        if tagged.returncode == 0:
+            assert tagged.stdout.strip() == commit, f"tag {version} is not {commit[:10]}"
+        shown = git("show", f"{commit}:pyproject.toml")
+        if shown.returncode == 0:
+            assert f'version = "{version.removeprefix("v")}"' in shown.stdout, version
 
 
 @pytest.fixture(scope="module")
