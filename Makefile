@@ -77,7 +77,9 @@ bench-pipeline: install
 bench-schedules: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.schedules $(BENCH_ARGS)
 
-## bench-handoff: planned (SIGTERM) versus crash (kill -9) handoff times
+## bench-handoff: planned (SIGTERM) versus crash (kill -9) handoff times, then runs cut,
+## restarted and paused by a join, a leave, a rolling restart and a kill -9 (40 s runs);
+## BENCH_ARGS="--save F.json", or `python -m tests.bench.handoff --compare A.json B.json`
 bench-handoff: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.handoff $(BENCH_ARGS)
 
