@@ -144,6 +144,7 @@ COLUMNS: list[tuple[str, Any]] = [
     ("pause staying max s", lambda r: seconds(r["pause_staying_max_s"])),
     ("pause staying p50 s", lambda r: seconds(r["pause_staying_p50_s"])),
     ("moved resume max s", lambda r: seconds(r["resume_moved_max_s"])),
+    ("stopped worker's resume max s", lambda r: seconds(r.get("victim_resume_max_s"))),
 ]
 
 
@@ -168,7 +169,8 @@ def scenario_notes(table: Table, meta: dict[str, Any]) -> None:
         f"chunk), holders from partition_epochs sampled every 0.2 s; chunks are "
         f"{c['delay_ms']} ms apart when nothing pauses",
         "staying = the partition's holder did not change during the step; moved resume = "
-        "step's action -> first message of the run's next attempt",
+        "step's action -> first message of the run's next attempt; stopped worker's "
+        "resume: the same over the partitions the stopped or killed worker held",
         f"kill -9 target: dead worker's partitions resume within session timeout + 3 s = "
         f"{c['session_timeout_s'] + 3:.0f} s",
     ]

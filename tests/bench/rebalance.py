@@ -20,9 +20,10 @@ replaces a finished run's chunk records, so they are not all there afterwards.
   that ends during the step (the demo handler writes one chunk every ``delay_ms``);
   the maximum and the median over those runs.
 * **moved resume**: from the step's action to the first message a moved partition's
-  run got under its next attempt; the maximum over moved partitions. For the kill -9
-  this is the time until the dead worker's partitions resume, reported against the
-  session timeout plus 3 s.
+  run got under its next attempt; the maximum over moved partitions. **stopped
+  worker's resume**: the same over the partitions the stopped (or killed) worker held;
+  for the kill -9 the time until the dead worker's partitions resume, reported against
+  the session timeout plus 3 s.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class Step:
     at: float  # unix seconds
     in_flight: dict[str, int]  # run id -> partition
     attempts: dict[str, int]  # run id -> attempt at the action
+    victim: str | None = None  # the worker stopped or killed, if any
     until: float = 0.0  # the next step's action, or the scenario's end
 
 
@@ -277,14 +279,20 @@ class Scenario:
 
         wait_until(streaming_long_enough, timeout=120, interval=0.2, what="runs streaming")
 
-    def act(self, action: Callable[[], object]) -> None:
-        """Top up the load, note what is in flight, then ``action``."""
+    def act(self, action: Callable[[], object], victim: str | None = None) -> None:
+        """Top up the load, note what is in flight, then ``action`` (which stops
+        ``victim``, if given)."""
         self.top_up()
         ids = list(self.current.values())
         rows = self.loader.query(
             "SELECT id, partition, attempt FROM runs WHERE id = ANY(:ids)", ids=ids
         )
-        step = Step(time.time(), {r.id: r.partition for r in rows}, {r.id: r.attempt for r in rows})
+        step = Step(
+            time.time(),
+            {r.id: r.partition for r in rows},
+            {r.id: r.attempt for r in rows},
+            victim,
+        )
         if self.steps:
             self.steps[-1].until = step.at
         self.steps.append(step)
@@ -330,6 +338,7 @@ class Scenario:
 
         pauses: list[float] = []
         resumes: list[float] = []
+        victim_resumes: list[float] = []
         for step in self.steps:
             step_moved, _ = timeline.changes(step.at, step.until)
             for run_id, p in step.in_flight.items():
@@ -343,9 +352,12 @@ class Scenario:
                     if gaps:
                         pauses.append(max(gaps))
                     continue
-                later = [m[3] for m in rows if m[2] > step.attempts[run_id]]
-                if later:
-                    resumes.append(min(later) - step.at)
+                later = [m[3] for m in rows if m[2] > step.attempts[run_id] and m[3] <= step.until]
+                if not later:
+                    continue
+                resumes.append(min(later) - step.at)
+                if step.victim is not None and timeline.holder(p, step.at) == step.victim:
+                    victim_resumes.append(min(later) - step.at)
 
         restarted = sum(1 for r in runs.values() if r.attempt > 1)
         return {
@@ -363,6 +375,8 @@ class Scenario:
             "staying_runs": len(pauses),
             "resume_moved_max_s": max(resumes) if resumes else None,
             "moved_runs": len(resumes),
+            "victim_resume_max_s": max(victim_resumes) if victim_resumes else None,
+            "victim_runs": len(victim_resumes),
             "not_done": sum(1 for r in runs.values() if r.status != "done"),
             "session_timeout_s": settings.session_timeout_s,
         }
@@ -383,20 +397,20 @@ def join(sc: Scenario, pool: WorkerPool) -> None:
 
 
 def leave(sc: Scenario, pool: WorkerPool) -> None:
-    sc.act(lambda: sc.stop(pool[0], signal.SIGTERM))
+    sc.act(lambda: sc.stop(pool[0], signal.SIGTERM), pool[0].worker_id)
 
 
 def rolling(sc: Scenario, pool: WorkerPool) -> None:
     for old in list(pool):
         assert old.worker_id is not None
-        sc.act(functools.partial(sc.stop, old, signal.SIGTERM))
+        sc.act(functools.partial(sc.stop, old, signal.SIGTERM), old.worker_id)
         since = time.time()
         pool.start(old.worker_id)
         sc.settle(pool, members(pool), old.worker_id, since)
 
 
 def kill(sc: Scenario, pool: WorkerPool) -> None:
-    sc.act(lambda: sc.stop(pool[0], signal.SIGKILL))
+    sc.act(lambda: sc.stop(pool[0], signal.SIGKILL), pool[0].worker_id)
 
 
 ACTIONS: dict[str, Callable[[Scenario, WorkerPool], None]] = {
