@@ -122,7 +122,12 @@ def build_worker(settings: Settings, datadir: str) -> Worker:
     runtime = WorkerRuntime(settings, fences, chains, cursors, commits, membership)
     dispatcher = Dispatcher(runtime, lambda p: intake.generation(p))
     intake = RunsIntake(
-        settings, runs_topic, group, deliver=dispatcher.deliver, hooks=RuntimeHooks(runtime)
+        settings,
+        runs_topic,
+        group,
+        deliver=dispatcher.deliver,
+        hooks=RuntimeHooks(runtime),
+        on_joined=lambda: membership.on_rebalance_end(None, None),
     )
     ops = build_ops(settings, send, runtime, membership)
     app = KodaApp(

@@ -11,6 +11,7 @@ carries a new assignment number.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,3 +167,41 @@ async def test_a_partition_assigned_again_has_a_new_assignment_number(
             assert (now != before[p]) if p in back else (now == before[p]), p
     finally:
         await first.stop()
+
+
+async def test_a_member_the_group_gives_nothing_still_counts_as_joined(
+    kafka_topics: Settings,
+) -> None:
+    """More members than partitions: librdkafka never calls back the idle one, whose
+    readiness must not wait for an assignment forever."""
+    env = kafka_topics
+    group = env.names.group("intake-idle")
+    joined: list[str] = []
+    members = []
+    for i in range(env.partitions + 1):
+        rec = Recorder(f"m{i}")
+        intake = RunsIntake(
+            env,
+            env.names.topic(RUNS),
+            group,
+            deliver=rec.deliver,
+            hooks=rec,
+            on_joined=functools.partial(joined.append, rec.name),
+        )
+        rec.intake = intake
+        members.append((intake, rec))
+        intake.start()
+    try:
+        await until(
+            lambda: (
+                sum(len(r.held) for _, r in members) == env.partitions
+                and len(joined) == len(members)
+            ),
+            timeout=90,
+            what="every member joined",
+        )
+        idle = [r.name for _, r in members if not r.held]
+        assert len(idle) == 1 and idle[0] in joined
+        assert sorted(joined) == sorted(r.name for _, r in members)
+    finally:
+        await asyncio.gather(*(m.stop() for m, _ in members))

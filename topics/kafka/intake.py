@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import queue
 import threading
@@ -59,6 +60,8 @@ RESTART_BACKOFF_MAX_S = 10.0
 ERROR_LOG_INTERVAL_S = 10.0
 # How often the thread looks for queued calls while a rebalance hook runs.
 HOOK_WAIT_S = 0.005
+# librdkafka's statistics, read only for the group state (readiness of an idle member).
+STATS_INTERVAL_MS = 5_000
 
 Call = Callable[[Consumer], Any]
 
@@ -103,6 +106,7 @@ class RunsIntake:
         *,
         deliver: Callable[[list[Fetched]], None],
         hooks: RebalanceHooks,
+        on_joined: Callable[[], None] | None = None,
         config: dict[str, Any] | None = None,
     ) -> None:
         self.topic = topic
@@ -128,6 +132,12 @@ class RunsIntake:
         # hook and the thread waits for it), read by the loop.
         self.generations: dict[int, int] = {}
         self._last_error_log = 0.0
+        self._on_joined = on_joined
+        self._subscribed_at: float | None = None
+        # A member the group gives nothing is never called back (no assign of an empty
+        # list): it counts as joined once librdkafka reports the group coordinator up
+        # for longer than two heartbeats since it subscribed (``_on_stats``).
+        self._joined_after_s = 2 * settings.heartbeat_interval_s
         self.joined = threading.Event()
 
     # --- the event loop's side ----------------------------------------------------
@@ -258,8 +268,13 @@ class RunsIntake:
                     future.set_result(result)
 
     def _member(self) -> None:
-        consumer = Consumer(self._config | {"error_cb": self._on_error})
+        consumer = Consumer(
+            self._config
+            | {"error_cb": self._on_error, "stats_cb": self._on_stats}
+            | {"statistics.interval.ms": STATS_INTERVAL_MS}
+        )
         self._consumer = consumer
+        self._subscribed_at = time.monotonic()
         try:
             consumer.subscribe(
                 [self.topic],
@@ -329,8 +344,30 @@ class RunsIntake:
         partitions = self._partitions(tps)
         for p in partitions:
             self.generations[p] = next(self._numbers)
-        self.joined.set()
+        self._joined()
         self._call_hook(self._hooks.assigned, partitions)
+
+    def _joined(self) -> None:
+        if self.joined.is_set():
+            return
+        self.joined.set()
+        loop = self._loop
+        if self._on_joined is None or loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._on_joined)
+        except RuntimeError:
+            pass  # the loop closed under us: the owner is stopping
+
+    def _on_stats(self, raw: str) -> None:
+        if self.joined.is_set() or self._subscribed_at is None:
+            return
+        try:
+            state = json.loads(raw).get("cgrp", {}).get("state")
+        except ValueError:
+            return
+        if state == "up" and time.monotonic() - self._subscribed_at > self._joined_after_s:
+            self._joined()
 
     def _on_revoke(self, consumer: Consumer, tps: list[TopicPartition]) -> None:
         partitions = self._partitions(tps)
