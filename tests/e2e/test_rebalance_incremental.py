@@ -39,7 +39,8 @@ from tests.chaos.checks import OffsetAuditor, check_all, wait_all_committed
 from tests.chaos.cluster import CommitMonitor, Postgres
 from tests.chaos.load import PlannedRun
 from tests.fixtures.namespaces import make_settings, prepared_namespace
-from tests.fixtures.processes import WorkerPool, WorkerProcess
+from tests.fixtures.ops import scrape, value, worker_url
+from tests.fixtures.processes import WorkerPool, WorkerProcess, free_port
 from tests.fixtures.runs import Submitter, wait_terminal
 from tests.support import wait_until
 
@@ -47,6 +48,7 @@ PARTITIONS = 32  # a power of two, as koda demands; 24 users keep one each
 USERS = 24
 CEILING_S = 3.0  # KODA_HANDOFF_CEILING: every long run below outlives it many times over
 TERMINAL = ("done", "failed", "cancelled")
+MOVED = "koda_partitions_moved_total"
 
 Epochs = dict[int, tuple[int, str]]
 
@@ -101,7 +103,7 @@ class Group:
 
     def join(self) -> WorkerProcess:
         self._next += 1
-        return self.pool.start(f"w{self._next}")
+        return self.pool.start(f"w{self._next}", KODA_WORKER_PORT=str(free_port()))
 
     def leave(self, worker: WorkerProcess) -> datetime:
         """SIGTERM ``worker``; the database's clock just before."""
@@ -121,6 +123,13 @@ class Group:
 def group(env: Settings, ledger: Ledger) -> Iterator[Group]:
     with WorkerPool(env) as pool:
         yield Group(pool, ledger.sub)
+
+
+def moved_count(workers: list[WorkerProcess], direction: str) -> dict[str, float]:
+    """Each worker's ``koda_partitions_moved_total`` in ``direction``."""
+    return {
+        str(w.worker_id): value(scrape(worker_url(w)), MOVED, direction=direction) for w in workers
+    }
 
 
 def db_now(sub: Submitter) -> datetime:
@@ -236,17 +245,24 @@ def test_a_join_and_a_leave_cut_only_the_runs_whose_partition_moved(
     wait_streaming(sub, list(runs.values()))
 
     before = epochs(sub)
+    old = group.members()
+    out_before = moved_count(old, "out")
     joiner = group.join()
     after_join = wait_settled(sub, group.ids())
+    out_by_join = sum(moved_count(old, "out").values()) - sum(out_before.values())
+    in_by_join = moved_count([joiner], "in")[str(joiner.worker_id)]
     moved_by_join, retaken_by_join = changes(before, after_join)
     joiner_holds = {p for p, (_, w) in after_join.items() if w == joiner.worker_id}
 
     leaver = next(w for w in group.members() if w is not joiner)
     leaver_holds = {p for p, (_, w) in after_join.items() if w == leaver.worker_id}
+    survivors = [w for w in group.members() if w is not leaver]
+    in_before = moved_count(survivors, "in")
     termed_at = group.leave(leaver)
     assert leaver.proc is not None and leaver.proc.wait(40) == 0, leaver.log()[-3000:]
     after_leave = wait_settled(sub, group.ids())
     moved_by_leave, retaken_by_leave = changes(after_join, after_leave)
+    in_by_leave = sum(moved_count(survivors, "in").values()) - sum(in_before.values())
 
     wait_terminal(sub, list(runs.values()), 150, *group.members())
     tried = attempts(sub, list(runs.values()))
@@ -264,6 +280,7 @@ def test_a_join_and_a_leave_cut_only_the_runs_whose_partition_moved(
         "the join moved what the joiner holds": moved_by_join == joiner_holds,
         "the joiner holds its share": len(joiner_holds) == PARTITIONS // 4,
         "the leave moved only the leaver's partitions": moved_by_leave == leaver_holds,
+        f"{MOVED} out, in at the join; in at the leave": (out_by_join, in_by_join, in_by_leave),
     } == {
         "runs cut on partitions that stayed": [],
         "partitions revoked and given back": [],
@@ -271,6 +288,11 @@ def test_a_join_and_a_leave_cut_only_the_runs_whose_partition_moved(
         "the join moved what the joiner holds": True,
         "the joiner holds its share": True,
         "the leave moved only the leaver's partitions": True,
+        f"{MOVED} out, in at the join; in at the leave": (
+            len(moved_by_join),
+            len(moved_by_join),
+            len(leaver_holds),
+        ),
     }, f"moved by the join {sorted(moved_by_join)}, leaver held {sorted(leaver_holds)}"
 
     # The leaver's runs went on through its drain, and their next owner took them after it.
