@@ -34,14 +34,13 @@ from koda_runtime.localstack import StackInfo
 from koda_runtime.processors.compactor import ChunkCompactor
 from koda_runtime.processors.handlers.demo import demo_tokens
 from koda_runtime.settings import Settings
-from koda_runtime.topics.catalogue import partition_for_key
 from tests.chaos.checks import OffsetAuditor, check_all, wait_all_committed
 from tests.chaos.cluster import CommitMonitor, Postgres
 from tests.chaos.load import PlannedRun
 from tests.fixtures.namespaces import make_settings, prepared_namespace
 from tests.fixtures.ops import scrape, value, worker_url
 from tests.fixtures.processes import WorkerPool, WorkerProcess, free_port
-from tests.fixtures.runs import Submitter, wait_terminal
+from tests.fixtures.runs import Submitter, users_by_partition, wait_terminal
 from tests.support import wait_until
 
 PARTITIONS = 32  # a power of two, as koda demands; 24 users keep one each
@@ -186,17 +185,6 @@ def changes(before: Epochs, after: Epochs) -> tuple[set[int], set[int]]:
     return moved, retaken
 
 
-def users_by_partition(prefix: str) -> dict[int, str]:
-    """One user name per partition."""
-    seen: dict[int, str] = {}
-    i = 0
-    while len(seen) < PARTITIONS:
-        user = f"{prefix}-{i}"
-        seen.setdefault(partition_for_key(user.encode(), PARTITIONS), user)
-        i += 1
-    return seen
-
-
 def attempts(sub: Submitter, run_ids: list[str]) -> dict[str, int]:
     rows = sub.query("SELECT id, attempt FROM runs WHERE id = ANY(:ids)", ids=run_ids)
     return {r.id: r.attempt for r in rows}
@@ -243,7 +231,7 @@ def test_a_join_and_a_leave_cut_only_the_runs_whose_partition_moved(
     sub = ledger.sub
     group.ensure(3)
     inp = {"text": "forty seconds", "demo": {"tokens": 40, "delay_ms": 1000}}
-    users = sorted(users_by_partition("join").items())[:USERS]
+    users = sorted(users_by_partition("join", PARTITIONS).items())[:USERS]
     runs = {p: ledger.submit(u, inp) for p, u in users}
     wait_streaming(sub, list(runs.values()))
 
@@ -418,7 +406,7 @@ def test_a_rolling_restart_cuts_exactly_the_runs_whose_partition_moves(
     # every one in flight on a moving partition outlives the drain; the other partitions
     # stay free for the short runs each leaver finishes inside its drain.
     inp = {"text": "long", "demo": {"tokens": 60, "delay_ms": 1000}}
-    names = users_by_partition("roll")
+    names = users_by_partition("roll", PARTITIONS)
     long_parts = sorted(names)[:USERS]
     long_runs = {ledger.submit(names[p], inp): p for p in long_parts}
     wait_streaming(sub, list(long_runs))
