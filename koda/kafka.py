@@ -7,10 +7,10 @@ a consumer too. No client creates topics: ``koda topics apply`` owns them, and a
 for a missing topic must fail instead of creating a one-partition topic that breaks
 per-user order.
 
-The gateway produces with confluent-kafka and the workers consume with aiokafka;
-both must put a key into the same partition. librdkafka's default partitioner
-(consistent_random, CRC32) disagrees with Java and aiokafka (murmur2), so the
-producer here is pinned to ``murmur2_random``.
+Every koda client produces with librdkafka except the workers' Faust producer
+(aiokafka); both must put a key into the same partition. librdkafka's default
+partitioner (consistent_random, CRC32) disagrees with Java and aiokafka (murmur2), so
+the producer here is pinned to ``murmur2_random``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,45 @@ def consumer_config(settings: Settings, role: str, group: str | None) -> dict[st
     if group is not None:
         conf["group.id"] = group
     return conf
+
+
+def runs_consumer_config(settings: Settings, group: str) -> dict[str, Any]:
+    """The worker's member of ``group`` on the runs topic (topics/kafka/intake.py).
+
+    Offsets are stored and committed by koda only (after the work). With the ``consumer``
+    protocol (KIP-848) the session timeout and heartbeat interval are the group's, set
+    on the broker (:func:`group_config`), and ``max.poll.interval.ms`` bounds how long a
+    revoke may take; with ``classic`` they are the member's own and the assignor is
+    ``cooperative-sticky``.
+    """
+    conf = consumer_config(settings, "worker", group) | {
+        "group.protocol": settings.group_protocol,
+        "enable.auto.offset.store": False,
+        "enable.partition.eof": False,
+        "fetch.wait.max.ms": 100,
+        "queued.max.messages.kbytes": 16 * 1024,
+        "max.poll.interval.ms": int(settings.rebalance_timeout_s * 1000),
+        "topic.metadata.refresh.interval.ms": 30_000,
+    }
+    if settings.group_protocol == "classic":
+        conf |= {
+            "partition.assignment.strategy": "cooperative-sticky",
+            "session.timeout.ms": int(settings.session_timeout_s * 1000),
+            "heartbeat.interval.ms": int(settings.heartbeat_interval_s * 1000),
+        }
+    instance_id = settings.group_instance_id()
+    if instance_id is not None:
+        conf["group.instance.id"] = instance_id
+    return conf
+
+
+def group_config(settings: Settings) -> dict[str, str]:
+    """The workers' group's own configuration under the ``consumer`` protocol (KIP-848),
+    where the broker, not the member, owns the session timeout and heartbeat interval."""
+    return {
+        "consumer.session.timeout.ms": str(int(settings.session_timeout_s * 1000)),
+        "consumer.heartbeat.interval.ms": str(int(settings.heartbeat_interval_s * 1000)),
+    }
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:

@@ -62,6 +62,7 @@ __all__ = [
     "PUBLISH",
     "PUBLISH_SECONDS",
     "QUEUE_AGE_SECONDS",
+    "PARTITIONS_MOVED",
     "REBALANCES",
     "REGISTRY",
     "RETRIES",
@@ -174,6 +175,14 @@ GROUP_COMMIT_RUNS = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
     registry=REGISTRY,
 )
+PARTITIONS_MOVED = Counter(
+    "koda_partitions_moved_total",
+    "Runs partitions that changed hands at a rebalance, seen by this worker, by direction:"
+    " in (assigned to it) or out (revoked from it, or lost).",
+    ["direction"],
+    registry=REGISTRY,
+)
+
 HANDOFF_SECONDS = Histogram(
     "koda_handoff_seconds",
     "Time spent draining in-flight runs when partitions were revoked.",

@@ -286,6 +286,12 @@ class Settings:
     static_membership: bool = knob(
         False, "KODA_STATIC_MEMBERSHIP", "join with group.instance.id = the worker id"
     )
+    group_protocol: str = knob(
+        "consumer",
+        "KODA_GROUP_PROTOCOL",
+        "the workers' group protocol: consumer (KIP-848) or classic (cooperative-sticky)",
+        choices=("consumer", "classic"),
+    )
     worker_port: int = knob(
         0, "KODA_WORKER_PORT", "the worker's health and /metrics port (0: none)", lo=0, hi=65535
     )

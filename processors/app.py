@@ -1,44 +1,50 @@
-"""The worker's parts around Faust: partition fences, the rebalance hooks, and the Faust
-app consuming ``<env>.koda.runs`` with raw values, whose consumer drains and commits
-*before* Faust forgets the revoked partitions' acks.
+"""The worker's parts around its two clients: partition fences, the rebalance hooks, the
+dispatcher and the offset commits on the runs topic's consumer (topics/kafka/intake.py),
+and the Faust app that hosts them with its producer and timers.
 
 processors/bootstrap.py composes them (``build_worker``); every part gets its
 collaborators when it is constructed.
 
-Faust settings that make the handoff hold (see ARCHITECTURE.md):
-
-* ``stream_wait_empty=False``: Faust's own revoke wait has no ceiling; koda's
-  drain (in ``DrainingConsumer.on_partitions_revoked``) has one.
-* ``table_standby_replicas=0``: plain round-robin assignment, no Faust assignor.
-* ``topic_allow_declare=False``, ``topic_disable_leader=True``: Faust creates no
-  topics; ``koda topics apply`` owns them.
-* ``broker_max_poll_records`` small, and the dispatcher never blocks: fetching
-  continues while runs execute, so ``max.poll.interval`` is never exceeded.
+The runs topic is not consumed through Faust: aiokafka speaks only Kafka's eager
+rebalance protocol, under which every join or leave revokes every partition from every
+member (see ARCHITECTURE.md, "Rebalances"). Faust starts no consumer here
+(:class:`ProducerBoot`); it runs the producer (chunks, events, heartbeats), the timers
+and the worker's lifecycle, and koda's group member joins through librdkafka on an
+incremental protocol. A partition that stays with its worker is never revoked, so its
+runs go on; one that moves is drained up to the handoff ceiling and committed in the
+revoke hook, before librdkafka lets the next owner have it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import faust
+from faust.app.base import BootStrategy
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
+from koda_runtime.background import BackgroundTask
 from koda_runtime.kafka import aiokafka_security
 from koda_runtime.lifecycle.handler import CancelToken
-from koda_runtime.metrics import HANDOFF_SECONDS, REBALANCES
+from koda_runtime.metrics import HANDOFF_SECONDS, PARTITIONS_MOVED, REBALANCES
 from koda_runtime.processors.chains import ChainSet
 from koda_runtime.processors.control import ControlListener
 from koda_runtime.processors.cursor import PartitionCursors
 from koda_runtime.processors.groupcommit import GroupWriter
+from koda_runtime.processors.health import GroupMembership
 from koda_runtime.processors.ops import WorkerOps
 from koda_runtime.processors.runner import FencedOut, Record, RunExecutor
 from koda_runtime.processors.store import Fence, RunStore
 from koda_runtime.settings import Settings
+from koda_runtime.topics.kafka.intake import Fetched, RunsIntake
 from koda_runtime.topics.kafka.offsets import GroupOffsetReader
 
 log = logging.getLogger("koda.worker")
+
+COMMIT_INTERVAL_S = 1.0
 
 
 class PartitionFences:
@@ -98,22 +104,79 @@ class PartitionFences:
 
 
 class RecordProcessor:
-    """What a partition chain does with one event: fence it, then run the executor."""
+    """What a partition chain does with one record: fence it, then run the executor."""
 
     def __init__(self, fences: PartitionFences, executor: RunExecutor) -> None:
         self.fences = fences
         self.executor = executor
 
-    async def process(self, event: Any, partition: int, cancel: CancelToken) -> None:
-        msg = event.message
-        record = Record(msg.topic, partition, msg.offset, msg.key, msg.value, msg.headers)
+    async def process(self, item: Fetched, partition: int, cancel: CancelToken) -> None:
+        record = Record(item.topic, partition, item.offset, item.key, item.value, item.headers)
         fence = await self.fences.fence_for(partition)
         await self.executor.process(record, fence, cancel)
 
 
+class OffsetCommits:
+    """Acks in, commits out: the partition cursors decide what may be committed (from
+    the first unacked offset, never over a hole), ``commit`` sends it.
+
+    Commits are serialised: a periodic commit finishing after a revoke's would move the
+    group's offset back.
+    """
+
+    def __init__(
+        self,
+        cursors: PartitionCursors,
+        commit: Callable[[dict[int, int]], Awaitable[bool]],
+        *,
+        interval_s: float = COMMIT_INTERVAL_S,
+    ) -> None:
+        self.cursors = cursors
+        self._commit = commit
+        self.interval_s = interval_s
+        self.acked: dict[int, list[int]] = {}
+        self._lock = asyncio.Lock()
+        self.task = BackgroundTask("offset-commits", self._every_interval)
+
+    def ack(self, item: Fetched) -> None:
+        self.acked.setdefault(item.partition, []).append(item.offset)
+
+    async def flush(self, partitions: list[int] | None = None) -> None:
+        """Commit what the acks of ``partitions`` (default: all) allow, and wait."""
+        async with self._lock:
+            due: dict[int, int] = {}
+            for p in sorted(self.acked) if partitions is None else partitions:
+                acked = self.acked.get(p)
+                if not acked:
+                    continue
+                acked.sort()
+                offset = self.cursors.take_commit(p, acked)
+                if offset is not None:
+                    due[p] = offset
+            if due:
+                await self._commit(due)
+
+    def forget(self, partitions: list[int]) -> None:
+        for p in partitions:
+            self.acked.pop(p, None)
+
+    async def _every_interval(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.flush()
+            except Exception:  # noqa: BLE001 - retried at the next interval
+                log.exception("event=commit_failed")
+
+
 class WorkerRuntime:
-    """What the agent and the rebalance hooks share: the fences, the partition chains
-    and the read/commit cursors of the runs partitions."""
+    """What the dispatcher and the rebalance hooks share: the fences, the partition
+    chains, the read/commit cursors and the offset commits of the runs partitions.
+
+    It is the intake's :class:`~koda_runtime.topics.kafka.intake.RebalanceHooks`: each hook
+    runs while librdkafka waits for it, so a revoked partition is handed on only after
+    its drain and its final commit.
+    """
 
     def __init__(
         self,
@@ -121,11 +184,15 @@ class WorkerRuntime:
         fences: PartitionFences,
         chains: ChainSet,
         cursors: PartitionCursors,
+        commits: OffsetCommits,
+        membership: GroupMembership,
     ) -> None:
         self.settings = settings
         self.fences = fences
         self.chains = chains
         self.cursors = cursors
+        self.commits = commits
+        self.membership = membership
         self.runs_topic = fences.runs_topic
 
     @property
@@ -140,13 +207,20 @@ class WorkerRuntime:
     def in_flight(self) -> int:
         return self.chains.in_flight
 
-    def assign(self, partitions: set[int]) -> None:
-        """The consumer's new assignment, before any of its records is taken."""
-        self.fences.assigned = set(partitions)
-
-    async def on_assigned(self, partitions: list[int]) -> None:
+    async def assigned_hook(self, partitions: list[int]) -> None:
+        """Partitions added to this worker's assignment (incremental: only the new ones)."""
+        self.membership.on_rebalance_end(None, None)
+        if not partitions:
+            return
         REBALANCES.labels(event="assigned").inc()
-        self.chains.accepting = True
+        PARTITIONS_MOVED.labels(direction="in").inc(len(partitions))
+        self.fences.assigned.update(partitions)
+        log.info(
+            "event=rebalance assigned=%s holding=%s worker_id=%s",
+            partitions,
+            sorted(self.fences.assigned),
+            self.settings.worker_id,
+        )
         # A partition whose first record already took (or is taking) its epoch in this
         # assignment keeps it; revoke dropped the fences of the previous one.
         todo = self.fences.untaken(partitions)
@@ -159,12 +233,45 @@ class WorkerRuntime:
             return
         log.info("assigned partitions=%s worker_id=%s", partitions, self.settings.worker_id)
 
-    async def on_revoked(self, partitions: list[int]) -> dict[str, Any]:
+    async def revoked_hook(self, partitions: list[int]) -> None:
+        """Partitions taken from this worker: drain them up to the ceiling, commit."""
+        if not partitions:
+            return
+        self.membership.on_rebalance_start(None)
+        PARTITIONS_MOVED.labels(direction="out").inc(len(partitions))
+        await self.on_revoked(partitions)
+        try:
+            await self.commits.flush(partitions)
+        finally:
+            self._forget(partitions)
+
+    async def lost_hook(self, partitions: list[int]) -> None:
+        """Partitions this worker lost without a revoke (its membership expired): the
+        next owner may be running them already, so nothing waits and nothing commits."""
+        if not partitions:
+            return
+        PARTITIONS_MOVED.labels(direction="out").inc(len(partitions))
+        log.warning(
+            "event=partitions_lost partition lost partitions=%s: the group expired this"
+            " member (paused or cut off past the session timeout)",
+            partitions,
+        )
+        await self.on_revoked(partitions, ceiling_s=0.0)
+        self._forget(partitions)
+
+    def _forget(self, partitions: list[int]) -> None:
+        self.cursors.forget(partitions)
+        self.commits.forget(partitions)
+
+    async def on_revoked(
+        self, partitions: list[int], *, ceiling_s: float | None = None
+    ) -> dict[str, Any]:
         REBALANCES.labels(event="revoked").inc()
         self.fences.assigned.difference_update(partitions)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        result = await self.chains.drain(partitions, self.settings.handoff_ceiling_s)
+        ceiling = self.settings.handoff_ceiling_s if ceiling_s is None else ceiling_s
+        result = await self.chains.drain(partitions, ceiling)
         for p in partitions:
             self.fences.fences.pop(p, None)
         HANDOFF_SECONDS.observe(loop.time() - started)
@@ -172,51 +279,67 @@ class WorkerRuntime:
         return result
 
 
-class DrainingConsumer(faust_aiokafka.Consumer):
-    """Drain and commit on revoke *before* Faust drops the revoked partitions' acks.
+class RuntimeHooks:
+    """The runtime's hooks under the names the intake calls."""
 
-    Faust builds it from the transport; the runtime is its app's (:class:`KodaApp`).
-    """
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
 
-    @property
-    def runtime(self) -> WorkerRuntime:
-        return cast(KodaApp, self.app).runtime
+    async def assigned(self, partitions: list[int]) -> None:
+        await self.runtime.assigned_hook(partitions)
 
-    async def on_partitions_revoked(self, revoked: set[Any]) -> None:
+    async def revoked(self, partitions: list[int]) -> None:
+        await self.runtime.revoked_hook(partitions)
+
+    async def lost(self, partitions: list[int]) -> None:
+        await self.runtime.lost_hook(partitions)
+
+
+class Dispatcher:
+    """Takes the intake's batches in fetch order and queues each record on its
+    partition's chain, exactly once and without a hole (the partition cursors)."""
+
+    def __init__(self, runtime: WorkerRuntime, generation: Callable[[int], int | None]) -> None:
+        self.runtime = runtime
+        self.generation = generation
+        self.queue: asyncio.Queue[list[Fetched]] = asyncio.Queue()
+        self.task = BackgroundTask("runs-dispatcher", self._run)
+
+    def deliver(self, batch: list[Fetched]) -> None:
+        self.queue.put_nowait(batch)
+
+    def current(self, item: Fetched) -> bool:
+        """A record of the partition's current assignment here. One fetched before the
+        partition was revoked (or revoked and assigned again) belongs to its owner."""
+        return (
+            item.partition in self.runtime.assigned
+            and self.generation(item.partition) == item.generation
+        )
+
+    async def _run(self) -> None:
+        while True:
+            batch = await self.queue.get()
+            for item in batch:
+                await self.dispatch(item)
+
+    async def dispatch(self, item: Fetched) -> None:
         rt = self.runtime
-        if revoked:
-            ours = sorted(tp.partition for tp in revoked if tp.topic == rt.runs_topic)
-            if ours:
-                await rt.on_revoked(ours)
-                # commit() returns False if another commit was running: ask twice.
-                await self.commit(revoked)
-                await self.commit(revoked)
-                rt.cursors.forget(ours)  # after the commits, which need them
-        await super().on_partitions_revoked(revoked)
+        if not self.current(item) or not await self._admit(item):
+            return
+        if not self.current(item):
+            return  # the assignment changed while the cursor looked its base up
+        if rt.chains.dispatch(item, item.partition, item.offset):
+            rt.cursors.advance(item.partition, item.offset)
 
-    async def on_partitions_assigned(self, assigned: set[Any], generation_id: int = 0) -> None:
-        # Before Faust's own callbacks, which may resume the flow before the app's
-        # on_partitions_assigned signal: records arriving then must not be taken for
-        # records of partitions this worker does not hold.
-        rt = self.runtime
-        rt.assign({tp.partition for tp in assigned if tp.topic == rt.runs_topic})
-        await super().on_partitions_assigned(assigned, generation_id)
-
-    def _new_offset(self, tp: Any) -> int | None:
-        # Faust's own computation commits the first run of consecutive acks even when
-        # it does not start at the committed offset (always so when there is none):
-        # koda's commit cursor demands that it does.
-        rt = self.runtime
-        if tp.topic != rt.runs_topic:
-            return super()._new_offset(tp)
-        acked = self._acked[tp]
-        if not acked:
-            return None
-        acked.sort()
-        before = set(acked)
-        offset = rt.cursors.take_commit(tp.partition, acked)
-        self._acked_index[tp].difference_update(before.difference(acked))
-        return offset
+    async def _admit(self, item: Fetched) -> bool:
+        try:
+            return await self.runtime.cursors.admit(item.partition, item.offset, item.generation)
+        except Exception as exc:  # noqa: BLE001 - the broker may be restarting
+            # Never wait here: every partition's records queue behind this one. The
+            # record is dropped; the tail check finds the partition behind its consumer
+            # position once the broker answers again and seeks back for it.
+            log.warning("cannot place partition=%d offset=%d: %s", item.partition, item.offset, exc)
+            return False
 
 
 class IdempotentProducer(faust_aiokafka.Producer):
@@ -225,32 +348,48 @@ class IdempotentProducer(faust_aiokafka.Producer):
 
 
 class KodaTransport(faust_aiokafka.Transport):
-    Consumer = DrainingConsumer
     Producer = IdempotentProducer
 
 
+class ProducerBoot(BootStrategy):
+    """Faust without its consumer (and so without its conductor and tables): the runs
+    topic has koda's own group member."""
+
+    enable_kafka_consumer = False
+
+
 class KodaApp(faust.App):
-    """The Faust app with koda's transport, and the worker's services started and
+    """The Faust app with koda's producer, and the worker's services started and
     stopped around it.
 
-    ``runtime``: the rebalance hooks' state. ``control``: the run-control tail.
+    ``runtime``: the rebalance hooks' state. ``intake``: the runs topic's group member.
+    ``dispatcher``: its records onto the chains. ``control``: the run-control tail.
     ``ops``: heartbeat, probes and lag. ``offsets``: the cursors' offsets reader.
     ``group_writer``: the executor's group commit, closed after the final commit.
+    ``prepare_group``: sets the group's own configuration before this member joins.
     """
+
+    BootStrategy = ProducerBoot
 
     def __init__(
         self,
         id: str,
         *,
         runtime: WorkerRuntime,
+        intake: RunsIntake,
+        dispatcher: Dispatcher,
         control: ControlListener,
         ops: WorkerOps,
         offsets: GroupOffsetReader,
         group_writer: GroupWriter,
+        prepare_group: Callable[[], Awaitable[object]],
         **options: Any,
     ) -> None:
         super().__init__(id, **options)
+        self.prepare_group = prepare_group
         self.runtime = runtime
+        self.intake = intake
+        self.dispatcher = dispatcher
         self.control = control
         self.ops = ops
         self.offsets = offsets
@@ -266,10 +405,29 @@ class KodaApp(faust.App):
         await super().on_started()
         await self.control.start()
         await self.ops.start()
+        # Last: records need the producer, the control tail and the fences' store.
+        await self.prepare_group()
+        self.dispatcher.task.start()
+        self.runtime.commits.task.start()
+        self.intake.start()
+
+    async def leave(self) -> None:
+        """The graceful end of the runs: stop taking records, drain every held partition
+        up to the ceiling, commit, then leave the group (nothing is left to revoke)."""
+        rt = self.runtime
+        rt.chains.accepting = False
+        try:
+            await rt.on_revoked(rt.chains.held())
+            await rt.commits.flush()
+        finally:
+            await rt.commits.task.stop()
+            await self.intake.stop()
+            await self.dispatcher.task.stop()
 
     async def on_stop(self) -> None:
         # Heartbeat tombstone and health server go last: after the drain and the
-        # final commit (in super().on_stop), while the producer still runs.
+        # final commit (in leave(), on the app's shutdown signal), while the producer
+        # still runs.
         try:
             await super().on_stop()
         finally:
@@ -296,34 +454,17 @@ def faust_settings(settings: Settings, datadir: str) -> dict[str, Any]:
         )
     elif sec.get("ssl_context") is not None:
         broker_credentials = faust.SSLCredentials(sec["ssl_context"])
-    # Static membership (KIP-345): a worker restarting within the session timeout gets its
-    # partitions back without a rebalance; the price is that a clean exit does not leave
-    # the group, so its successor waits out the session timeout. Off by default. The
-    # instance id must survive restarts and be this worker's alone, so a generated
-    # worker id is refused here, before anything connects (Settings.group_instance_id).
-    instance_id = settings.group_instance_id()
     return {
         "broker": hosts,
-        "consumer_group_instance_id": instance_id,
         "broker_credentials": broker_credentials,
         "key_serializer": "raw",
         "value_serializer": "raw",
-        "stream_wait_empty": False,
         "topic_allow_declare": False,
         "topic_disable_leader": True,
-        "table_standby_replicas": 0,
         "web_enabled": False,
         "datadir": datadir,
-        "consumer_auto_offset_reset": "earliest",
-        "broker_session_timeout": settings.session_timeout_s,
-        "broker_heartbeat_interval": settings.heartbeat_interval_s,
-        "broker_rebalance_timeout": settings.rebalance_timeout_s,
         "broker_request_timeout": max(settings.rebalance_timeout_s, settings.session_timeout_s)
         + 10,
-        "broker_max_poll_interval": 300.0,
-        "broker_max_poll_records": 100,
-        "broker_commit_interval": 1.0,
-        "stream_buffer_maxsize": 1024,
         "producer_acks": -1,
         "producer_linger_ms": 2,
     }

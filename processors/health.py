@@ -6,10 +6,9 @@
   either, so an orchestrator's probe times out, and the first probe after the
   block sees how long it lasted.
 * ``/readyz`` answers "is this worker part of the group?": 200 once it has
-  received an assignment, and while any rebalance in progress is younger than
-  the rebalance timeout (a routine rebalance, such as every rolling deploy
-  causes, does not flip every worker unready at once). 503 before the first
-  assignment and when stuck rebalancing.
+  joined (its first assignment, or, for a member the group gives nothing, the
+  coordinator's word: topics/kafka/intake.py), and while a revoke in progress is
+  younger than the rebalance timeout. 503 before joining and when stuck revoking.
 * ``/metrics``: koda's Prometheus registry.
 
 The server runs in the worker's event loop (aiohttp), started and stopped with
@@ -25,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import faust
 from aiohttp import web
 
 from koda_runtime import metrics
@@ -81,17 +79,16 @@ class LoopProbe:
         await self._task.stop()
 
 
-class GroupMembership(faust.Sensor):
-    """Follows the app's rebalances (a Faust sensor): joined, and not stuck rebalancing.
+class GroupMembership:
+    """Follows the runs member's rebalances: joined, and not stuck rebalancing.
 
-    Faust calls ``on_rebalance_start`` as soon as the consumer starts a rebalance
-    and ``on_rebalance_end`` once the new assignment is in place.
+    The worker's rebalance hooks call ``on_rebalance_start`` when a revoke begins and
+    ``on_rebalance_end`` at every assignment (and once an idle member has joined).
     """
 
     def __init__(
         self, stuck_after_s: float, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        super().__init__()
         self.stuck_after_s = stuck_after_s
         self._clock = clock
         self.started_at: float | None = None
@@ -102,11 +99,6 @@ class GroupMembership(faust.Sensor):
         return {}
 
     def on_rebalance_end(self, app: Any, state: Any) -> None:
-        self.ended_at = self._clock()
-
-    async def on_assigned(self, sender: Any, *args: Any, **kwargs: Any) -> None:
-        """Also connected to the app's assignment signal: Faust skips the sensors'
-        ``on_rebalance_end`` when it lost a rebalance's sensor state."""
         self.ended_at = self._clock()
 
     def check(self) -> Check:

@@ -135,6 +135,16 @@ def render_server_properties(cluster: ClusterSpec, node: NodeSpec, data_dir: Pat
         "share.coordinator.state.topic.replication.factor": replication,
         "share.coordinator.state.topic.min.isr": min_isr,
         "group.initial.rebalance.delay.ms": 0,
+        # The workers' group runs the consumer protocol (KIP-848), where the broker owns
+        # the session timeout and heartbeat interval. The defaults (45 s, 5 s) and their
+        # bounds (45-60 s, 5-15 s) would refuse KODA_SESSION_TIMEOUT's 10 s; each worker
+        # sets its group's own values (processors/groupconfig.py) within these bounds.
+        "group.consumer.session.timeout.ms": 10_000,
+        "group.consumer.min.session.timeout.ms": 1_000,
+        "group.consumer.max.session.timeout.ms": 300_000,
+        "group.consumer.heartbeat.interval.ms": 1_000,
+        "group.consumer.min.heartbeat.interval.ms": 100,
+        "group.consumer.max.heartbeat.interval.ms": 60_000,
         # Fence a killed broker after 6 s instead of 9 s so fault tests fail over sooner.
         "broker.session.timeout.ms": 6000,
         "broker.heartbeat.interval.ms": 1000,

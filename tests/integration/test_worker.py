@@ -91,14 +91,15 @@ def test_a_long_run_does_not_delay_other_partitions(env, submitter, workers) -> 
         for u in (f"fast-{i}" for i in range(40))
         if partition_for_key(u.encode(), env.partitions) != slow_p
     ][:10]
-    slow = submitter.submit(slow_user, {"text": "slow", "demo": {"tokens": 20, "delay_ms": 1000}})
+    # 12 s: longer than the fast runs may take (10 s), so they cannot have waited for it.
+    slow = submitter.submit(slow_user, {"text": "slow", "demo": {"tokens": 12, "delay_ms": 1000}})
     wait_until(
         lambda: submitter.statuses([slow])[slow] == "streaming",
         timeout=60,
         what="slow run streaming",
     )
     fast = [submitter.submit(u, {"text": u, "demo": {"tokens": 3, "delay_ms": 1}}) for u in others]
-    wait_terminal(submitter, fast, 15, w)
+    wait_terminal(submitter, fast, 10, w)
     assert submitter.statuses([slow])[slow] == "streaming"  # still running: not waited for
     wait_terminal(submitter, [slow], 60, w)
 
@@ -205,7 +206,7 @@ def test_retries_then_success_and_exhaustion(env, submitter, workers) -> None:
 def test_kill_9_mid_run_hands_the_run_to_another_worker(env, submitter, workers) -> None:
     w1 = workers.start("w1")
     user = "kill-user"
-    inp = {"text": "survive", "demo": {"tokens": 30, "delay_ms": 200}}
+    inp = {"text": "survive", "demo": {"tokens": 30, "delay_ms": 100}}
     run_id = submitter.submit(user, inp)
     wait_until(lambda: len(submitter.messages(run_id)) >= 5, timeout=60, what="run streaming")
     partition = partition_for_key(user.encode(), env.partitions)

@@ -8,7 +8,6 @@ import re
 import socket
 import subprocess
 import sys
-import tempfile
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -16,8 +15,8 @@ import pytest
 
 from koda_runtime.errors import ConfigError
 from koda_runtime.gateway.workers import MAX_INSTANCES, WorkerTable
+from koda_runtime.kafka import runs_consumer_config
 from koda_runtime.naming import AppEnv
-from koda_runtime.processors.app import faust_settings
 from koda_runtime.processors.heartbeat import Heartbeat
 from koda_runtime.processors.identity import RELOG_S, TwinWatch
 from koda_runtime.schemas.heartbeats import Beat
@@ -72,20 +71,19 @@ def test_static_membership_without_a_stable_id_is_refused_and_says_why() -> None
     message = str(err.value)
     for words in ("KODA_STATIC_MEMBERSHIP", "KODA_WORKER_ID", "KODA_POD_NAME", "restart"):
         assert words in message
-    with tempfile.TemporaryDirectory() as datadir, pytest.raises(ConfigError):
-        faust_settings(settings, datadir)
+    with pytest.raises(ConfigError):
+        runs_consumer_config(settings, "g")
 
 
 def test_static_membership_uses_the_configured_id_or_the_pod_name() -> None:
-    with tempfile.TemporaryDirectory() as datadir:
-        off = Settings.from_env(DEV | {"KODA_WORKER_ID": "w-1"})
-        assert faust_settings(off, datadir)["consumer_group_instance_id"] is None
-        for env, expected in (
-            ({"KODA_WORKER_ID": "w-1"}, "w-1"),
-            ({"KODA_POD_NAME": "koda-worker-2"}, "koda-worker-2"),
-        ):
-            settings = Settings.from_env(DEV | env | {"KODA_STATIC_MEMBERSHIP": "true"})
-            assert faust_settings(settings, datadir)["consumer_group_instance_id"] == expected
+    off = Settings.from_env(DEV | {"KODA_WORKER_ID": "w-1"})
+    assert "group.instance.id" not in runs_consumer_config(off, "g")
+    for env, expected in (
+        ({"KODA_WORKER_ID": "w-1"}, "w-1"),
+        ({"KODA_POD_NAME": "koda-worker-2"}, "koda-worker-2"),
+    ):
+        settings = Settings.from_env(DEV | env | {"KODA_STATIC_MEMBERSHIP": "true"})
+        assert runs_consumer_config(settings, "g")["group.instance.id"] == expected
     bad = Settings.from_env(DEV | {"KODA_WORKER_ID": "w:1", "KODA_STATIC_MEMBERSHIP": "1"})
     with pytest.raises(ConfigError, match="KODA_WORKER_ID='w:1' cannot be a Kafka group"):
         bad.group_instance_id()

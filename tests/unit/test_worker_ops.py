@@ -101,7 +101,7 @@ def test_membership_is_ready_once_joined_and_until_stuck_rebalancing() -> None:
     clock.now += 11
     stuck = member.check()
     assert not stuck.ok and "stuck rebalancing" in stuck.detail["reason"]
-    asyncio.run(member.on_assigned(object(), {"tp"}, signal=None))
+    member.on_rebalance_end(None, None)
     assert member.check().ok
 
 

@@ -1,0 +1,435 @@
+"""The runs topic's group consumer: librdkafka on an incremental rebalance protocol.
+
+aiokafka (and Faust over it) speaks only Kafka's eager protocol: every rebalance revokes
+every partition from every member, so every run in flight anywhere is drained and cut
+at every join or leave. This consumer joins the workers' group through librdkafka with
+either
+
+* ``consumer``: the consumer group protocol of KIP-848 (Kafka 4.0+). The broker computes
+  the assignment (its ``uniform`` assignor is sticky) and tells each member only what it
+  gains or loses; a member that keeps its partitions is never interrupted. Or
+* ``classic``: the classic protocol with the ``cooperative-sticky`` assignor (KIP-429),
+  for older brokers: also incremental, with one extra rebalance round per change.
+
+Threading: librdkafka runs in a thread of its own (``koda-intake``) that polls and hands
+batches of records to the event loop. Every call on the consumer runs in that thread:
+confluent-kafka serialises a consumer's calls, and a call from another thread waits
+behind the polling loop's, unfairly, for as long as the loop keeps polling (seen here:
+``position()`` from the event loop blocked for good). The loop's side queues its calls
+(commit, seek, pause, resume, position) and the thread runs them between polls, and
+while it waits for a rebalance hook, so a hook can commit.
+
+Rebalance callbacks are served in that thread; each runs its coroutine on the loop and
+*waits* for it, so a revoke returns to librdkafka only after the hook has drained and
+committed the partitions: the next owner
+is given a partition only once its old owner let it go. Records fetched before a
+callback are delivered to the loop before the callback's coroutine runs (both go
+through ``call_soon_threadsafe``, in order).
+
+Every record carries its partition's *assignment number* at the time it was fetched: a
+counter bumped each time the partition is assigned to this consumer, so the loop can
+tell a record of the current assignment from one of an earlier one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from itertools import count
+from typing import Any, Protocol
+
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, TopicPartition
+
+from koda_runtime.kafka import runs_consumer_config
+from koda_runtime.settings import Settings
+
+log = logging.getLogger("koda.worker")
+
+POLL_S = 0.1
+MAX_BATCH = 200
+# Batches handed to the loop and not yet taken: above this the thread waits.
+MAX_PENDING_BATCHES = 8
+RESTART_BACKOFF_MAX_S = 10.0
+ERROR_LOG_INTERVAL_S = 10.0
+# How often the thread looks for queued calls while a rebalance hook runs.
+HOOK_WAIT_S = 0.005
+# librdkafka's statistics, read only for the group state (readiness of an idle member).
+STATS_INTERVAL_MS = 5_000
+
+Call = Callable[[Consumer], Any]
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """One record of the runs topic as fetched: ``generation`` is its partition's
+    assignment number at fetch time."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Any
+    generation: int
+
+
+class RebalanceHooks(Protocol):
+    """What the worker does when partitions come and go; each runs on the event loop."""
+
+    async def assigned(self, partitions: list[int]) -> None: ...
+
+    async def revoked(self, partitions: list[int]) -> None: ...
+
+    async def lost(self, partitions: list[int]) -> None: ...
+
+
+class RunsIntake:
+    """The worker's member of the workers' group on the runs topic.
+
+    ``deliver(batch)`` runs on the loop for every fetched batch; ``hooks`` follow the
+    assignment. :meth:`commit`, :meth:`seek`, :meth:`pause`, :meth:`resume` and
+    :meth:`position` are for the loop's side.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        topic: str,
+        group: str,
+        *,
+        deliver: Callable[[list[Fetched]], None],
+        hooks: RebalanceHooks,
+        on_joined: Callable[[], None] | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        self.topic = topic
+        self.group = group
+        self.protocol = settings.group_protocol
+        self._config = runs_consumer_config(settings, group) | (config or {})
+        self._deliver = deliver
+        self._hooks = hooks
+        self._hook_timeout_s = settings.rebalance_timeout_s + 30.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._stopped = asyncio.Event()
+        self._consumer: Consumer | None = None  # the thread's own
+        self._calls: queue.SimpleQueue[tuple[Call, concurrent.futures.Future[Any] | None]] = (
+            queue.SimpleQueue()
+        )
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._drained = threading.Event()
+        self._numbers = count(1)
+        # Written by the thread inside the rebalance callbacks (while the loop runs the
+        # hook and the thread waits for it), read by the loop.
+        self.generations: dict[int, int] = {}
+        self._last_error_log = 0.0
+        self._on_joined = on_joined
+        self._subscribed_at: float | None = None
+        # A member the group gives nothing is never called back (no assign of an empty
+        # list): it counts as joined once librdkafka reports the group coordinator up
+        # for longer than two heartbeats since it subscribed (``_on_stats``).
+        self._joined_after_s = 2 * settings.heartbeat_interval_s
+        self.joined = threading.Event()
+
+    # --- the event loop's side ----------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread; it connects and joins the group in the background."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping.clear()
+        self._stopped.clear()
+        self._thread = threading.Thread(target=self._run, name="koda-intake", daemon=True)
+        self._thread.start()
+
+    async def stop(self, timeout_s: float = 60.0) -> None:
+        """Leave the group (the revoke hook runs for what is still assigned), close."""
+        self._stopping.set()
+        self._drained.set()
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        # The thread's last callbacks run their hooks on this loop: never block it.
+        try:
+            await asyncio.wait_for(self._stopped.wait(), timeout_s)
+        except TimeoutError:
+            log.warning("event=intake_close_timeout waited_s=%.0f", timeout_s)
+
+    def generation(self, partition: int) -> int | None:
+        """The partition's current assignment number; None if it is not assigned."""
+        return self.generations.get(partition)
+
+    async def _call(self, fn: Call) -> Any:
+        """Run ``fn(consumer)`` in the intake's thread and wait for its result."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._calls.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _send(self, fn: Call) -> None:
+        """Run ``fn(consumer)`` in the intake's thread; nobody waits for it."""
+        self._calls.put((fn, None))
+
+    async def commit(self, offsets: dict[int, int]) -> bool:
+        """Commit ``offsets`` (partition → next offset to read) synchronously; False
+        (logged) if the broker refused, e.g. because the partition was taken away."""
+        if not offsets:
+            return True
+        tps = [TopicPartition(self.topic, p, o) for p, o in sorted(offsets.items())]
+        try:
+            result = await self._call(lambda c: c.commit(offsets=tps, asynchronous=False))
+        except Exception as exc:  # noqa: BLE001 - the work is durable; a later commit covers it
+            log.warning("event=commit_failed offsets=%s error=%s", offsets, exc)
+            return False
+        failed = [tp for tp in result or [] if tp.error is not None]
+        if failed:
+            log.warning(
+                "event=commit_failed partitions=%s error=%s",
+                [tp.partition for tp in failed],
+                failed[0].error,
+            )
+            return False
+        return True
+
+    async def seek(self, partition: int, offset: int) -> None:
+        tp = TopicPartition(self.topic, partition, offset)
+        await self._call(lambda c: c.seek(tp))
+
+    def pause(self, partition: int) -> None:
+        tp = TopicPartition(self.topic, partition)
+        self._send(lambda c: c.pause([tp]))
+
+    def resume(self, partition: int) -> None:
+        tp = TopicPartition(self.topic, partition)
+        self._send(lambda c: c.resume([tp]))
+
+    async def positions(self, partitions: list[int]) -> dict[int, int | None]:
+        """The offsets the consumer fetches next for ``partitions`` (None: not known)."""
+        tps = [TopicPartition(self.topic, p) for p in partitions]
+        found = await self._call(lambda c: c.position(tps))
+        return {
+            tp.partition: None if tp.offset == OFFSET_INVALID or tp.offset < 0 else int(tp.offset)
+            for tp in found
+        }
+
+    def _on_loop(self, batch: list[Fetched]) -> None:
+        try:
+            self._deliver(batch)
+        finally:
+            with self._pending_lock:
+                self._pending -= 1
+            self._drained.set()
+
+    # --- the intake's thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = 0.5
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._member()
+                    backoff = 0.5
+                except Exception as exc:  # noqa: BLE001 - the member must outlive any error
+                    log.warning("event=intake_restart error=%s", exc)
+                    self._stopping.wait(backoff)
+                    backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
+        finally:
+            self._signal_stopped()
+
+    def _run_calls(self, consumer: Consumer | None) -> None:
+        """Run the loop's queued calls (in this thread); without a consumer, fail them."""
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None and not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if consumer is None:
+                    raise RuntimeError("the runs consumer is not running")
+                result = fn(consumer)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                if future is None:
+                    log.warning("event=intake_call_failed error=%s", exc)
+                else:
+                    future.set_exception(exc)
+            else:
+                if future is not None:
+                    future.set_result(result)
+
+    def _member(self) -> None:
+        consumer = Consumer(
+            self._config
+            | {"error_cb": self._on_error, "stats_cb": self._on_stats}
+            | {"statistics.interval.ms": STATS_INTERVAL_MS}
+        )
+        self._consumer = consumer
+        self._subscribed_at = time.monotonic()
+        try:
+            consumer.subscribe(
+                [self.topic],
+                on_assign=self._on_assign,
+                on_revoke=self._on_revoke,
+                on_lost=self._on_lost,
+            )
+            log.info(
+                "event=intake_subscribed topic=%s group=%s protocol=%s",
+                self.topic,
+                self.group,
+                self.protocol,
+            )
+            while not self._stopping.is_set():
+                self._run_calls(consumer)
+                messages = consumer.consume(MAX_BATCH, POLL_S)
+                batch = []
+                for m in messages:
+                    err = m.error()
+                    if err is not None:
+                        self._on_error(err)
+                        continue
+                    partition = m.partition() or 0
+                    batch.append(
+                        Fetched(
+                            self.topic,
+                            partition,
+                            m.offset() or 0,
+                            m.key(),
+                            m.value(),
+                            m.headers(),
+                            self.generations.get(partition, 0),
+                        )
+                    )
+                if batch:
+                    self._hand_over(batch)
+        finally:
+            # Leaving the group runs the revoke callback (and its hook) for what is left.
+            try:
+                consumer.close()
+            except Exception as exc:  # noqa: BLE001 - closing a broken consumer
+                log.warning("event=intake_close_error error=%s", exc)
+            self._consumer = None
+            self.generations.clear()
+            self._run_calls(None)
+
+    def _hand_over(self, batch: list[Fetched]) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with self._pending_lock:
+            self._pending += 1
+        try:
+            loop.call_soon_threadsafe(self._on_loop, batch)
+        except RuntimeError:
+            return  # the loop closed under us: the owner is stopping
+        # Backpressure: a loop that falls behind slows fetching, not memory. The wait is
+        # short: librdkafka needs this thread back for the rebalance callbacks.
+        while self._pending > MAX_PENDING_BATCHES and not self._stopping.is_set():
+            self._drained.clear()
+            self._drained.wait(0.1)
+
+    def _partitions(self, tps: list[TopicPartition]) -> list[int]:
+        return sorted(tp.partition for tp in tps if tp.topic == self.topic)
+
+    def _on_assign(self, consumer: Consumer, tps: list[TopicPartition]) -> None:
+        partitions = self._partitions(tps)
+        for p in partitions:
+            self.generations[p] = next(self._numbers)
+        self._joined()
+        self._call_hook(self._hooks.assigned, partitions)
+
+    def _joined(self) -> None:
+        if self.joined.is_set():
+            return
+        self.joined.set()
+        loop = self._loop
+        if self._on_joined is None or loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._on_joined)
+        except RuntimeError:
+            pass  # the loop closed under us: the owner is stopping
+
+    def _on_stats(self, raw: str) -> None:
+        if self.joined.is_set() or self._subscribed_at is None:
+            return
+        try:
+            state = json.loads(raw).get("cgrp", {}).get("state")
+        except ValueError:
+            return
+        if state == "up" and time.monotonic() - self._subscribed_at > self._joined_after_s:
+            self._joined()
+
+    def _on_revoke(self, consumer: Consumer, tps: list[TopicPartition]) -> None:
+        partitions = self._partitions(tps)
+        try:
+            self._call_hook(self._hooks.revoked, partitions)
+        finally:
+            for p in partitions:
+                self.generations.pop(p, None)
+
+    def _on_lost(self, consumer: Consumer, tps: list[TopicPartition]) -> None:
+        partitions = self._partitions(tps)
+        try:
+            self._call_hook(self._hooks.lost, partitions)
+        finally:
+            for p in partitions:
+                self.generations.pop(p, None)
+
+    def _call_hook(
+        self, hook: Callable[[list[int]], Awaitable[None]], partitions: list[int]
+    ) -> None:
+        """Run ``hook(partitions)`` on the loop and wait for it (in the thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        async def call() -> None:
+            await hook(partitions)
+
+        coro: Coroutine[Any, Any, None] = call()
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, loop)
+        except RuntimeError:
+            coro.close()
+            return  # the loop is gone: the process is ending
+        deadline = time.monotonic() + self._hook_timeout_s
+        try:
+            while True:
+                # The hook may commit or seek: its calls run here, in this thread.
+                self._run_calls(self._consumer)
+                try:
+                    future.result(HOOK_WAIT_S)
+                    return
+                except concurrent.futures.TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
+        except Exception:  # noqa: BLE001 - librdkafka must get its callback back
+            log.exception("event=rebalance_hook_failed partitions=%s", partitions)
+
+    def _signal_stopped(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._stopped.set)
+        except RuntimeError:
+            pass
+
+    def _on_error(self, err: Any) -> None:
+        if isinstance(err, KafkaError) and err.fatal():
+            raise RuntimeError(f"fatal consumer error: {err.str()}")
+        now = time.monotonic()
+        if now - self._last_error_log >= ERROR_LOG_INTERVAL_S:
+            self._last_error_log = now
+            text = err.str() if isinstance(err, KafkaError) else str(err)
+            log.warning("event=intake_error topic=%s error=%s", self.topic, text)
