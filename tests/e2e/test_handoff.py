@@ -14,7 +14,7 @@ from koda_runtime.processors.handlers.demo import demo_tokens
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, RUNS, partition_for_key
 from tests.fixtures.processes import WorkerPool
-from tests.fixtures.runs import Submitter, committed_offsets, read_topic
+from tests.fixtures.runs import Submitter, committed_offsets, read_topic, users_by_partition
 from tests.support import wait_until
 
 
@@ -26,13 +26,7 @@ def workers(env: Settings) -> Iterator[WorkerPool]:
 
 
 def users_on_distinct_partitions(prefix: str, count: int, partitions: int) -> list[str]:
-    seen: dict[int, str] = {}
-    i = 0
-    while len(seen) < count:
-        user = f"{prefix}-{i}"
-        seen.setdefault(partition_for_key(user.encode(), partitions), user)
-        i += 1
-    return list(seen.values())
+    return list(users_by_partition(prefix, partitions, count).values())
 
 
 def run_row(sub: Submitter, run_id: str):
