@@ -263,6 +263,17 @@ def parse() -> argparse.Namespace:
         help="print before/after tables from two saved files (runs nothing)",
     )
     ap.add_argument("--partitions", type=int, default=32)
+    ap.add_argument(
+        "--static",
+        action="store_true",
+        help="the scenarios' workers join with static membership (KODA_STATIC_MEMBERSHIP)",
+    )
+    ap.add_argument(
+        "--session-timeout",
+        type=float,
+        default=6.0,
+        help="KODA_SESSION_TIMEOUT for the scenarios, s",
+    )
     ap.add_argument("--ceiling", type=float, default=20.0, help="KODA_HANDOFF_CEILING, s")
     ap.add_argument("--users", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=400)
@@ -285,6 +296,8 @@ def main() -> None:
         "partitions": args.partitions,
         "handoff_ceiling_s": args.ceiling,
         "max_inflight": max(8, args.users),
+        "static_membership": args.static,
+        "session_timeout_s": args.session_timeout,
     }
     started = time.monotonic()
     load0 = os.getloadavg()
