@@ -49,6 +49,7 @@ from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, TopicPartition
 
 from koda_runtime.kafka import runs_consumer_config
 from koda_runtime.settings import Settings
+from koda_runtime.topics.kafka.tail import LoopFeed
 
 log = logging.getLogger("koda.worker")
 
@@ -113,7 +114,6 @@ class RunsIntake:
         self.group = group
         self.protocol = settings.group_protocol
         self._config = runs_consumer_config(settings, group) | (config or {})
-        self._deliver = deliver
         self._hooks = hooks
         self._hook_timeout_s = settings.rebalance_timeout_s + 30.0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -124,9 +124,7 @@ class RunsIntake:
         self._calls: queue.SimpleQueue[tuple[Call, concurrent.futures.Future[Any] | None]] = (
             queue.SimpleQueue()
         )
-        self._pending = 0
-        self._pending_lock = threading.Lock()
-        self._drained = threading.Event()
+        self._feed = LoopFeed(deliver, MAX_PENDING_BATCHES, self._stopping)
         self._numbers = count(1)
         # Written by the thread inside the rebalance callbacks (while the loop runs the
         # hook and the thread waits for it), read by the loop.
@@ -146,7 +144,7 @@ class RunsIntake:
         """Start the thread; it connects and joins the group in the background."""
         if self._thread is not None:
             return
-        self._loop = asyncio.get_running_loop()
+        self._loop = self._feed.loop = asyncio.get_running_loop()
         self._stopping.clear()
         self._stopped.clear()
         self._thread = threading.Thread(target=self._run, name="koda-intake", daemon=True)
@@ -155,7 +153,7 @@ class RunsIntake:
     async def stop(self, timeout_s: float = 60.0) -> None:
         """Leave the group (the revoke hook runs for what is still assigned), close."""
         self._stopping.set()
-        self._drained.set()
+        self._feed.release()
         thread, self._thread = self._thread, None
         if thread is None:
             return
@@ -220,14 +218,6 @@ class RunsIntake:
             tp.partition: None if tp.offset == OFFSET_INVALID or tp.offset < 0 else int(tp.offset)
             for tp in found
         }
-
-    def _on_loop(self, batch: list[Fetched]) -> None:
-        try:
-            self._deliver(batch)
-        finally:
-            with self._pending_lock:
-                self._pending -= 1
-            self._drained.set()
 
     # --- the intake's thread --------------------------------------------------------
 
@@ -310,7 +300,7 @@ class RunsIntake:
                         )
                     )
                 if batch:
-                    self._hand_over(batch)
+                    self._feed.hand_over(batch)
         finally:
             # Leaving the group runs the revoke callback (and its hook) for what is left.
             try:
@@ -320,22 +310,6 @@ class RunsIntake:
             self._consumer = None
             self.generations.clear()
             self._run_calls(None)
-
-    def _hand_over(self, batch: list[Fetched]) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with self._pending_lock:
-            self._pending += 1
-        try:
-            loop.call_soon_threadsafe(self._on_loop, batch)
-        except RuntimeError:
-            return  # the loop closed under us: the owner is stopping
-        # Backpressure: a loop that falls behind slows fetching, not memory. The wait is
-        # short: librdkafka needs this thread back for the rebalance callbacks.
-        while self._pending > MAX_PENDING_BATCHES and not self._stopping.is_set():
-            self._drained.clear()
-            self._drained.wait(0.1)
 
     def _partitions(self, tps: list[TopicPartition]) -> list[int]:
         return sorted(tp.partition for tp in tps if tp.topic == self.topic)
@@ -370,17 +344,18 @@ class RunsIntake:
             self._joined()
 
     def _on_revoke(self, consumer: Consumer, tps: list[TopicPartition]) -> None:
-        partitions = self._partitions(tps)
-        try:
-            self._call_hook(self._hooks.revoked, partitions)
-        finally:
-            for p in partitions:
-                self.generations.pop(p, None)
+        self._let_go(self._hooks.revoked, tps)
 
     def _on_lost(self, consumer: Consumer, tps: list[TopicPartition]) -> None:
+        self._let_go(self._hooks.lost, tps)
+
+    def _let_go(
+        self, hook: Callable[[list[int]], Awaitable[None]], tps: list[TopicPartition]
+    ) -> None:
+        """Partitions leaving this member (revoked or lost): the hook, then forget them."""
         partitions = self._partitions(tps)
         try:
-            self._call_hook(self._hooks.lost, partitions)
+            self._call_hook(hook, partitions)
         finally:
             for p in partitions:
                 self.generations.pop(p, None)

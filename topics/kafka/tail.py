@@ -65,6 +65,52 @@ class TailEvents:
     errors_metric: Counter | None = None
 
 
+class LoopFeed(Generic[T]):
+    """Batches from a client's thread to ``deliver`` on the event loop, in order.
+
+    At most ``limit`` batches wait for the loop: above that :meth:`hand_over` holds the
+    thread (so a busy loop slows fetching, not memory) until the loop catches up or
+    ``stopping`` is set. :meth:`release` lets a held thread go at once (on stop).
+    """
+
+    def __init__(
+        self, deliver: Callable[[list[T]], None], limit: int, stopping: threading.Event
+    ) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._deliver = deliver
+        self._limit = limit
+        self._stopping = stopping
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._drained = threading.Event()
+
+    def release(self) -> None:
+        self._drained.set()
+
+    def hand_over(self, batch: list[T]) -> None:
+        """In the thread: queue ``batch`` for the loop, then wait while it is behind."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        with self._lock:
+            self._pending += 1
+        try:
+            loop.call_soon_threadsafe(self._on_loop, batch)
+        except RuntimeError:
+            return  # the loop closed under us: the owner is stopping
+        while self._pending > self._limit and not self._stopping.is_set():
+            self._drained.clear()
+            self._drained.wait(0.1)
+
+    def _on_loop(self, batch: list[T]) -> None:
+        try:
+            self._deliver(batch)
+        finally:
+            with self._lock:
+                self._pending -= 1
+            self._drained.set()
+
+
 class TopicTail(Generic[T]):
     """Tails ``topic`` (a full name) in a daemon thread without a consumer group.
 
@@ -94,7 +140,6 @@ class TopicTail(Generic[T]):
         self.start_at = start
         self.discovery_interval_s = discovery_interval_s
         self._route = route
-        self._deliver = deliver
         self._events = events
         self._on_ready = on_ready
         conf = consumer_config(settings, role, settings.names.group(role)) | {
@@ -111,9 +156,7 @@ class TopicTail(Generic[T]):
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._ready = threading.Event()
-        self._pending = 0
-        self._pending_lock = threading.Lock()
-        self._drained = threading.Event()
+        self._feed = LoopFeed(deliver, MAX_PENDING_BATCHES, self._stopping)
         # Owned by the tail's thread.
         self._assigned: set[int] = set()
         self._positions: dict[int, int] = {}
@@ -131,7 +174,7 @@ class TopicTail(Generic[T]):
         """
         if self._thread is not None:
             return
-        self._loop = asyncio.get_running_loop()
+        self._loop = self._feed.loop = asyncio.get_running_loop()
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name=f"koda-tail-{self.topic}")
         self._thread.daemon = True
@@ -151,18 +194,10 @@ class TopicTail(Generic[T]):
     async def stop(self) -> None:
         """Stop the thread and close the consumer (waits at most 10 s)."""
         self._stopping.set()
-        self._drained.set()
+        self._feed.release()
         thread, self._thread = self._thread, None
         if thread is not None:
             await asyncio.to_thread(thread.join, 10.0)
-
-    def _on_loop(self, batch: list[T]) -> None:
-        try:
-            self._deliver(batch)
-        finally:
-            with self._pending_lock:
-                self._pending -= 1
-            self._drained.set()
 
     # --- the tail's thread ----------------------------------------------------------
 
@@ -209,22 +244,7 @@ class TopicTail(Generic[T]):
                 records.append(m)
             batch = self._route(records) if records else []
             if batch:
-                self._hand_over(batch)
-
-    def _hand_over(self, batch: list[T]) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with self._pending_lock:
-            self._pending += 1
-        try:
-            loop.call_soon_threadsafe(self._on_loop, batch)
-        except RuntimeError:
-            return  # the loop closed under us: the owner is stopping
-        # Backpressure: a loop that falls behind pauses fetching, not memory.
-        while self._pending > MAX_PENDING_BATCHES and not self._stopping.is_set():
-            self._drained.clear()
-            self._drained.wait(0.1)
+                self._feed.hand_over(batch)
 
     def _discover(self, consumer: Consumer) -> None:
         try:
