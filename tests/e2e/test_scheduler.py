@@ -1,20 +1,16 @@
-"""Scheduler processes on the real stack, in real time (about 2-3 minutes in all).
+"""Scheduler processes on the real stack, in real time (about 3-4 minutes in all).
 
 Two scenarios overlap in time, each in its own namespace (own tables and topics, own
 scheduler processes and worker), so the suite pays for the minutes once:
 
-* ``steady``: two schedulers and per-minute schedules for 3 minutes; one scheduler is
-  killed with SIGKILL in the middle of firing the first minute boundary both are up for
-  (some of that minute's runs exist, not all), and the survivor alone fires the minute
-  after. Every due minute of every schedule has exactly one run, and every run reaches
-  ``done`` (a worker runs them).
-* ``downtime``: two schedulers fire the first minute, both stop across the next two
-  minute boundaries, then one starts: the minutes missed while down fire once each,
-  oldest first; a schedule whose catch-up window is shorter than the outage counts the
-  older minute as missed and never runs it late.
-
-The outage and the kill fall on the first boundaries that can hold them (not on fixed
-minutes), so the test spends the minutes the scenarios need and no more.
+* ``steady``: two schedulers and per-minute schedules for 3+ minutes; one scheduler is
+  killed with SIGKILL in the middle of firing a minute (some of that minute's runs
+  exist, not all). Every due minute of every schedule has exactly one run, and every
+  run reaches ``done`` (a worker runs them).
+* ``downtime``: two schedulers fire the first minute, both stop for two minutes, then
+  one starts: the minutes missed while down fire once each, oldest first; a schedule
+  whose catch-up window is shorter than the outage counts the older minute as missed
+  and never runs it late.
 """
 
 from __future__ import annotations
@@ -106,11 +102,6 @@ def _minute(t: datetime) -> datetime:
     return t.replace(second=0, microsecond=0)
 
 
-def _next_boundary(t: datetime) -> datetime:
-    """The first minute boundary after ``t``."""
-    return _minute(t) + timedelta(minutes=1)
-
-
 def _wait_for(instant: datetime, what: str) -> None:
     wait_until(
         lambda: datetime.now(UTC) >= instant,
@@ -151,17 +142,9 @@ def test_schedulers_fire_every_due_minute_once_through_a_kill_and_a_downtime(sta
             wait_until(lambda: "event=scheduler_started" in p.log(), what=f"{p.name} up")  # noqa: B023
         assert [p.stop() for p in down_pair] == [0, 0]
         stopped_at = datetime.now(UTC)
-        # The outage spans the next two boundaries: the first of them falls outside the
-        # short window at the restart, the second inside it; the restart comes 5 s past
-        # a minute's edge (so which minutes fall outside the 60 s window is unambiguous).
-        first_down = _next_boundary(stopped_at)
-        restart = first_down + timedelta(minutes=1, seconds=5)
 
-        # steady: SIGKILL s1 while the schedulers are firing the first boundary after both
-        # are up; the survivor alone fires the minute after it.
-        for p in first_pair:
-            wait_until(lambda: "event=scheduler_started" in p.log(), what=f"{p.name} up")  # noqa: B023
-        target = _next_boundary(datetime.now(UTC))
+        # steady: SIGKILL s1 while the schedulers are firing the second boundary's minute.
+        target = start + timedelta(minutes=2)
         _wait_for(target, "the kill minute")
         wait_until(
             lambda: steady.count_for(target) > 0,
@@ -172,16 +155,18 @@ def test_schedulers_fire_every_due_minute_once_through_a_kill_and_a_downtime(sta
         partial = steady.count_for(target)
         first_pair[0].kill()
 
-        # downtime: one scheduler comes back.
+        # downtime: one scheduler comes back two minutes later, not near a minute's edge
+        # (so which minutes fall outside the 60 s window is unambiguous).
+        restart = stopped_at + timedelta(minutes=2)
+        if not 10 <= restart.second <= 50:
+            restart += timedelta(seconds=20)
         _wait_for(restart, "the end of the downtime")
         restarted_at = datetime.now(UTC)
         survivor = downtime.scheduler("d3")
 
-        steady_last = target + timedelta(minutes=1)
-        downtime_last = _minute(restart)
-        _wait_for(max(steady_last, downtime_last), "the last minute")
-        span = (steady_last - start) // timedelta(minutes=1)
-        expected_steady = {start + timedelta(minutes=i) for i in range(span + 1)}
+        last = start + timedelta(minutes=3)
+        _wait_for(last, "the last minute")
+        expected_steady = {start + timedelta(minutes=i) for i in range(4)}
 
         def steady_done() -> bool:
             runs = steady.runs()
@@ -190,8 +175,7 @@ def test_schedulers_fire_every_due_minute_once_through_a_kill_and_a_downtime(sta
             )
 
         wait_until(steady_done, timeout=90, interval=0.5, what="every steady run done")
-        long_span = (downtime_last - start) // timedelta(minutes=1)
-        long_minutes = {start + timedelta(minutes=i) for i in range(long_span + 1)}
+        long_minutes = {start + timedelta(minutes=i) for i in range(4)}
         wait_until(
             lambda: (
                 len(downtime.runs()) >= 2 * len(long_minutes)
@@ -216,7 +200,7 @@ def test_schedulers_fire_every_due_minute_once_through_a_kill_and_a_downtime(sta
         for minutes in per_schedule.values():
             assert len(minutes) == len(set(minutes)), "a minute fired twice"
             assert set(minutes) >= expected_steady, "a minute was lost"
-            assert set(minutes) <= {start + timedelta(minutes=i) for i in range(span + 3)}
+            assert set(minutes) <= {start + timedelta(minutes=i) for i in range(6)}
             assert max(minutes) <= end
         assert first_pair[1].alive(), first_pair[1].log()[-3000:]
         # s1 was at work before dying: it planned and inserted fires. Which replica's
@@ -243,7 +227,7 @@ def test_schedulers_fire_every_due_minute_once_through_a_kill_and_a_downtime(sta
         window_start = restarted_at - timedelta(seconds=60)
         during = [
             m
-            for m in (start + timedelta(minutes=i) for i in range(1, long_span + 1))
+            for m in (start + timedelta(minutes=i) for i in range(1, 4))
             if stopped_at < m + timedelta(seconds=1) and m < restarted_at
         ]
         missed = [m for m in during if m < window_start - timedelta(seconds=2)]
