@@ -19,6 +19,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from koda_runtime import metrics
+from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.components import Components
 from koda_runtime.gateway.control_store import CANCELLED, REQUESTED, CancelOutcome
 from koda_runtime.gateway.dependencies import Gateway, User
@@ -167,6 +168,16 @@ async def _publish_end(gw: Components, outcome: CancelOutcome) -> None:
         )
     except (PublishError, TimeoutError) as exc:
         log.warning("event=cancel_event_publish_failed run_id=%s error=%s", outcome.run_id, exc)
+        return
+    # A pending run has no earlier messages (no edge leads back to pending), so the
+    # event just acknowledged is all of the run. Unmarked, the worker that skips the
+    # trigger and the completeness pass would each produce it again.
+    if outcome.event_seq == 0:
+        try:
+            await gw.control.mark_published(outcome.run_id, outcome.event_seq)
+        except DatabaseError as exc:
+            # The run is cancelled and its event delivered: the worst case is a re-send.
+            log.warning("event=mark_published_failed runs=1 error=%s", exc)
 
 
 def _limit(raw: str | None) -> int:

@@ -146,6 +146,18 @@ _LIST_RUNS = text(
     """
 )
 _RUN_BY_KEY = text("SELECT 1 FROM runs WHERE idempotency_key = :key")
+# The run is whole on the chunk topic (see the worker's mark, processors/sql.py); a row
+# the compactor holds is skipped, as there: the mark is an optimisation, never a wait.
+_MARK_PUBLISHED = text(
+    """
+    WITH free AS (
+        SELECT id FROM runs
+         WHERE id = :run_id AND finished_at IS NOT NULL AND published_seq IS NULL
+           FOR UPDATE SKIP LOCKED
+    )
+    UPDATE runs r SET published_seq = :seq FROM free WHERE r.id = free.id
+    """
+)
 
 
 def _db_error(what: str, exc: Exception) -> DatabaseError:
@@ -301,6 +313,16 @@ class ControlStore:
             int(row.input_version),
             replayed=False,
         )
+
+    async def mark_published(self, run_id: str, seq: int) -> None:
+        """Record that messages 0..``seq`` of the terminal run ``run_id`` are on the chunk
+        topic, so neither the worker that skips its trigger nor the completeness pass
+        produces them again."""
+        try:
+            async with self.engine.begin() as conn:
+                await conn.execute(_MARK_PUBLISHED, {"run_id": run_id, "seq": seq})
+        except SQLAlchemyError as exc:
+            raise _db_error("marking a run published", exc) from exc
 
     async def session_owned(self, session_id: str, user_id: str) -> bool:
         try:

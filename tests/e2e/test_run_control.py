@@ -23,12 +23,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
+from koda_runtime.lifecycle.chunks import chunk_key
 from koda_runtime.lifecycle.control import merge_inputs
 from koda_runtime.processors.handlers.demo import demo_tokens
 from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
-from koda_runtime.topics.catalogue import RUN_EVENTS, RUNS
+from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter, committed_offsets, read_topic
@@ -242,6 +243,8 @@ def test_cancel_pending_run_is_immediate_and_its_trigger_skipped(cluster: Cluste
     r = cancel(c.g1, user, queued, "not needed")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
     assert c.kinds(queued) == ["cancelled"]
+    published = "SELECT published_seq FROM runs WHERE id = :r"
+    assert c.sub.query(published, r=queued)[0].published_seq == 0
 
     # The viewer of the cancelled run gets its end at once.
     async def watch() -> Any:
@@ -256,6 +259,12 @@ def test_cancel_pending_run_is_immediate_and_its_trigger_skipped(cluster: Cluste
     wait_until(lambda: f"skip terminal run_id={queued}" in _logs(c), timeout=30, what="skip")
     row = c.row(queued)
     assert row.status == "cancelled" and row.attempt == 0 and c.kinds(queued) == ["cancelled"]
+    # The gateway's record is the whole run on the chunk topic, and marked so: the
+    # worker that skipped the trigger produced nothing again (nor will the pass).
+    assert f"republished run_id={queued}" not in _logs(c)
+    chunks = read_topic(c.settings, c.settings.names.topic(RUN_CHUNKS))
+    mine = [m.key().decode() for m in chunks if m.key().startswith(queued.encode())]
+    assert mine == [chunk_key(queued, 0)]
 
 
 def _logs(c: Cluster) -> str:
