@@ -90,7 +90,10 @@ async def one_round(
     url: str, users: list[str], args: argparse.Namespace
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float], int, list[float]]:
     """Returns POST sent times of cancels and merges, viewer times, and unfinished count."""
-    conn = aiohttp.TCPConnector(limit=0)
+    # uvicorn closes a connection idle for 5 s; a client that kept it longer could pick
+    # it for a request at that moment and fail writing ("closing transport"). Idle ones
+    # are dropped here first.
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
     timeout = aiohttp.ClientTimeout(total=900)
     cancel_sent: dict[str, float] = {}
     merge_sent: dict[str, float] = {}
