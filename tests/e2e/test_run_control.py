@@ -267,6 +267,30 @@ def test_cancel_pending_run_is_immediate_and_its_trigger_skipped(cluster: Cluste
     assert mine == [chunk_key(queued, 0)]
 
 
+def test_a_cancel_racing_the_claim_is_never_undone(cluster: Cluster) -> None:
+    """Cancelled the moment it is accepted, a run is either cancelled while pending (the
+    worker's claim then finds no edge out of ``cancelled``) or claimed first (the claim
+    or a later write sees the request). Either way it ends ``cancelled`` once, and one
+    cancelled while pending never runs."""
+    c = cluster
+    outcomes = set()
+    for i in range(6):
+        user = c.user("claimrace")
+        run_id = post_run(c.g1 if i % 2 else c.g2, user, demo(20, 10))["run_id"]
+        r = cancel(c.g1, user, run_id, "at once")
+        assert r.status_code in (200, 202), r.text
+        outcomes.add(r.json()["status"])
+        wait_until(lambda: status_is(c, run_id, "cancelled"), timeout=30, what="cancelled")  # noqa: B023
+        assert one_terminal(c, run_id) == "cancelled"
+        row = c.row(run_id)
+        assert row.cancel_reason == "at once"
+        if r.status_code == 200:  # cancelled while pending: never claimed, never run
+            assert r.json()["status"] == "cancelled"
+            assert row.attempt == 0 and c.kinds(run_id) == ["cancelled"]
+    # Whichever way each race went, the status answered was one the run had then.
+    assert outcomes <= {"cancelled", "running", "streaming"}
+
+
 def _logs(c: Cluster) -> str:
     return "".join(w.log() for w in c.workers.values())
 
@@ -416,9 +440,16 @@ def test_a_cancel_seen_only_by_the_finish_ends_the_run_cancelled(cluster: Cluste
         "UPDATE runs SET cancel_requested_at = now(), cancel_reason = 'db' WHERE id = :r",
         r=run_id,
     )
+    # A message for the session now is not merged into a run that is being cancelled
+    # (its answer would end with the cancel): it is a new run, queued behind.
+    late = post_run(c.g1, user, {"text": "after the cancel"}, session=session_of(c, run_id))
+    assert late["merged"] is False and late["run_id"] != run_id
     wait_until(lambda: status_is(c, run_id, "done", "cancelled"), timeout=30, what="terminal")
     assert one_terminal(c, run_id) == "cancelled"
     assert c.kinds(run_id) == ["chunk", "cancelled"]
+    assert c.row(run_id).input_version == 0
+    wait_until(lambda: status_is(c, late["run_id"], "done"), timeout=30, what="late run done")
+    assert output_of(c, late["run_id"]) == "".join(demo_tokens({"text": "after the cancel"}))
 
 
 # --- interrupt-merge ------------------------------------------------------------------
@@ -523,6 +554,46 @@ def test_a_merge_whose_signal_is_lost_still_reruns(cluster: Cluster) -> None:
     )
     wait_until(lambda: status_is(c, run_id, "done"), timeout=30, what="done")
     assert output_of(c, run_id) == "".join(demo_tokens(fresh))
+    assert one_terminal(c, run_id) == "done"
+
+
+def test_a_merge_right_after_the_executing_worker_is_killed_is_answered(
+    cluster: Cluster,
+) -> None:
+    """No worker hears the signal: the successor's claim reads the merged input, and the
+    run's one answer is to both messages."""
+    c = cluster
+    user = c.user("mkilled")
+    first = demo(300, 20, "before the kill")
+    run_id, worker = running_on(c, user, first)
+    worker.kill()
+    second = {"text": "after the kill"}
+    merged = post_run(c.g1, user, second, session=session_of(c, run_id))
+    assert merged["run_id"] == run_id and merged["merged"] is True
+    wait_until(lambda: status_is(c, run_id, "done"), timeout=60, what="done")
+    assert c.row(run_id).worker_id != worker.worker_id and c.row(run_id).input_version == 1
+    assert output_of(c, run_id) == "".join(demo_tokens(merge_inputs(first, second)))
+    assert one_terminal(c, run_id) == "done"
+    # The successor's output starts with `reset`: viewers drop the first pass's text.
+    later = [m.kind for m in c.sub.messages(run_id) if m.attempt > 1]
+    assert later[0] == "reset", later
+
+
+def test_a_merge_during_a_sigterm_drain_is_answered(cluster: Cluster) -> None:
+    """The draining worker still reads run-control: it reruns on the merged input, or,
+    cut off by the drain's ceiling, leaves the run to a successor whose claim reads it."""
+    c = cluster
+    user = c.user("mdrain")
+    first = demo(150, 20, "before the drain")
+    run_id, worker = running_on(c, user, first)
+    worker.signal(signal.SIGTERM)
+    second = {"text": "during the drain"}
+    merged = post_run(c.g1, user, second, session=session_of(c, run_id))
+    assert merged["run_id"] == run_id and merged["merged"] is True
+    wait_until(lambda: status_is(c, run_id, "done"), timeout=60, what="done")
+    assert worker.proc is not None and worker.proc.wait(30) == 0
+    assert c.row(run_id).input_version == 1
+    assert output_of(c, run_id) == "".join(demo_tokens(merge_inputs(first, second)))
     assert one_terminal(c, run_id) == "done"
 
 
