@@ -95,6 +95,7 @@ class Admissions:
         publisher: RunPublisher,
         *,
         partitions: int,
+        max_claims: int,
         publish_wait_s: float = PUBLISH_WAIT_S,
         control: ControlStore | None = None,
         merge_window_s: float = 30.0,
@@ -103,6 +104,7 @@ class Admissions:
     ) -> None:
         self.control = control
         self.merge_window_s = merge_window_s
+        self.max_claims = max_claims
         self.control_topic = None if names is None else names.topic(RUN_CONTROL)
         self.store = store
         self.budgets = budgets
@@ -125,12 +127,18 @@ class Admissions:
         ``merge_window_s``, the message is merged into that run instead (the answer
         names that run, ``merged``); the worker executing it is signalled to start
         over on the merged input. A merge is not a new run, so no budget refuses it:
-        like a run already running, it may take the user past the budget.
+        like a run already running, it may take the user past the budget. A run that
+        has had ``max_claims`` claims takes no more merges (its rerun would be given up).
         """
         key = idempotency_key_for(user_id, request, client_key)
         if request.session_id is not None and self.control is not None:
             merged = await self.control.merge(
-                user_id, request.session_id, key, request.input, self.merge_window_s
+                user_id,
+                request.session_id,
+                key,
+                request.input,
+                self.merge_window_s,
+                self.max_claims,
             )
             if merged is not None:
                 if not merged.replayed:

@@ -35,6 +35,7 @@ from koda_runtime.gateway.scheduled import ScheduleStore
 from koda_runtime.gateway.store import RunStore
 from koda_runtime.gateway.sweeper import Sweeper
 from koda_runtime.gateway.workers import WorkerDirectory
+from koda_runtime.lifecycle.attempts import claim_bound
 from koda_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ def build_components(
             partitions=settings.partitions,
             control=control,
             merge_window_s=settings.merge_window_s,
+            max_claims=claim_bound(settings.max_attempts),
             names=settings.names,
             budgets=settings.cost_ledger,
         ),

@@ -99,7 +99,7 @@ _READ = text(
 _LATEST_IN_SESSION = text(
     """
     SELECT id, user_id, session_id, status, input, COALESCE(input_version, 0) AS input_version,
-           created_at, cancel_requested_at,
+           created_at, cancel_requested_at, attempt,
            created_at > now() - make_interval(secs => :window_s) AS in_window
       FROM runs WHERE session_id = :session_id AND user_id = :user_id
      ORDER BY created_at DESC, id DESC LIMIT 1
@@ -111,7 +111,7 @@ _MERGE = text(
     UPDATE runs SET input = CAST(:input AS jsonb),
            input_version = COALESCE(input_version, 0) + 1
      WHERE id = :run_id AND status = ANY(:active) AND cancel_requested_at IS NULL
-       AND COALESCE(input_version, 0) = :version
+       AND COALESCE(input_version, 0) = :version AND attempt < :max_claims
     RETURNING status, input_version
     """
 )
@@ -239,9 +239,15 @@ class ControlStore:
         idempotency_key: str,
         extra: dict[str, Any],
         window_s: float,
+        max_claims: int,
     ) -> MergeOutcome | None:
         """Merge ``extra`` into the session's latest run if it is running or streaming,
-        not being cancelled, and younger than ``window_s``; None: admit a new run.
+        not being cancelled, younger than ``window_s`` and claimed fewer than
+        ``max_claims`` times; None: admit a new run.
+
+        The rerun a merge causes is one more claim. A run claimed ``max_claims`` times
+        would be given up at the next one, ``failed`` with the merged message
+        unanswered; the message is a run of its own instead.
 
         The latest run's row is locked ``FOR UPDATE`` while the rule is checked, and
         the UPDATE is conditional on status and version again: a finish committed
@@ -266,6 +272,7 @@ class ControlStore:
                     or RunStatus(latest.status) not in ACTIVE
                     or latest.cancel_requested_at is not None
                     or not latest.in_window
+                    or latest.attempt >= max_claims
                 ):
                     return None
                 merged = merge_inputs(latest.input, extra)
@@ -277,6 +284,7 @@ class ControlStore:
                             "input": json.dumps(merged),
                             "active": [s.value for s in ACTIVE],
                             "version": int(latest.input_version),
+                            "max_claims": max_claims,
                         },
                     )
                 ).first()

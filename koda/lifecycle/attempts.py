@@ -18,9 +18,15 @@ from koda_runtime.lifecycle.chunks import END_KIND, Chunk, ChunkKind
 from koda_runtime.lifecycle.retry import RetryPolicy
 from koda_runtime.lifecycle.states import RunStatus
 
-# A run may be claimed at most max_attempts x this many times (handler failures and
-# resumptions together) before it is given up.
+# A run may be claimed at most max_attempts x this many times (handler failures,
+# resumptions and merged reruns together) before it is given up.
 MAX_CLAIMS_PER_ATTEMPT = 3
+
+
+def claim_bound(max_attempts: int) -> int:
+    """How many claims a run may have: more, and the claim gives it up."""
+    return max_attempts * MAX_CLAIMS_PER_ATTEMPT
+
 
 # The longest error text an ``error`` event carries, and the longest kept on the run.
 ERROR_EVENT_CHARS = 500
@@ -60,7 +66,7 @@ def after_claim(
     ``failures`` of earlier attempts and whether the run has output already."""
     if policy.exhausted(failures):
         return GiveUp(attempt - 1, "attempts exhausted")
-    if attempt > policy.max_attempts * MAX_CLAIMS_PER_ATTEMPT:
+    if attempt > claim_bound(policy.max_attempts):
         return GiveUp(
             attempt - 1,
             f"claimed {attempt - 1} times without finishing (cut off or its worker died)",

@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
+from koda_runtime.lifecycle.attempts import claim_bound
 from koda_runtime.lifecycle.chunks import chunk_key
 from koda_runtime.lifecycle.control import merge_inputs
 from koda_runtime.processors.handlers.demo import demo_tokens
@@ -595,6 +596,27 @@ def test_a_merge_during_a_sigterm_drain_is_answered(cluster: Cluster) -> None:
     assert c.row(run_id).input_version == 1
     assert output_of(c, run_id) == "".join(demo_tokens(merge_inputs(first, second)))
     assert one_terminal(c, run_id) == "done"
+
+
+def test_a_run_claimed_as_often_as_it_may_be_takes_no_merge(cluster: Cluster) -> None:
+    """Its rerun would be one claim too many, and the run would end ``failed`` with the
+    message unanswered: the message is a new run, and the run ends on its own input."""
+    c = cluster
+    user = c.user("bound")
+    first = demo(100, 20, "bounded")
+    run_id = post_run(c.g1, user, first)["run_id"]
+    wait_until(lambda: "chunk" in c.kinds(run_id), timeout=30, what="output")
+    # As if earlier merges, cut-offs and retries had taken every claim but this one.
+    bound = claim_bound(c.settings.max_attempts)
+    c.execute("UPDATE runs SET attempt = :n WHERE id = :r", n=bound, r=run_id)
+    second = {"text": "one message too many"}
+    late = post_run(c.g1, user, second, session=session_of(c, run_id))
+    assert late["merged"] is False and late["run_id"] != run_id
+    wait_until(lambda: c.sub.all_terminal([run_id, late["run_id"]]), timeout=30, what="ends")
+    assert one_terminal(c, run_id) == "done" and c.row(run_id).input_version == 0
+    assert output_of(c, run_id) == "".join(demo_tokens(first))
+    assert one_terminal(c, late["run_id"]) == "done"
+    assert output_of(c, late["run_id"]) == "".join(demo_tokens(second))
 
 
 def test_merge_outside_the_window_is_a_new_run(cluster: Cluster) -> None:
