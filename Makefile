@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Two test processes: the clock tests (real minutes, little CPU) beside all the others;
+# tests/fixtures/streams.py says how. Empty it to run everything in one process.
+PYTEST_STREAMS ?= -n 2 --dist loadgroup
 # setuptools announces every editable install with an "Editable installation." notice
 # (a UserWarning, nothing to fix); filtered by its message so real warnings still show.
 PIP_QUIET := PYTHONWARNINGS="ignore:Editable installation"
@@ -17,7 +20,7 @@ dev: install
 
 ## test: install what is missing, start the services, run the whole suite, stop the services
 test: install
-	APP_ENV=dev $(BIN)/python -m pytest $(PYTEST_ARGS)
+	APP_ENV=dev $(BIN)/python -m pytest $(PYTEST_STREAMS) $(PYTEST_ARGS)
 
 install: system-deps $(STAMP)
 

@@ -12,4 +12,5 @@ pytest_plugins = [
     "tests.fixtures.gateway",
     "tests.fixtures.model_server",
     "tests.fixtures.ops",
+    "tests.fixtures.streams",
 ]
