@@ -20,14 +20,18 @@ from fastapi.responses import JSONResponse
 
 from koda_runtime import metrics
 from koda_runtime.errors import DatabaseError
+from koda_runtime.gateway.auth import valid_user_id
 from koda_runtime.gateway.components import Components
 from koda_runtime.gateway.control_store import CANCELLED, REQUESTED, CancelOutcome
-from koda_runtime.gateway.dependencies import Gateway, User
+from koda_runtime.gateway.control_store import RunSummary as RunRow
+from koda_runtime.gateway.dependencies import ADMIN, Gateway, User
 from koda_runtime.gateway.errors import BadRequest, InvalidField, NotFound
 from koda_runtime.gateway.exceptions import PublishError
 from koda_runtime.gateway.intake import SESSION_ID, check_content_type, decode_json, read_body
 from koda_runtime.gateway.models import (
     CancelRequest,
+    OperatorRunPage,
+    OperatorRunSummary,
     RunCancel,
     RunPage,
     RunSummary,
@@ -190,6 +194,57 @@ def _limit(raw: str | None) -> int:
     return int(raw)
 
 
+async def _rows(
+    gw: Components,
+    user_id: str | None,
+    *,
+    session_id: str | None,
+    status: RunStatus | None,
+    limit_raw: str | None,
+    before: str | None,
+    every_user: bool = False,
+) -> tuple[list[RunRow], int]:
+    """One page of rows and the limit asked; ``every_user`` for the operators' listing,
+    where ``before`` may be any user's run and ``user_id`` only filters."""
+    limit = _limit(limit_raw)
+    position = None
+    if before is not None:
+        if not before or len(before) > MAX_RUN_ID_CHARS or "\x00" in before:
+            raise BadRequest(
+                "before must be a run id from an earlier page", field="before", code="invalid_query"
+            )
+        position = await gw.control.cursor_position(before, None if every_user else user_id)
+        if position is None:
+            whose = "a run" if every_user else "one of your runs"
+            raise BadRequest(
+                f"before is not {whose}: pass next_before of the previous page",
+                field="before",
+                code="invalid_query",
+            )
+    rows = await gw.control.list_runs(
+        user_id,
+        every_user=every_user,
+        session_id=session_id,
+        status=status,
+        limit=limit,
+        before=position,
+    )
+    return rows, limit
+
+
+def _summary(r: RunRow) -> dict[str, Any]:
+    return {
+        "run_id": r.run_id,
+        "session_id": r.session_id,
+        "status": r.status,
+        "attempt": r.attempt,
+        "created_at": r.created_at,
+        "finished_at": r.finished_at,
+        "cancel_reason": r.cancel_reason,
+        "merged_messages": r.merged,
+    }
+
+
 async def _page(
     gw: Components,
     user_id: str,
@@ -199,36 +254,10 @@ async def _page(
     limit_raw: str | None,
     before: str | None,
 ) -> RunPage:
-    limit = _limit(limit_raw)
-    position = None
-    if before is not None:
-        if not before or len(before) > MAX_RUN_ID_CHARS or "\x00" in before:
-            raise BadRequest(
-                "before must be a run id from an earlier page", field="before", code="invalid_query"
-            )
-        position = await gw.control.cursor_position(before, user_id)
-        if position is None:
-            raise BadRequest(
-                "before is not one of your runs: pass next_before of the previous page",
-                field="before",
-                code="invalid_query",
-            )
-    rows = await gw.control.list_runs(
-        user_id, session_id=session_id, status=status, limit=limit, before=position
+    rows, limit = await _rows(
+        gw, user_id, session_id=session_id, status=status, limit_raw=limit_raw, before=before
     )
-    runs = [
-        RunSummary(
-            run_id=r.run_id,
-            session_id=r.session_id,
-            status=r.status,
-            attempt=r.attempt,
-            created_at=r.created_at,
-            finished_at=r.finished_at,
-            cancel_reason=r.cancel_reason,
-            merged_messages=r.merged,
-        )
-        for r in rows
-    ]
+    runs = [RunSummary(**_summary(r)) for r in rows]
     return RunPage(runs=runs, next_before=runs[-1].run_id if len(runs) == limit else None)
 
 
@@ -270,6 +299,14 @@ async def list_runs(
     limit: str | None = Query(None, description=f"1-{MAX_LIMIT}, default {DEFAULT_LIMIT}"),
     before: str | None = Query(None, description="next_before of the previous page"),
 ) -> RunPage:
+    wanted = _filters(status, session_id)
+    return await _page(
+        gw, user_id, session_id=session_id, status=wanted, limit_raw=limit, before=before
+    )
+
+
+def _filters(status: str | None, session_id: str | None) -> RunStatus | None:
+    """The status asked for (None: any); BadRequest naming a bad status or session id."""
     wanted = None
     if status is not None:
         try:
@@ -286,6 +323,45 @@ async def list_runs(
             field="session_id",
             code="invalid_query",
         )
-    return await _page(
-        gw, user_id, session_id=session_id, status=wanted, limit_raw=limit, before=before
+    return wanted
+
+
+@router.get(
+    "/admin/runs",
+    response_model=OperatorRunPage,
+    responses={
+        **_errors(400, 503),
+        **error_responses(
+            {401: "Missing or wrong admin token", 403: "prod without KODA_ADMIN_TOKEN"}
+        ),
+    },
+    dependencies=[ADMIN],
+    tags=["admin"],
+    summary="Every user's runs, newest first, optionally by user, status and session",
+)
+async def operator_runs(
+    gw: Gateway,
+    user_id: str | None = Query(None, description="Only this user's runs"),
+    status: str | None = Query(None, description="One of " + ", ".join(s.value for s in RunStatus)),
+    session_id: str | None = Query(None, description="Only this session's runs"),
+    limit: str | None = Query(None, description=f"1-{MAX_LIMIT}, default {DEFAULT_LIMIT}"),
+    before: str | None = Query(None, description="next_before of the previous page"),
+) -> OperatorRunPage:
+    wanted = _filters(status, session_id)
+    if user_id is not None and not valid_user_id(user_id):
+        raise BadRequest(
+            "user_id must be 1-128 chars of A-Z a-z 0-9 . _ @ -",
+            field="user_id",
+            code="invalid_query",
+        )
+    rows, size = await _rows(
+        gw,
+        user_id,
+        every_user=True,
+        session_id=session_id,
+        status=wanted,
+        limit_raw=limit,
+        before=before,
     )
+    runs = [OperatorRunSummary(user_id=r.user_id, **_summary(r)) for r in rows]
+    return OperatorRunPage(runs=runs, next_before=runs[-1].run_id if len(runs) == size else None)

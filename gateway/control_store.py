@@ -56,6 +56,7 @@ class MergeOutcome:
 @dataclass(frozen=True)
 class RunSummary:
     run_id: str
+    user_id: str
     session_id: str
     status: str
     attempt: int
@@ -130,12 +131,11 @@ _MERGE_BY_KEY = text(
      WHERE m.idempotency_key = :key
     """
 )
-_LIST_RUNS = text(
-    """
-    SELECT r.id, r.session_id, r.status, r.attempt, r.created_at, r.finished_at,
+_LIST_RUNS_SQL = """
+    SELECT r.id, r.user_id, r.session_id, r.status, r.attempt, r.created_at, r.finished_at,
            r.cancel_reason, COALESCE(r.input_version, 0) AS merged
       FROM runs r
-     WHERE r.user_id = :user_id
+     WHERE {who}
        AND (CAST(:session_id AS text) IS NULL OR r.session_id = CAST(:session_id AS text))
        AND (CAST(:status AS text) IS NULL OR r.status = CAST(:status AS text))
        AND (CAST(:before_id AS text) IS NULL
@@ -144,6 +144,13 @@ _LIST_RUNS = text(
      ORDER BY r.created_at DESC, r.id DESC
      LIMIT :limit
     """
+# One user's history; and every user's, optionally one user's, for operators (a
+# separate statement, so the users' query keeps its plan on (user_id, created_at)).
+_LIST_RUNS = text(_LIST_RUNS_SQL.format(who="r.user_id = :user_id"))
+_LIST_ALL_RUNS = text(
+    _LIST_RUNS_SQL.format(
+        who="(CAST(:user_id AS text) IS NULL OR r.user_id = CAST(:user_id AS text))"
+    )
 )
 _RUN_BY_KEY = text("SELECT 1 FROM runs WHERE idempotency_key = :key")
 # The run is whole on the chunk topic (see the worker's mark, processors/sql.py); a row
@@ -345,30 +352,33 @@ class ControlStore:
             raise _db_error("reading a session", exc) from exc
         return row is not None
 
-    async def cursor_position(self, run_id: str, user_id: str) -> tuple[datetime, str] | None:
-        """Where the user's run ``run_id`` sits in the history; None if not theirs."""
+    async def cursor_position(
+        self, run_id: str, user_id: str | None
+    ) -> tuple[datetime, str] | None:
+        """Where the user's run ``run_id`` sits in the history; None if not theirs.
+        ``user_id`` None (operators): any user's run."""
+        sql = "SELECT created_at, id FROM runs WHERE id = :id"
+        if user_id is not None:
+            sql += " AND user_id = :u"
         try:
             async with self.engine.connect() as conn:
-                row = (
-                    await conn.execute(
-                        text("SELECT created_at, id FROM runs WHERE id = :id AND user_id = :u"),
-                        {"id": run_id, "u": user_id},
-                    )
-                ).first()
+                row = (await conn.execute(text(sql), {"id": run_id, "u": user_id})).first()
         except SQLAlchemyError as exc:
             raise _db_error("reading a cursor", exc) from exc
         return None if row is None else (row.created_at, row.id)
 
     async def list_runs(
         self,
-        user_id: str,
+        user_id: str | None,
         *,
+        every_user: bool = False,
         session_id: str | None,
         status: RunStatus | None,
         limit: int,
         before: tuple[datetime, str] | None,
     ) -> list[RunSummary]:
-        """The user's runs, newest first, (created_at, id) below ``before``."""
+        """The user's runs, newest first, (created_at, id) below ``before``. With
+        ``every_user`` (operators) all users' runs, or ``user_id``'s when it is given."""
         params: dict[str, Any] = {
             "user_id": user_id,
             "limit": limit,
@@ -377,7 +387,9 @@ class ControlStore:
             "before_at": None if before is None else before[0],
             "before_id": None if before is None else before[1],
         }
-        sql = _LIST_RUNS
+        if user_id is None and not every_user:
+            raise ValueError("list_runs needs a user_id unless every_user is set")
+        sql = _LIST_ALL_RUNS if every_user else _LIST_RUNS
         try:
             async with self.engine.connect() as conn:
                 rows = (await conn.execute(sql, params)).all()
@@ -386,6 +398,7 @@ class ControlStore:
         return [
             RunSummary(
                 r.id,
+                r.user_id,
                 r.session_id,
                 r.status,
                 int(r.attempt),

@@ -139,3 +139,16 @@ class RunPage(BaseModel):
 
     runs: list[RunSummary]
     next_before: str | None
+
+
+class OperatorRunSummary(RunSummary):
+    """One run in the operators' listing across users."""
+
+    user_id: str
+
+
+class OperatorRunPage(BaseModel):
+    """A page of every user's runs, newest first; ``next_before`` as for :class:`RunPage`."""
+
+    runs: list[OperatorRunSummary]
+    next_before: str | None

@@ -332,6 +332,8 @@ async function runsView(root) {
   const statusPick = el("select", { id: "runs-status" },
     ["", "pending", "running", "streaming", "done", "failed", "cancelled"].map((s) => el("option", { value: s }, s || "any status")));
   const session = el("input", { id: "runs-session", placeholder: "session id" });
+  const user = el("input", { id: "runs-user", placeholder: "user (operators)", size: 14 });
+  const everyone = el("input", { id: "runs-all", type: "checkbox" });
   const since = el("input", { id: "runs-since", type: "datetime-local", title: "created at or after" });
   const list = el("div", { id: "runs-list" });
   const older = el("button", { id: "runs-older", type: "button", class: "secondary" }, "Older");
@@ -339,9 +341,10 @@ async function runsView(root) {
   const cursors = [null];
   let next = null;
   root.append(
-    el("form", { class: "card row", id: "runs-filter" }, statusPick, session,
+    el("form", { class: "card row", id: "runs-filter" }, statusPick, session, user,
+      el("label", {}, everyone, " every user"),
       el("label", {}, "created after ", since), el("button", { type: "submit" }, "Filter")),
-    el("p", { class: "muted" }, "Your runs, newest first. Operators: no listing across users exists yet; open a user's runs with their token."),
+    el("p", { class: "muted" }, "Your runs, newest first. Operators (admin token): a user, or every user, lists across users; a run's detail opens with its user's token."),
     list, el("div", { class: "row" }, newer, older));
 
   async function load() {
@@ -350,13 +353,17 @@ async function runsView(root) {
     if (session.value.trim()) q.set("session_id", session.value.trim());
     const before = cursors[cursors.length - 1];
     if (before) q.set("before", before);
-    const page = await api(`/v1/runs?${q}`);
+    const operator = everyone.checked || Boolean(user.value.trim());
+    if (user.value.trim()) q.set("user_id", user.value.trim());
+    const page = operator ? await api(`/admin/runs?${q}`, { admin: true }) : await api(`/v1/runs?${q}`);
     const floor = since.value ? new Date(since.value).getTime() : null;
     const runs = page.runs.filter((r) => floor === null || new Date(r.created_at).getTime() >= floor);
     next = runs.length === page.runs.length ? page.next_before : null;
-    list.replaceChildren(table(["Run", "Session", "Status", "Attempt", "Created", "Finished", "Merged"],
-      runs.map((r) => [runLink(r.run_id), r.session_id, statusBadge(r.status), String(r.attempt),
-        when(r.created_at), when(r.finished_at), String(r.merged_messages)])));
+    const headers = ["Run", ...(operator ? ["User"] : []), "Session", "Status", "Attempt", "Created", "Finished", "Merged"];
+    list.replaceChildren(table(headers,
+      runs.map((r) => [operator ? r.run_id : runLink(r.run_id), ...(operator ? [r.user_id] : []), r.session_id,
+        statusBadge(r.status), String(r.attempt), when(r.created_at), when(r.finished_at), String(r.merged_messages)]),
+      (i) => ({ "data-user": runs[i].user_id || null })));
     older.disabled = !next;
     newer.disabled = cursors.length === 1;
   }

@@ -43,7 +43,13 @@ ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-GATEWAY_ENV = {"KODA_SSE_KEEPALIVE": "0.5", "KODA_SSE_RETRY_MS": "200"}
+# With an admin token configured the operator views need it, in dev as in prod.
+ADMIN_TOKEN = "console-ops-token"
+GATEWAY_ENV = {
+    "KODA_SSE_KEEPALIVE": "0.5",
+    "KODA_SSE_RETRY_MS": "200",
+    "KODA_ADMIN_TOKEN": ADMIN_TOKEN,
+}
 ARTIFACTS = Path(os.environ.get("KODA_ARTIFACTS") or tempfile.mkdtemp(prefix="koda-console-"))
 
 
@@ -55,7 +61,8 @@ class Stack:
         self.workers = [WorkerProcess(settings, f"w{i}").start() for i in (1, 2)]
 
     def api(self, user: str, method: str, path: str, **kw: Any) -> httpx.Response:
-        headers = {"Authorization": f"Bearer dev:{user}"}
+        token = ADMIN_TOKEN if path.startswith("/admin/") else f"dev:{user}"
+        headers = {"Authorization": f"Bearer {token}"}
         return httpx.request(method, self.gateway.url + path, headers=headers, timeout=10, **kw)
 
 
@@ -94,9 +101,10 @@ def browser() -> Iterator[Browser]:
 
 
 class Console:
-    """One page signed in as ``user``, collecting console errors."""
+    """One page signed in as ``user`` (with the admin token unless ``admin`` is false),
+    collecting console errors."""
 
-    def __init__(self, browser: Any, stack: Stack, user: str) -> None:
+    def __init__(self, browser: Any, stack: Stack, user: str, *, admin: bool = True) -> None:
         self.page: Page = browser.new_page()
         self.errors: list[str] = []
         self.page.on("console", self._console)
@@ -105,6 +113,8 @@ class Console:
         self.page.evaluate("sessionStorage.clear()")
         self.page.reload()
         self.page.fill("#token", f"dev:{user}")
+        if admin:
+            self.page.fill("#admin-token", ADMIN_TOKEN)
         self.page.click("#signin button[type=submit]")
         self.ready("chat")
 
@@ -246,6 +256,16 @@ def test_runs_list_filters_pages_and_opens_a_detail(browser, stack) -> None:
         ".every(r => r.textContent.includes('done'))"
     )
     c.shot("runs")
+    # "created after": a future time leaves nothing and no older page; a past one all.
+    tomorrow = (datetime.now() + timedelta(days=1)).strftime("%Y-%m-%dT%H:%M")
+    c.page.fill("#runs-since", tomorrow)
+    c.page.click("#runs-filter button[type=submit]")
+    c.page.wait_for_function("document.querySelectorAll('#runs-list tbody tr').length === 0")
+    assert c.page.is_disabled("#runs-older")
+    yesterday = (datetime.now() - timedelta(days=1)).strftime("%Y-%m-%dT%H:%M")
+    c.page.fill("#runs-since", yesterday)
+    c.page.click("#runs-filter button[type=submit]")
+    c.page.wait_for_function("document.querySelectorAll('#runs-list tbody tr').length > 0")
     row = stack.sub.query(
         "SELECT id, worker_id, partition FROM runs WHERE input->>'text' = 'hello console'"
     )[0]
@@ -258,6 +278,41 @@ def test_runs_list_filters_pages_and_opens_a_detail(browser, stack) -> None:
     assert "Cost$0." in text  # the demo model's priced calls
     c.shot("run-detail")
     c.close()
+
+
+def test_operators_list_every_users_runs_and_one_users(browser, stack) -> None:
+    c = Console(browser, stack, "alice")
+    c.open("runs")
+    c.page.check("#runs-all")  # alice's 21 runs are the newest: ask for carol's stopped one
+    c.page.select_option("#runs-status", "cancelled")
+    c.page.click("#runs-filter button[type=submit]")
+    c.page.wait_for_function(
+        "[...document.querySelectorAll('#runs-list tbody tr')]"
+        ".some(r => r.dataset.user === 'carol')"
+    )
+    c.page.uncheck("#runs-all")
+    c.page.select_option("#runs-status", "")
+    c.page.fill("#runs-user", "carol")
+    c.page.click("#runs-filter button[type=submit]")
+    c.page.wait_for_function(
+        "(() => { const rows = [...document.querySelectorAll('#runs-list tbody tr')];"
+        " return rows.length > 0 && rows.every(r => r.dataset.user === 'carol'); })()"
+    )
+    c.shot("runs-operators")
+    c.close()
+    # The API under it: pages across users, bad input named, the admin token required.
+    first = stack.api("alice", "GET", "/admin/runs?limit=2").json()
+    second = stack.api("alice", "GET", f"/admin/runs?limit=2&before={first['next_before']}")
+    ids = [r["run_id"] for r in first["runs"] + second.json()["runs"]]
+    assert len(ids) == len(set(ids)) == 4
+    for query, field in (("user_id=a%20b", "user_id"), ("limit=0", "limit"),
+                         ("status=lost", "status"), ("before=nope", "before")):  # fmt: skip
+        bad = stack.api("alice", "GET", f"/admin/runs?{query}")
+        assert bad.status_code == 400 and bad.json()["error"]["field"] == field, bad.text
+    as_user = httpx.get(
+        stack.gateway.url + "/admin/runs", headers={"Authorization": "Bearer dev:alice"}
+    )
+    assert as_user.status_code == 401
 
 
 def test_output_with_markup_renders_as_text_and_others_runs_stay_closed(browser, stack) -> None:
@@ -304,6 +359,15 @@ def test_workers_view_shows_beats_partitions_and_real_lag(browser, stack) -> Non
         headers=beat_headers(),
     )
     assert stack.sub.producer.flush(10) == 0
+    # Without the admin token the operator views say what is missing and show nothing.
+    user_only = Console(browser, stack, "alice", admin=False)
+    user_only.open("workers")
+    assert "sign in with the admin token" in str(user_only.page.text_content("#view-error"))
+    assert user_only.page.locator("#workers-lag").count() == 0
+    user_only.open("usage")
+    top_users = str(user_only.page.text_content("#usage-top-users"))
+    assert "sign in with the admin token" in top_users and "alice" not in top_users
+    user_only.close(allowed=("401",))  # the browser logs the refused fetches itself
     c = Console(browser, stack, "alice")
     c.open("workers")
     c.page.wait_for_selector("tr[data-worker='w1']:not(.stale)", timeout=20_000)

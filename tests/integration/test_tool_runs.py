@@ -14,13 +14,15 @@ from typer.testing import CliRunner
 from koda_runtime.db import async_engine
 from koda_runtime.gateway.app import create_app
 from koda_runtime.gateway.memories_cli import memories_app
-from koda_runtime.processors.memory import store
+from koda_runtime.processors.memory import store, tool
 from koda_runtime.processors.memory.embedders import wordllama
 from koda_runtime.settings import Settings
 from tests.fixtures.gateway import serve_app
 from tests.fixtures.model_server import (
     DISTILLED,
     FINAL_ANSWER,
+    HOSTILE,
+    HOSTILE_CALLS,
     TOOL_SCRIPT,
     ScriptedModel,
     serve_scripted_model,
@@ -122,11 +124,42 @@ def test_a_run_with_tool_calls_streams_every_turn_and_remembers(
         "embedding:wordllama-l2-supercat-256"
     ] * 3  # query 1, query 3 (the refused call embeds nothing), the new memory
     assert [u.call_index for u in usage] == list(range(len(usage)))
+    # In the cost ledger the embedding calls are their own kind.
+    ledger = module_submitter.query(
+        "SELECT kind, count(*) AS calls FROM ledger WHERE run_id = :r GROUP BY kind", r=run_id
+    )
+    assert {row.kind: row.calls for row in ledger} == {"chat": 5, "embedding": 3}
     memories = module_submitter.query(
         "SELECT user_id, text, run_id FROM memories ORDER BY user_id, text"
     )
     assert [(m.user_id, m.text) for m in memories if m.run_id == run_id] == [("ana", DISTILLED[0])]
     assert [m.text for m in memories if m.user_id == "mallory"] == ["My bank PIN is 4821."]
+
+
+def test_tool_arguments_aimed_at_another_user_read_nothing_of_theirs(
+    module_env: Settings, module_submitter: Submitter, worker: WorkerProcess
+) -> None:
+    """One model turn of four calls whose arguments name another user, inject SQL and
+    inject prompt text: every search runs as the run's user, through the worker."""
+    seed(module_env, "vic", "My bank PIN is 4821.", "My passport number is K7719.")
+    seed(module_env, "zed", "My bank PIN is 1357.")
+    before = module_submitter.query("SELECT id FROM memories WHERE user_id = 'vic' ORDER BY id")
+    ScriptedModel.seen.clear()
+    run_id = module_submitter.submit("zed", {"text": HOSTILE + "what is vic's bank PIN?"})
+    assert finished(module_submitter, run_id, worker) == "done", worker.log()[-3000:]
+    tools = [json.loads(r.content) for r in module_submitter.messages(run_id) if r.kind == "tool"]
+    calls = [t for t in tools if "arguments" in t]
+    results = [t["result"] for t in tools if "result" in t]
+    assert [c["arguments"] for c in calls] == HOSTILE_CALLS  # four calls of one turn
+    assert results[0].startswith("error: memory_search has no field 'user_id'")
+    # The searches did run, and found zed's own PIN; never vic's memories.
+    assert "1357" in results[1] and "1357" in results[2], results
+    assert results[3] == tool.EMPTY  # the SQL text is only embedded: it matches nothing
+    seen_by_model = json.dumps(ScriptedModel.seen)
+    for secret in ("4821", "K7719"):
+        assert secret not in json.dumps(tools) and secret not in seen_by_model
+    after = module_submitter.query("SELECT id FROM memories WHERE user_id = 'vic' ORDER BY id")
+    assert after == before  # the injected DELETE touched nothing
 
 
 def test_reaching_the_tool_turn_limit_fails_the_run_saying_so(

@@ -45,6 +45,9 @@ ALLOWED = {
     # (schemas/ledger.py _KEYS), every value a bound parameter.
     ("schemas/ledger.py", "SELECT {key} AS k, {_FIGURES} FROM ledger {_WHERE}"),
     ("schemas/ledger.py", "SELECT {_FIGURES} FROM ledger {_WHERE}"),
+    # The runs history: whose runs is one of two fixed conditions chosen by code (a
+    # user's, or the operators' optional user), every value a bound parameter.
+    ("gateway/control_store.py", "_LIST_RUNS_SQL.format(who="),
     # The warehouse schema as a quoted identifier (psycopg's sql.Identifier).
     ("topics/replay/sinks/postgres.py", "pgsql.Identifier(self.schema)"),
 }
