@@ -19,7 +19,19 @@ dev: install
 test: install
 	APP_ENV=dev $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-install: system-deps $(STAMP)
+# Toxiproxy (the chaos stack's network faults) is built from the Go module proxy into
+# build/ once (skipped when the binary is there). The pinned version is the newest the
+# proxy resolves for the v2 module; tests/chaos/toxiproxy.py holds it, read here.
+TOXIPROXY_VERSION := $(shell sed -n 's/^TOXIPROXY_VERSION = "\(.*\)"$$/\1/p' tests/chaos/toxiproxy.py)
+TOXIPROXY := build/toxiproxy-$(TOXIPROXY_VERSION)/toxiproxy-server
+
+install: system-deps $(STAMP) $(TOXIPROXY)
+
+$(TOXIPROXY):
+	@command -v go >/dev/null || { echo "go is missing: the chaos tests build Toxiproxy with it (apt-get install golang-go)"; exit 1; }
+	@mkdir -p $(@D)
+	GOBIN=$(abspath $(@D)) GOFLAGS=-mod=mod go install github.com/Shopify/toxiproxy/v2/cmd/server@$(TOXIPROXY_VERSION)
+	@mv $(@D)/server $@
 
 # The install is editable in strict mode: a tree of links to each file of the package, so
 # mypy and Python see koda_runtime as installed. A file added to or removed from the

@@ -35,7 +35,6 @@ from random import Random
 
 import httpx
 
-from koda_runtime.localstack import down, up
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.chunkverify import verify_chunks
 from koda_runtime.processors.compactor import ChunkCompactor
@@ -50,7 +49,7 @@ from tests.chaos.checks import (
     median_max,
     wait_all_committed,
 )
-from tests.chaos.cluster import CommitMonitor, Pool, Postgres, Stack
+from tests.chaos.cluster import CommitMonitor, Pool, Postgres, Stack, proxied_stack
 from tests.chaos.load import (
     InjectedPoison,
     PlannedRun,
@@ -211,7 +210,7 @@ class Chaos:
         self.stack = stack
         self.rng = Random(cfg.seed)  # noqa: S311 - reproducible schedule, not crypto
         self.settings = chaos_settings(stack, cfg, f"chaos{int(time.time()) % 10**8}")
-        self.pool = Pool(self.settings, cfg.workers)
+        self.pool = Pool(self.settings, cfg.workers, network=stack.network)
         self.db = Postgres(self.settings)
         self.monitor = CommitMonitor(self.settings)
         self.auditor = OffsetAuditor(self.settings, self.db, self.monitor)
@@ -470,14 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     state = a.state_dir or Path(tempfile.mkdtemp(prefix="koda-chaos-", dir="/tmp"))
     print(f"chaos: seed {a.seed}, state dir {state}", flush=True)
     try:
-        info = up(state, brokers=a.brokers)
-        report = run_on(cfg, Stack(state, info))
+        with proxied_stack(state, a.brokers) as stack:
+            report = run_on(cfg, stack)
     finally:
-        try:
-            down(state)
-        finally:
-            if not a.keep:
-                shutil.rmtree(state, ignore_errors=True)
+        if not a.keep:
+            shutil.rmtree(state, ignore_errors=True)
     print()
     print(report.table())
     if report.violations:
