@@ -38,6 +38,20 @@ Definitions used by the checks:
   auditor reads the group's committed offset of each partition and *then* the status
   of every run whose record lies below it; a run that is not terminal at that later
   moment was not terminal when the offset was committed (terminal is absorbing).
+* **Every cancelled run ends `cancelled` and never runs again**: a cancel the gateway
+  took (202: recorded on a running run; 200 with status `cancelled`: a pending run
+  ended at once) must leave the run `cancelled`, its terminal `cancelled` message the
+  last, and no attempt claimed after the request was durable (a successor that claims
+  a cancel-requested run ends it without running the handler and emits no `running`
+  transition; one second of slack covers the event's own timestamp). A cancel answered
+  200 with another terminal status came after the run ended: counted, and the run
+  must end as planned.
+* **Every merged message appears in its run's final input and answer**: a follow-up
+  answered `"merged": true` names the run it joined; that run's final `runs.input`
+  text contains the follow-up's text, and a run that ended `done` answered exactly
+  what the demo model gives for that final input (its output after the last `reset`),
+  so the answer was computed on both messages. A follow-up not merged is a run of its
+  own and is checked like every other.
 * **The DLQ holds only the injected poison**: every dead letter is either one of the
   records written as poison (matched by partition and offset) or the trigger of a run
   whose handler always fails; each injected poison appears. Repeats of the same
@@ -97,6 +111,13 @@ class Findings:
     offsets_ahead: int = 0
     resumed_runs: int = 0
     max_attempt: int = 0
+    cancels: int = 0
+    cancels_took: int = 0
+    cancels_after_end: int = 0
+    cancel_violations: int = 0
+    follow_ups: int = 0
+    merged: int = 0
+    merge_violations: int = 0
     violations: list[str] = field(default_factory=list)
 
     def violate(self, message: str) -> None:
@@ -210,7 +231,9 @@ def check_all(
 ) -> Findings:
     """Every check of the module docstring; returns counts and violations."""
     f = Findings()
-    planned = {r.run_id: r for runs in plan.values() for r in runs if r.run_id is not None}
+    planned = {
+        r.run_id: r for runs in plan.values() for r in runs if r.run_id is not None and not r.merged
+    }
     f.accepted = len(planned)
     for runs in plan.values():
         for r in runs:
@@ -221,7 +244,7 @@ def check_all(
         r.id: r
         for r in db.query(
             "SELECT id, user_id, status, attempt, failures, error, created_at, started_at,"
-            " finished_at FROM runs"
+            " finished_at, input, cancel_requested_at FROM runs"
         )
     }
     messages: dict[str, list[Any]] = defaultdict(list)
@@ -244,6 +267,8 @@ def check_all(
     for run_id, plan_run in planned.items():
         _check_run(f, plan_run, rows.get(run_id), messages.get(run_id, []), claims[run_id])
     _check_order(f, plan, rows, claims)
+    _check_cancels(f, planned, rows, claims)
+    _check_merges(f, plan, rows)
     _check_topic(f, settings, planned, messages)
     _check_viewers(f, viewers, messages)
     _check_dlq(f, settings, planned, poison)
@@ -275,6 +300,8 @@ def _check_run(
     f.poison_runs += plan.poison
     f.max_attempt = max(f.max_attempt, row.attempt)
     expected = "failed" if plan.poison else "done"
+    if plan.cancel is not None and plan.cancel.took:
+        expected = "cancelled"
     if row.status != expected:
         history = ", ".join(f"#{a} on {w}" for a, _, w in sorted(claims))
         f.violate(
@@ -294,8 +321,11 @@ def _check_run(
     if row.status == "done":
         last_reset = max((m.seq for m in msgs if m.kind == "reset"), default=-1)
         got = "".join(m.content for m in msgs if m.kind == "chunk" and m.seq > last_reset)
-        if got != "".join(demo_tokens(plan.input)):
-            f.violate(f"run {run_id}: output differs from the demo model's")
+        # The final input: the submitted one, or that and the messages merged into it.
+        if got != "".join(demo_tokens(row.input)):
+            f.violate(f"run {run_id}: output differs from the demo model's for its input")
+    if row.status == "cancelled" and row.started_at is None:
+        return  # cancelled while pending: it never started
     if row.started_at is None or row.finished_at is None:
         f.violate(f"run {run_id} is {row.status} without started_at/finished_at")
         return
@@ -336,6 +366,65 @@ def _check_order(
             if early:
                 f.order_violations += 1
                 f.violate(f"{user}: attempts {early} of {nxt.id} claimed before {prev.id} ended")
+
+
+def _check_cancels(
+    f: Findings,
+    planned: dict[str, PlannedRun],
+    rows: dict[str, Any],
+    claims: dict[str, list[tuple[int, float, str]]],
+) -> None:
+    for run_id, p in planned.items():
+        answer = p.cancel
+        if answer is None:
+            continue
+        f.cancels += 1
+        row = rows.get(run_id)
+        if answer.code is None:
+            f.cancel_violations += 1
+            f.violate(f"cancel of run {run_id} never answered: {answer.problem}")
+            continue
+        if not answer.took:
+            f.cancels_after_end += answer.code == 200
+            if answer.code != 200:
+                f.cancel_violations += 1
+                f.violate(f"cancel of run {run_id} answered {answer.code}: {answer.problem}")
+            continue
+        f.cancels_took += 1
+        if row is None or row.status != "cancelled":
+            f.cancel_violations += 1
+            f.violate(
+                f"run {run_id} was cancelled ({answer.code}) but ended "
+                f"{None if row is None else row.status}"
+            )
+            continue
+        requested = row.cancel_requested_at or row.finished_at
+        if requested is None:
+            f.cancel_violations += 1
+            f.violate(f"run {run_id} is cancelled with neither cancel_requested_at nor finished_at")
+            continue
+        again = [a for a, at, _ in claims.get(run_id, []) if at > requested.timestamp() + 1.0]
+        if again:
+            f.cancel_violations += 1
+            f.violate(f"run {run_id} ran again after its cancel: attempts {again} claimed")
+
+
+def _check_merges(f: Findings, plan: dict[str, list[PlannedRun]], rows: dict[str, Any]) -> None:
+    for runs in plan.values():
+        for r in runs:
+            if not r.follow_up or r.run_id is None:
+                continue
+            f.follow_ups += 1
+            if not r.merged:
+                continue
+            f.merged += 1
+            row = rows.get(r.run_id)
+            text = row.input.get("text") if row is not None else None
+            if not isinstance(text, str) or r.input["text"] not in text:
+                f.merge_violations += 1
+                f.violate(f"message merged into run {r.run_id} is not in its final input")
+            # A done run's answer equals the demo model's for that final input
+            # (_check_run), so it was computed on the merged message too.
 
 
 def _check_topic(

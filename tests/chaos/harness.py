@@ -75,6 +75,8 @@ class Config:
     watch_fraction: float = 0.05
     poison_runs: int = 5
     flaky_fraction: float = 0.02
+    cancel_fraction: float = 0.02
+    merge_fraction: float = 0.02
     poison_rounds: int = 2
     min_faults: int = 21
     kinds: tuple[str, ...] = ()
@@ -88,9 +90,10 @@ class Config:
     deadline_s: float = 1800.0
     seed: int = 1
     verbose: bool = True
+    network: bool = True  # the stack has Toxiproxy slots: network faults apply
 
     def fault_kinds(self) -> tuple[str, ...]:
-        return self.kinds or fk.kinds_for(self.brokers)
+        return self.kinds or fk.kinds_for(self.brokers, network=self.network)
 
     def window_s(self) -> float:
         """How long users keep submitting: about the pool's capacity, and as long as
@@ -109,10 +112,28 @@ class Report:
     faults: list[fk.Fault]
     elapsed_s: float
     violations: list[str] = field(default_factory=list)
+    plan: dict[str, list[PlannedRun]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+    def cancel_times(self) -> list[float]:
+        return [r.cancel.at for rs in self.plan.values() for r in rs if r.cancel is not None]
+
+    def merge_times(self) -> list[float]:
+        """When each follow-up was answered merged (the merge is done by then)."""
+        return [
+            r.accepted_at
+            for rs in self.plan.values()
+            for r in rs
+            if r.merged and r.accepted_at is not None
+        ]
+
+    def during_fault(self, times: list[float]) -> int:
+        """How many of ``times`` fell inside a fault (from injection until it was over)."""
+        spans = [(x.at, x.ended_at or x.at) for x in self.faults]
+        return sum(any(a <= t <= b for a, b in spans) for t in times)
 
     def table(self) -> str:
         f = self.findings
@@ -145,6 +166,17 @@ class Report:
                 f"{f.viewers} / {f.viewer_mismatches} / {f.viewer_reconnects}",
             ),
             ("dead letters (repeats)", f"{f.dead_letters} ({f.dead_letter_repeats})"),
+            (
+                "cancels: sent / during a fault / took / after the end",
+                f"{f.cancels} / {self.during_fault(self.cancel_times())} / {f.cancels_took}"
+                f" / {f.cancels_after_end}",
+            ),
+            ("  cancelled runs not cancelled or run again", str(f.cancel_violations)),
+            (
+                "follow-ups: sent / during a fault / merged",
+                f"{f.follow_ups} / {self.during_fault(self.merge_times())} / {f.merged}",
+            ),
+            ("  merged messages missing from input or answer", str(f.merge_violations)),
             ("offset audits / offsets ahead of work", f"{f.offset_audits} / {f.offsets_ahead}"),
         ]
         handoffs = [x.handoff_s for x in self.faults if x.handoff_s is not None]
@@ -155,6 +187,25 @@ class Report:
                 _secs(med) + " / " + _secs(mx) + f"  ({len(handoffs)} worker faults)",
             )
         )
+        for kind in fk.NETWORK_KINDS:
+            net = [x for x in self.faults if x.kind == kind]
+            if not net:
+                continue
+            med, mx = median_max([x.recover_s for x in net if x.recover_s is not None])
+            unmeasured = sum(x.recover_s is None for x in net)
+            tail = f"; {unmeasured} unmeasured" if unmeasured else ""
+            rows.append(
+                (
+                    f"  {kind}",
+                    f"{len(net)}; recovered median / max {_secs(med)} / {_secs(mx)}"
+                    f" ({fk.RECOVERY_OF[kind]}){tail}",
+                )
+            )
+            # Each fault's notes ("cut 8.1s", "/readyz while cut: 503", ...), the first few.
+            for x in net[:3]:
+                rows.append((f"    {x.target}", "; ".join(x.notes)))
+            if len(net) > 3:
+                rows.append(("    ...", f"{len(net) - 3} more in the log"))
         for x in self.faults:
             if x.kind in fk.SERVICE_KINDS or x.kind == fk.GATEWAY_RESTART:
                 what = "ready after" if x.kind == fk.GATEWAY_RESTART else "recovered after"
@@ -210,6 +261,8 @@ class Chaos:
         self.stack = stack
         self.rng = Random(cfg.seed)  # noqa: S311 - reproducible schedule, not crypto
         self.settings = chaos_settings(stack, cfg, f"chaos{int(time.time()) % 10**8}")
+        if cfg.network and stack.network is None:
+            raise ValueError("Config.network is set but the stack has no Toxiproxy slots")
         self.pool = Pool(self.settings, cfg.workers, network=stack.network)
         self.db = Postgres(self.settings)
         self.monitor = CommitMonitor(self.settings)
@@ -265,6 +318,8 @@ class Chaos:
             poison_runs=cfg.poison_runs,
             flaky_fraction=cfg.flaky_fraction,
             watch_fraction=cfg.watch_fraction,
+            cancel_fraction=cfg.cancel_fraction,
+            merge_fraction=cfg.merge_fraction,
         )
         deadline = time.monotonic() + cfg.deadline_s
         per_user = max(len(v) for v in self.plan.values())
@@ -336,6 +391,7 @@ class Chaos:
             rounds += 1
             self.log(f"fault {len(self.faults) + 1}: {kind}")
             fault = await self.injector.inject(kind)
+            fault.ended_at = time.time()
             self.faults.append(fault)
             self.log(
                 f"  {fault.kind} on {fault.target}: handoff {_secs(fault.handoff_s)} "
@@ -358,6 +414,10 @@ class Chaos:
                 self.rng,
                 self.cfg.session_timeout_s,
                 down_s=self.cfg.down_s,
+                handoff_ceiling_s=self.cfg.handoff_ceiling_s,
+                live_viewers=lambda: sum(
+                    1 for v in self.viewers if v.connections and not v.finished
+                ),
             )
         return self._injector
 
@@ -417,9 +477,23 @@ class Chaos:
             f"{x.kind} on {x.target}: {n}"
             for x in self.faults
             for n in x.notes
-            if "exit code" in n or "not complete" in n
+            if "exit code" in n or "not complete" in n or "not recovered" in n
         ]
-        return Report(self.cfg, findings, self.faults, time.monotonic() - self.started, violations)
+        elapsed = time.monotonic() - self.started
+        return Report(self.cfg, findings, self.faults, elapsed, violations, self.plan)
+
+
+def _parse_kinds(arg: str, brokers: int) -> tuple[str, ...]:
+    known = fk.kinds_for(brokers, network=True)
+    kinds: list[str] = []
+    for name in filter(None, (k.strip() for k in arg.split(","))):
+        if name == "network":
+            kinds += fk.NETWORK_KINDS
+        elif name in known:
+            kinds.append(name)
+        else:
+            raise SystemExit(f"--kinds: unknown fault kind {name!r}; known: {', '.join(known)}")
+    return tuple(kinds)
 
 
 def run_on(cfg: Config, stack: Stack) -> Report:
@@ -446,6 +520,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-inflight", type=int, default=8)
     p.add_argument("--window", type=float, default=None, help="submission window, seconds")
     p.add_argument("--gap", type=float, default=6.0, help="seconds between faults")
+    p.add_argument(
+        "--kinds",
+        default="",
+        help="only these fault kinds, comma-separated ('network' for every network kind)",
+    )
     p.add_argument("--seed", type=int, default=int(time.time()))
     p.add_argument("--state-dir", type=Path, default=None, help="default: a new /tmp dir")
     p.add_argument("--keep", action="store_true", help="leave the state dir for inspection")
@@ -465,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         submit_window_s=a.window,
         fault_gap_s=a.gap,
         seed=a.seed,
+        kinds=_parse_kinds(a.kinds, a.brokers),
     )
     state = a.state_dir or Path(tempfile.mkdtemp(prefix="koda-chaos-", dir="/tmp"))
     print(f"chaos: seed {a.seed}, state dir {state}", flush=True)
