@@ -25,7 +25,7 @@ from koda_runtime.localstack.kafka_cluster import load_cluster
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS, WORKER_GROUP
 from tests.chaos.toxiproxy import GATEWAY_SLOT, SLOTS, WORKER_SLOTS, Network, ToxiproxyServer
-from tests.fixtures.processes import GatewayProcess, WorkerProcess, free_port
+from tests.fixtures.processes import GatewayProcess, SchedulerProcess, WorkerProcess, free_port
 
 # The harness's own clients stay quiet while a broker is down on purpose.
 QUIET = {"log_level": 0}
@@ -94,6 +94,8 @@ class Pool:
     unexpected_exits: list[str] = field(default_factory=list)
     sigterm_exit_codes: list[int] = field(default_factory=list)
     slot_of: dict[str, str | None] = field(default_factory=dict)
+    schedulers: list[SchedulerProcess] = field(default_factory=list)
+    old_schedulers: list[SchedulerProcess] = field(default_factory=list)
 
     def env(self, slot: str | None = None) -> dict[str, str]:
         """A process's environment; with a network, its connections go through ``slot``."""
@@ -115,6 +117,32 @@ class Pool:
         self.slot_of[w.name] = slot
         self.workers.append(w)
         return w
+
+    def start_scheduler(self) -> SchedulerProcess:
+        # A pass every second and at each minute boundary, as in the scheduler tests.
+        env = {**self.env(), "KODA_SCHEDULER_POLL": "1"}
+        name = f"s{len(self.schedulers) + len(self.old_schedulers) + 1}"
+        proc = SchedulerProcess(self.settings, name, env).start()
+        self.schedulers.append(proc)
+        return proc
+
+    def kill_scheduler(self, proc: SchedulerProcess) -> None:
+        if proc in self.schedulers:
+            self.schedulers.remove(proc)
+        self.old_schedulers.append(proc)
+        if proc.proc is not None and proc.proc.poll() is None:
+            proc.proc.send_signal(signal.SIGKILL)
+            proc.proc.wait()
+
+    def wait_started(self, w: WorkerProcess, timeout_s: float = 60.0) -> None:
+        """Until ``w`` has subscribed to the runs topic (its clients bootstrapped), or
+        exited: a worker that cannot reach a broker at start-up exits, so the next
+        fault (a broker restart, say) must not begin before it is up."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and w.alive():
+            if "event=intake_subscribed" in w.log():
+                return
+            time.sleep(0.2)
 
     def _free_slot(self) -> str | None:
         """A worker slot no running worker uses (None without a network)."""
@@ -151,6 +179,14 @@ class Pool:
                 )
                 self.workers.remove(w)
                 self.retired.append(w)
+        for sch in list(self.schedulers):
+            if sch.proc is not None and sch.proc.poll() is not None:
+                self.unexpected_exits.append(
+                    f"scheduler {sch.name} exited by itself (code {sch.proc.returncode}); "
+                    f"log {sch.log_path}"
+                )
+                self.schedulers.remove(sch)
+                self.old_schedulers.append(sch)
         gw = self.gateway
         if gw is not None and gw.proc is not None and gw.proc.poll() is not None:
             self.unexpected_exits.append(
@@ -168,6 +204,12 @@ class Pool:
             self.gateway = None
 
     def stop_all(self) -> None:
+        for sch in list(self.schedulers):
+            if sch.proc is not None and sch.proc.poll() is None:
+                sch.proc.send_signal(signal.SIGTERM)
+                sch.proc.wait(30)
+            self.schedulers.remove(sch)
+            self.old_schedulers.append(sch)
         for w in list(self.workers):
             if w.alive():
                 w.signal(signal.SIGCONT)
@@ -181,6 +223,10 @@ class Pool:
 
     def kill_all(self) -> None:
         """Last resort on an aborted run: nothing may keep running."""
+        for sch in self.schedulers + self.old_schedulers:
+            if sch.proc is not None and sch.proc.poll() is None:
+                sch.proc.kill()
+                sch.proc.wait()
         for w in self.workers + self.retired:
             w.kill()
         for gw in [self.gateway, *self.old_gateways]:
@@ -202,7 +248,11 @@ class Postgres:
     def __init__(self, settings: Settings) -> None:
         self.engine = sync_engine(settings, pool_size=2)
 
-    def query(self, sql: str, **params: Any) -> list[Any]:
+    def query(self, sql: str, commit: bool = False, **params: Any) -> list[Any]:
+        """Rows of ``sql``; with ``commit``, in a transaction that commits (a write)."""
+        if commit:
+            with self.engine.begin() as conn:
+                return list(conn.execute(text(sql), params).all())
         with self.engine.connect() as conn:
             return list(conn.execute(text(sql), params).all())
 

@@ -43,6 +43,7 @@ BROKER_RESTART = "broker restart"
 BROKER_KILL = "broker kill -9 + start"
 PG_RESTART = "postgres restart"
 GATEWAY_RESTART = "gateway kill -9 + start"
+SCHEDULER_KILL = "scheduler kill -9 + start"
 # Network faults, on one process's own Toxiproxy slot (tests/chaos/toxiproxy.py).
 NET_WORKER_KAFKA_CUT = "cut worker-broker"
 NET_WORKER_PG_CUT = "cut worker-postgres"
@@ -76,9 +77,10 @@ LATENCY_MS, JITTER_MS = 300, 100
 OPEN_TXN_EOF = "unexpected EOF on client connection with an open transaction"
 
 
-def kinds_for(brokers: int, network: bool = False) -> tuple[str, ...]:
+def kinds_for(brokers: int, network: bool = False, schedulers: bool = False) -> tuple[str, ...]:
     """Every kind that applies to a cluster of ``brokers`` (kill one of three needs three),
-    with ``network`` (a stack with Toxiproxy slots) the network faults too."""
+    with ``network`` (a stack with Toxiproxy slots) the network faults too, with
+    ``schedulers`` (two of them running) the scheduler kill."""
     kinds = [
         WORKER_KILL9,
         WORKER_SIGTERM,
@@ -89,6 +91,8 @@ def kinds_for(brokers: int, network: bool = False) -> tuple[str, ...]:
     ]
     if brokers >= 3:
         kinds.insert(4, BROKER_KILL)
+    if schedulers:
+        kinds.append(SCHEDULER_KILL)
     if network:
         kinds += NETWORK_KINDS
     return tuple(kinds)
@@ -104,6 +108,11 @@ class Fault:
     handoff_s: float | None = None
     recover_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    # What a network fault saw: partitions the victim kept (of those it held), open
+    # transactions reset, viewers on the live feed.
+    kept: tuple[int, int] | None = None
+    open_txns_reset: int = 0
+    viewers: int = 0
 
 
 @dataclass
@@ -132,6 +141,7 @@ class Injector:
             BROKER_KILL: self.broker_kill,
             PG_RESTART: self.pg_restart,
             GATEWAY_RESTART: self.gateway_restart,
+            SCHEDULER_KILL: self.scheduler_kill,
             NET_WORKER_KAFKA_CUT: self.worker_kafka_cut,
             NET_WORKER_PG_CUT: self.worker_pg_cut,
             NET_WORKER_PG_SLOW: self.worker_pg_slow,
@@ -210,7 +220,8 @@ class Injector:
         self.pool.retire(w)
         await asyncio.to_thread(w.kill)
         await self._wait_handoff(fault, w.name, held)
-        await asyncio.to_thread(self.pool.start_worker)
+        started = await asyncio.to_thread(self.pool.start_worker)
+        await asyncio.to_thread(self.pool.wait_started, started)
         return fault
 
     async def worker_sigterm(self) -> Fault:
@@ -231,6 +242,7 @@ class Injector:
         self.pool.sigterm_exit_codes.append(code)
         if code != 0:
             fault.notes.append(f"exit code {code} after SIGTERM")
+        await asyncio.to_thread(self.pool.wait_started, replacement)
         return fault
 
     async def worker_sigstop(self) -> Fault:
@@ -305,6 +317,19 @@ class Injector:
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(0.2)
+        return fault
+
+    async def scheduler_kill(self) -> Fault:
+        """kill -9 one of the two schedulers (at a random second, so sometimes inside a
+        minute's firing), and start it again 3 s later; the other goes on firing."""
+        assert self.pool.schedulers, "no scheduler running"
+        victim = self.rng.choice(self.pool.schedulers)
+        fault = Fault(SCHEDULER_KILL, victim.name, time.time())
+        await asyncio.to_thread(self.pool.kill_scheduler, victim)
+        await asyncio.sleep(3.0)
+        started = await asyncio.to_thread(self.pool.start_scheduler)
+        fault.back_at = time.time()
+        fault.notes.append(f"replacement {started.name}")
         return fault
 
     # -- network (one process's own proxies) ------------------------------------------
@@ -404,7 +429,11 @@ class Injector:
         finally:
             await asyncio.to_thread(self.net.cut_pg, slot, False)
         fault.back_at = time.time()
-        fault.notes.append(f"cut {fault.back_at - fault.at:.1f}s")
+        kept = set(held) & set(await self._held_by(w.name))
+        fault.kept = (len(kept), len(held))
+        fault.notes.append(
+            f"cut {fault.back_at - fault.at:.1f}s; kept {len(kept)} of {len(held)} partitions"
+        )
         fault.recover_s = await self._first_write_after(held, fault.back_at)
         return fault
 
@@ -478,6 +507,7 @@ class Injector:
                     break
                 await asyncio.sleep(0.2)
             if hit:
+                fault.open_txns_reset = hit
                 fault.notes.append(f"{hit} open transactions reset (attempt {attempt})")
                 break
         else:
@@ -494,7 +524,8 @@ class Injector:
         while self.live_viewers() == 0 and time.time() < deadline:
             await asyncio.sleep(0.2)  # a feed with nobody on it proves little: wait a bit
         fault = Fault(NET_GATEWAY_FEED_CUT, "gateway (gw)", time.time())
-        fault.notes.append(f"{self.live_viewers()} viewers following")
+        fault.viewers = self.live_viewers()
+        fault.notes.append(f"{fault.viewers} viewers following")
         await asyncio.to_thread(self.net.cut_kafka, GATEWAY_SLOT)
         try:
             await asyncio.sleep(self.slow_s / 2)

@@ -12,6 +12,11 @@
   while the first is likely streaming: the gateway merges it into that run (the answer
   starts over on both messages) or, when the run is not running any more (or not yet),
   makes it a run of its own. Either answer is recorded and checked.
+* A few runs carry a first-person statement, which the demo handler stores as a
+  memory of the user before the run's `done`: runs retried after a fault write it
+  again, and it must be there exactly once.
+* A few users have a daily budget of a few runs' cost (the demo model is priced at
+  $1 a completion token): once it is spent their next runs are refused 402.
 * Poison comes in two forms: runs whose handler always fails (they must end
   ``failed`` with one dead letter each) and records written straight to the runs
   topic by an outside producer (garbage bytes, an unknown schema version, a null
@@ -51,11 +56,13 @@ class PlannedRun:
     cancel_after_s: float | None = None  # the user cancels it this long after the 202
     follow_up: bool = False  # a second message into the previous run's session
     followed: bool = False  # the user's next run is a follow-up of this one
+    memory: str | None = None  # the statement the run's handler must remember once
     run_id: str | None = None
     accepted_at: float | None = None
     attempts: int = 0  # POSTs it took
     refused: str | None = None
     merged: bool = False  # a follow-up the gateway merged into the previous run
+    over_budget_at: float | None = None  # refused 402 budget_exceeded at this time
     cancel: CancelAnswer | None = None
 
 
@@ -100,6 +107,7 @@ def plan_runs(
     watch_fraction: float,
     cancel_fraction: float = 0.0,
     merge_fraction: float = 0.0,
+    memory_fraction: float = 0.0,
 ) -> dict[str, list[PlannedRun]]:
     """Runs per user: durations uniform in [min_s, max_s] seconds, a few flaky and poison,
     a few cancelled, a few followed by a second message (``merge_fraction``; the
@@ -121,10 +129,15 @@ def plan_runs(
             demo = {"tokens": 4, "delay_ms": 20, "fail_attempts": 99}
         elif rng.random() < flaky_fraction:
             demo["fail_attempts"] = 1
-        inp = {"text": f"chaos {user} #{len(plan[user])} {rng.random():.9f}", "demo": demo}
+        text = f"chaos {user} #{len(plan[user])} {rng.random():.9f}"
+        key = f"chaos-{nonce}-{i}"
+        remembers = not poison and rng.random() < memory_fraction
+        if remembers:
+            # A first-person statement: the demo handler stores it as the user's memory.
+            text = f"I keep note {key}. {text}"
+        inp = {"text": text, "demo": demo}
         prev = plan[user][-1] if plan[user] else None
         follow_up = prev is not None and prev.followed and not poison
-        key = f"chaos-{nonce}-{i}"
         run = PlannedRun(
             user,
             len(plan[user]),
@@ -134,6 +147,7 @@ def plan_runs(
             watch=rng.random() < watch_fraction,
             session_id=prev.session_id if follow_up and prev is not None else f"s-{key}",
             follow_up=follow_up,
+            memory=f"I keep note {key}." if remembers else None,
         )
         if not poison and not follow_up:
             if rng.random() < cancel_fraction:
@@ -166,6 +180,8 @@ async def submit(client: httpx.AsyncClient, run: PlannedRun, deadline: float) ->
             run.accepted_at = time.time()
             return
         last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+        if resp.status_code == 402:
+            run.over_budget_at = time.time()
         if resp.status_code in (429, 503) or resp.status_code >= 500:
             wait = float(resp.headers.get("retry-after", "0.5") or 0.5)
             await asyncio.sleep(min(wait, 2.0))
@@ -183,7 +199,7 @@ async def user_session(
     on_accepted: Any,
 ) -> None:
     """Submit ``runs`` in order, about ``gap_s`` seconds apart (exponential gaps); a
-    follow-up goes 0.2-1 s after the run before it, a cancel after its delay."""
+    follow-up goes once the run before it has started, a cancel after its delay."""
     await asyncio.sleep(rng.uniform(0, gap_s))
     for i, run in enumerate(runs):
         await submit(client, run, deadline)
@@ -193,10 +209,27 @@ async def user_session(
             await asyncio.sleep(run.cancel_after_s)
             run.cancel = await cancel(client, run, deadline)
         nxt = runs[i + 1] if i + 1 < len(runs) else None
-        if nxt is not None and nxt.follow_up:
-            await asyncio.sleep(rng.uniform(0.2, 1.0))
+        if nxt is not None and nxt.follow_up and run.run_id is not None:
+            await until_streaming(client, run, deadline)
+            await asyncio.sleep(rng.uniform(0.0, 0.3))
         else:
             await asyncio.sleep(rng.expovariate(1.0 / gap_s) if gap_s > 0 else 0)
+
+
+async def until_streaming(client: httpx.AsyncClient, run: PlannedRun, deadline: float) -> None:
+    """Wait (up to 10 s) until ``run`` is running or streaming, as a user who types the
+    next message while the answer streams; a run that ended (or a failed probe) does
+    not hold the user up any longer."""
+    headers = {"Authorization": f"Bearer dev:{run.user}"}
+    until = min(deadline, time.monotonic() + 10.0)
+    while time.monotonic() < until:
+        try:
+            resp = await client.get(f"/v1/runs/{run.run_id}", headers=headers)
+        except httpx.HTTPError:
+            return
+        if resp.status_code != 200 or resp.json().get("status") != "pending":
+            return
+        await asyncio.sleep(0.1)
 
 
 async def cancel(client: httpx.AsyncClient, run: PlannedRun, deadline: float) -> CancelAnswer:
