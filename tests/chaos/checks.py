@@ -70,7 +70,7 @@ Definitions used by the checks:
   key `sched:<id>:<minute>`), none has two, none fires after the pause, and every
   scheduled run ends `done`.
 * **No budget is overshot beyond the in-flight runs**: a few users have a daily budget
-  of a few runs' cost. Take the moment ``t`` their ledger's running sum first reached
+  of one or two runs' cost. Take the moment ``t`` their ledger's running sum first reached
   the limit. Every run of theirs admitted (created) after ``t`` is a violation (the
   admission reads the spend in its own insert); what the ledger holds past the limit
   is then only what runs admitted before ``t`` went on to spend (in flight), the
@@ -159,6 +159,7 @@ class Findings:
     budget_users: int = 0
     budget_refusals: int = 0
     budget_overshoot_usd: Decimal = Decimal(0)
+    budget_max_spend_usd: Decimal = Decimal(0)
     budget_violations: int = 0
     violations: list[str] = field(default_factory=list)
 
@@ -647,6 +648,7 @@ def _check_budgets(
             if reached is None and spent >= limit:
                 reached = r.created_at.timestamp()
         f.budget_overshoot_usd = max(f.budget_overshoot_usd, spent - limit)
+        f.budget_max_spend_usd = max(f.budget_max_spend_usd, spent)
         for p in plan.get(user, []):
             if p.over_budget_at is not None and p.run_id is None:
                 f.budget_refusals += 1

@@ -176,6 +176,9 @@ class Injector:
             fault.notes.append("victim held no partition")
             return
         deadline = fault.at + self.handoff_timeout_s
+        # Past the session timeout, partitions without waiting work cannot show a new
+        # epoch (see below): stop waiting for them then, checked every few seconds.
+        idle_check = fault.at + self.session_timeout_s + 3.0
         moved: list[int] = []
         while time.time() < deadline:
             epochs = await asyncio.to_thread(self._epochs_or_empty)
@@ -187,6 +190,11 @@ class Injector:
             if len(moved) == len(held):
                 fault.handoff_s = time.time() - fault.at
                 return
+            if time.time() > idle_check:
+                unmoved = sorted(set(held) - set(moved))
+                if await asyncio.to_thread(self._waiting_runs, unmoved) == 0:
+                    break
+                idle_check = time.time() + 3.0
             await asyncio.sleep(0.2)
         # A new owner whose epoch bump at assignment failed (say, on a connection the
         # last PostgreSQL restart killed) takes the epoch with the partition's next
@@ -201,6 +209,14 @@ class Injector:
             )
         else:
             fault.notes.append(f"handoff unmeasured: partitions {unmoved} had no traffic")
+
+    async def _handoff_past_session(self, fault: Fault, victim: str, held: dict[int, int]) -> None:
+        """The handoff of a silent victim, and past the session timeout in any case: the
+        group must have moved on before the victim speaks again."""
+        await self._wait_handoff(fault, victim, held)
+        rest = fault.at + self.session_timeout_s + 2.0 - time.time()
+        if rest > 0:
+            await asyncio.sleep(rest)
 
     def _waiting_runs(self, partitions: list[int]) -> int:
         try:
@@ -251,11 +267,7 @@ class Injector:
         fault = Fault(WORKER_SIGSTOP, w.name, time.time())
         w.signal(signal.SIGSTOP)
         try:
-            await self._wait_handoff(fault, w.name, held)
-            # Past the session timeout in any case: the group must have moved on.
-            rest = fault.at + self.session_timeout_s + 2.0 - time.time()
-            if rest > 0:
-                await asyncio.sleep(rest)
+            await self._handoff_past_session(fault, w.name, held)
         finally:
             w.signal(signal.SIGCONT)
         fault.notes.append(f"stopped {time.time() - fault.at:.1f}s")
@@ -402,10 +414,7 @@ class Injector:
         fault = Fault(NET_WORKER_KAFKA_CUT, f"{w.name} ({slot})", time.time())
         await asyncio.to_thread(self.net.cut_kafka, slot)
         try:
-            await self._wait_handoff(fault, w.name, held)
-            rest = fault.at + self.session_timeout_s + 2.0 - time.time()
-            if rest > 0:
-                await asyncio.sleep(rest)
+            await self._handoff_past_session(fault, w.name, held)
         finally:
             await asyncio.to_thread(self.net.cut_kafka, slot, False)
         fault.back_at = time.time()

@@ -203,8 +203,9 @@ class Report:
             ),
             ("  due minutes without exactly one run", str(f.schedule_violations)),
             (
-                "budget users / runs refused 402 / largest overshoot",
-                f"{f.budget_users} / {f.budget_refusals} / ${f.budget_overshoot_usd:.2f}",
+                "budget users / runs refused 402 / largest spend, overshoot",
+                f"{f.budget_users} / {f.budget_refusals} / ${f.budget_max_spend_usd:.2f},"
+                f" ${f.budget_overshoot_usd:.2f} (limit $15)",
             ),
             (
                 "  admitted past a spent budget or refused with budget left",
@@ -421,7 +422,7 @@ class Chaos:
 
     async def _set_budgets(self, client: httpx.AsyncClient) -> None:
         """Price the demo model ($1 a completion token: a run costs $2-20) and give a
-        few users a daily budget of $30, a few runs' worth."""
+        few users a daily budget of $15, one or two runs' worth."""
         users = sorted(self.plan)[: round(len(self.plan) * self.cfg.budget_fraction)]
         if not users:
             return
@@ -433,9 +434,9 @@ class Chaos:
             commit=True,
         )
         for user in users:
-            resp = await client.put(f"/admin/budgets/{user}", json={"daily_usd": "30"})
+            resp = await client.put(f"/admin/budgets/{user}", json={"daily_usd": "15"})
             resp.raise_for_status()
-            self.budgets[user] = Decimal(30)
+            self.budgets[user] = Decimal(15)
 
     async def _view_later(self, client: httpx.AsyncClient, v: Viewer, deadline: float) -> None:
         # Most viewers join at once (live), some late (replay from Postgres, then live).

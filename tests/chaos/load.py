@@ -15,7 +15,7 @@
 * A few runs carry a first-person statement, which the demo handler stores as a
   memory of the user before the run's `done`: runs retried after a fault write it
   again, and it must be there exactly once.
-* A few users have a daily budget of a few runs' cost (the demo model is priced at
+* A few users have a daily budget of one or two runs' cost (the demo model is priced at
   $1 a completion token): once it is spent their next runs are refused 402.
 * Poison comes in two forms: runs whose handler always fails (they must end
   ``failed`` with one dead letter each) and records written straight to the runs
