@@ -154,6 +154,8 @@ def spawn_node(
     what = f"Kafka node {node.node_id}"
     procs.require_free_port(node.port, what, state_dir)
     procs.require_free_port(node.controller_port, f"{what} (controller)", state_dir)
+    for s in node.slots:
+        procs.require_free_port(s.port, f"{what} (slot {s.slot})", state_dir)
     paths = _write_config(state_dir, cluster, node)
     paths.logs.mkdir(parents=True, exist_ok=True)
     argv = _java_argv(classpath, paths, SERVER_JVM_OPTS) + ["kafka.Kafka", str(paths.config)]
@@ -227,12 +229,15 @@ def wait_ready(
     )
 
 
-def start_cluster(state_dir: Path, brokers: int) -> ClusterSpec:
-    """Prepare, format and spawn every node that is not running; does not wait for readiness."""
+def start_cluster(state_dir: Path, brokers: int, slots: tuple[str, ...] = ()) -> ClusterSpec:
+    """Prepare, format and spawn every node that is not running; does not wait for readiness.
+
+    ``slots`` (a new cluster only) gives every node a listener per client slot.
+    """
     classpath = jars.ensure_jars()
     version = jars.kafka_version(jars.load_lock())
     java_path()
-    cluster = prepare_cluster(state_dir, brokers, version)
+    cluster = prepare_cluster(state_dir, brokers, version, slots)
     format_storage(state_dir, cluster, classpath)
     for node in cluster.nodes:
         spawn_node(state_dir, cluster, node, classpath)

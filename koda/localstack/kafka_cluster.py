@@ -22,7 +22,7 @@ import logging
 import re
 import secrets
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from koda_runtime.errors import ConfigError, ServiceError
@@ -33,6 +33,29 @@ log = logging.getLogger(__name__)
 SUPPORTED_BROKERS = (1, 3)
 
 
+SLOT_NAME = re.compile(r"^[a-z][a-z0-9]{0,15}$")
+
+
+@dataclass(frozen=True)
+class SlotListener:
+    """A client slot's own listener on one node: the broker binds ``port`` and advertises
+    ``advertised_port``, where a proxy in front of it listens.
+
+    A client that bootstraps through its slot's proxies is told, in every metadata and
+    coordinator answer, the addresses of that listener (a broker answers with the
+    endpoints of the listener the request came in on), so every connection it makes to
+    any broker goes through its slot's proxies: cutting them cuts that client alone.
+    """
+
+    slot: str
+    port: int
+    advertised_port: int
+
+    @property
+    def listener(self) -> str:
+        return f"SLOT_{self.slot.upper()}"
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     """One combined broker+controller node on 127.0.0.1."""
@@ -40,6 +63,13 @@ class NodeSpec:
     node_id: int
     port: int
     controller_port: int
+    slots: tuple[SlotListener, ...] = ()
+
+    def slot(self, name: str) -> SlotListener:
+        for s in self.slots:
+            if s.slot == name:
+                return s
+        raise ConfigError(f"Kafka node {self.node_id} has no listener for client slot {name!r}")
 
 
 @dataclass(frozen=True)
@@ -58,6 +88,14 @@ class ClusterSpec:
     def bootstrap(self) -> str:
         return ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
 
+    @property
+    def slots(self) -> tuple[str, ...]:
+        return tuple(s.slot for s in self.nodes[0].slots) if self.nodes else ()
+
+    def slot_bootstrap(self, slot: str) -> str:
+        """The bootstrap of a client in ``slot``: the advertised (proxy) address on every node."""
+        return ",".join(f"127.0.0.1:{node.slot(slot).advertised_port}" for node in self.nodes)
+
     def node(self, node_id: int) -> NodeSpec:
         for node in self.nodes:
             if node.node_id == node_id:
@@ -66,14 +104,22 @@ class ClusterSpec:
         raise ConfigError(f"Kafka node {node_id} does not exist: this cluster has nodes {ids}")
 
     def to_json(self) -> str:
-        nodes = [vars(node) for node in self.nodes]
+        nodes = [asdict(node) for node in self.nodes]
         doc = {"cluster_id": self.cluster_id, "version": self.version, "nodes": nodes}
         return json.dumps(doc, indent=2) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> ClusterSpec:
         doc = json.loads(text)
-        nodes = tuple(NodeSpec(**node) for node in doc["nodes"])
+        nodes = tuple(
+            NodeSpec(
+                node_id=node["node_id"],
+                port=node["port"],
+                controller_port=node["controller_port"],
+                slots=tuple(SlotListener(**s) for s in node.get("slots", ())),
+            )
+            for node in doc["nodes"]
+        )
         return cls(cluster_id=doc["cluster_id"], version=doc["version"], nodes=nodes)
 
 
@@ -85,12 +131,20 @@ def new_cluster_id() -> str:
             return cid
 
 
-def new_cluster(brokers: int, version: str) -> ClusterSpec:
-    """A cluster of ``brokers`` nodes with ids 1..n on fresh free ports."""
+def new_cluster(brokers: int, version: str, slots: tuple[str, ...] = ()) -> ClusterSpec:
+    """A cluster of ``brokers`` nodes with ids 1..n on fresh free ports; each node gets
+    a listener (and a port for its proxy) per client slot of ``slots``."""
     check_brokers(brokers)
-    ports = procs.free_ports(2 * brokers)
+    check_slots(slots)
+    per_node = 2 + 2 * len(slots)
+    ports = iter(procs.free_ports(per_node * brokers))
     nodes = tuple(
-        NodeSpec(node_id=i + 1, port=ports[2 * i], controller_port=ports[2 * i + 1])
+        NodeSpec(
+            node_id=i + 1,
+            port=next(ports),
+            controller_port=next(ports),
+            slots=tuple(SlotListener(s, next(ports), next(ports)) for s in slots),
+        )
         for i in range(brokers)
     )
     return ClusterSpec(cluster_id=new_cluster_id(), version=version, nodes=nodes)
@@ -99,6 +153,17 @@ def new_cluster(brokers: int, version: str) -> ClusterSpec:
 def check_brokers(brokers: int) -> None:
     if brokers not in SUPPORTED_BROKERS:
         raise ConfigError(f"--brokers {brokers} is not supported: use 1 or 3")
+
+
+def check_slots(slots: tuple[str, ...]) -> None:
+    bad = [s for s in slots if not SLOT_NAME.match(s)]
+    if bad:
+        raise ConfigError(
+            f"client slot names {bad} are not valid: lower-case letters and digits, "
+            "starting with a letter, at most 16"
+        )
+    if len(set(slots)) != len(slots):
+        raise ConfigError(f"client slot names repeat: {list(slots)}")
 
 
 def render_server_properties(cluster: ClusterSpec, node: NodeSpec, data_dir: Path) -> str:
@@ -110,13 +175,21 @@ def render_server_properties(cluster: ClusterSpec, node: NodeSpec, data_dir: Pat
     replication = min(cluster.brokers, 3)
     min_isr = 2 if cluster.brokers >= 3 else 1
     voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in cluster.nodes)
+    listeners = [f"PLAINTEXT://127.0.0.1:{node.port}"]
+    advertised = list(listeners)
+    protocols = ["PLAINTEXT:PLAINTEXT", "CONTROLLER:PLAINTEXT"]
+    for s in node.slots:
+        listeners.append(f"{s.listener}://127.0.0.1:{s.port}")
+        advertised.append(f"{s.listener}://127.0.0.1:{s.advertised_port}")
+        protocols.append(f"{s.listener}:PLAINTEXT")
+    listeners.append(f"CONTROLLER://127.0.0.1:{node.controller_port}")
     props: dict[str, object] = {
         "process.roles": "broker,controller",
         "node.id": node.node_id,
         "controller.quorum.voters": voters,
-        "listeners": f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.port}",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "listeners": ",".join(listeners),
+        "advertised.listeners": ",".join(advertised),
+        "listener.security.protocol.map": ",".join(protocols),
         "controller.listener.names": "CONTROLLER",
         "inter.broker.listener.name": "PLAINTEXT",
         "log.dirs": data_dir,
@@ -227,13 +300,17 @@ def _meta_cluster_id(paths: NodePaths) -> str | None:
     return match.group(1) if match else None
 
 
-def prepare_cluster(state_dir: Path, brokers: int, version: str) -> ClusterSpec:
-    """Load the remembered cluster, or create ``cluster.json`` for a new one.
+def prepare_cluster(
+    state_dir: Path, brokers: int, version: str, slots: tuple[str, ...] = ()
+) -> ClusterSpec:
+    """Load the remembered cluster, or create ``cluster.json`` for a new one (with a
+    listener per client slot of ``slots`` on every node).
 
     Raises ServiceError, naming what to delete, when the state dir holds a cluster of
-    another size or another cluster's data.
+    another size, other client slots, or another cluster's data.
     """
     check_brokers(brokers)
+    check_slots(slots)
     cluster = load_cluster(state_dir)
     kdir = kafka_dir(state_dir)
     if cluster is None:
@@ -245,13 +322,18 @@ def prepare_cluster(state_dir: Path, brokers: int, version: str) -> ClusterSpec:
             )
         if kdir.exists():
             shutil.rmtree(kdir)
-        cluster = new_cluster(brokers, version)
+        cluster = new_cluster(brokers, version, slots)
         procs.write_text(cluster_file(state_dir), cluster.to_json())
         return cluster
     if cluster.brokers != brokers:
         raise ServiceError(
             f"{state_dir} holds a {cluster.brokers}-broker Kafka cluster, not {brokers}: "
             f"run `koda services down`, delete {kdir}, then `koda services up --brokers {brokers}`"
+        )
+    if slots and cluster.slots != slots:
+        raise ServiceError(
+            f"{state_dir} holds a Kafka cluster with client slots {list(cluster.slots)}, "
+            f"not {list(slots)}: run `koda services down` and delete {kdir}"
         )
     if cluster.version != version:
         raise ServiceError(

@@ -56,8 +56,12 @@ def _locked(state_dir: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def up(state_dir: Path, *, brokers: int = 1) -> StackInfo:
+def up(state_dir: Path, *, brokers: int = 1, slots: tuple[str, ...] = ()) -> StackInfo:
     """Start Kafka (``brokers`` = 1 or 3 nodes) and PostgreSQL; return where they listen.
+
+    ``slots`` names client slots (the fault tests' per-process proxies): a new cluster
+    gets, on every node, one more listener per slot that advertises that slot's proxy
+    port (``kafka_cluster.SlotListener``); ``load_cluster`` gives the ports.
 
     Idempotent: running healthy services are reused. Writes ``<state_dir>/services.env``.
     Waits up to 60 s for Kafka and 30 s for PostgreSQL. Raises PrerequisiteError when
@@ -67,7 +71,7 @@ def up(state_dir: Path, *, brokers: int = 1) -> StackInfo:
     state_dir = state_dir.resolve()
     kafka_cluster.check_brokers(brokers)
     with _locked(state_dir):
-        cluster = kafka.start_cluster(state_dir, brokers)
+        cluster = kafka.start_cluster(state_dir, brokers, slots)
         # Postgres initialises and starts while the JVMs boot.
         database_url = postgres.start(state_dir)
         kafka.wait_ready(state_dir, cluster)

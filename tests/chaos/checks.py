@@ -38,6 +38,45 @@ Definitions used by the checks:
   auditor reads the group's committed offset of each partition and *then* the status
   of every run whose record lies below it; a run that is not terminal at that later
   moment was not terminal when the offset was committed (terminal is absorbing).
+* **Every cancelled run ends `cancelled` and never runs again**: a cancel the gateway
+  took (202: recorded on a running run; 200 with status `cancelled`: a pending run
+  ended at once) must leave the run `cancelled`, its terminal `cancelled` message the
+  last, and no attempt claimed after the request was durable (a successor that claims
+  a cancel-requested run ends it without running the handler and emits no `running`
+  transition; one second of slack covers the event's own timestamp). A cancel answered
+  200 with another terminal status came after the run ended: counted, and the run
+  must end as planned.
+* **Every merged message appears in its run's final input and answer**: a follow-up
+  answered `"merged": true` names the run it joined; that run's final `runs.input`
+  text contains the follow-up's text, and a run that ended `done` answered exactly
+  what the demo model gives for that final input (its output after the last `reset`),
+  so the answer was computed on both messages. A follow-up not merged is a run of its
+  own and is checked like every other.
+* **The ledger has no duplicate row and sums to the usage reports**: the demo model
+  reports one call per attempt it completes, so a `done` run has exactly one
+  non-estimated `ok` chat row (two would be a finish billed twice: a redelivered
+  finish, or an attempt cut after its call and billed as the winner) and a run that
+  did not end `done` has none; estimated and `cancelled`/`failed` rows are what cut
+  attempts streamed, billed once each. Then, per user, the gateway's usage report
+  (`GET /admin/usage?group_by=user`) equals the ledger's own sums (calls, tokens,
+  cost).
+* **No memory is duplicated**: every run that ended `done` with a statement to
+  remember has exactly one memory row of its user holding it, however many attempts
+  (kills, cuts, resets) it took; runs retried before their end are counted.
+* **Every due schedule minute gives exactly one run**: per-minute schedules (overlap
+  `allow`, so no fire is skipped on purpose) fire while two schedulers run and one is
+  killed and restarted; they are paused when the load ends. Every minute from a
+  schedule's first fire until 20 s before the pause has exactly one run (idempotency
+  key `sched:<id>:<minute>`), none has two, none fires after the pause, and every
+  scheduled run ends `done`.
+* **No budget is overshot beyond the in-flight runs**: a few users have a daily budget
+  of one or two runs' cost. Take the moment ``t`` their ledger's running sum first reached
+  the limit. Every run of theirs admitted (created) after ``t`` is a violation (the
+  admission reads the spend in its own insert); what the ledger holds past the limit
+  is then only what runs admitted before ``t`` went on to spend (in flight), the
+  bound the design states. A 402 before ``t`` is a refusal with budget left, also a
+  violation. Half a second of slack covers a finish committed just as the next run
+  was admitted (the ledger's ``created_at`` is its transaction's start).
 * **The DLQ holds only the injected poison**: every dead letter is either one of the
   records written as poison (matched by partition and offset) or the trigger of a run
   whose handler always fails; each injected poison appears. Repeats of the same
@@ -53,12 +92,14 @@ import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from koda_runtime.kafka import consumer_config
+from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.processors.handlers.demo import demo_tokens
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
@@ -97,6 +138,29 @@ class Findings:
     offsets_ahead: int = 0
     resumed_runs: int = 0
     max_attempt: int = 0
+    cancels: int = 0
+    cancels_took: int = 0
+    cancels_after_end: int = 0
+    cancel_violations: int = 0
+    follow_ups: int = 0
+    merged: int = 0
+    merge_violations: int = 0
+    ledger_rows: int = 0
+    ledger_duplicates: int = 0
+    ledger_report_mismatches: int = 0
+    memory_runs: int = 0
+    memory_runs_retried: int = 0
+    memory_duplicates: int = 0
+    memory_missing: int = 0
+    schedules: int = 0
+    schedule_minutes: int = 0
+    scheduled_runs: int = 0
+    schedule_violations: int = 0
+    budget_users: int = 0
+    budget_refusals: int = 0
+    budget_overshoot_usd: Decimal = Decimal(0)
+    budget_max_spend_usd: Decimal = Decimal(0)
+    budget_violations: int = 0
     violations: list[str] = field(default_factory=list)
 
     def violate(self, message: str) -> None:
@@ -207,21 +271,26 @@ def check_all(
     viewers: list[Viewer],
     poison: list[InjectedPoison],
     auditor: OffsetAuditor,
+    usage_report: list[dict[str, Any]] | None = None,
+    schedules: list[ChaosSchedule] | None = None,
+    budgets: dict[str, Decimal] | None = None,
 ) -> Findings:
     """Every check of the module docstring; returns counts and violations."""
     f = Findings()
-    planned = {r.run_id: r for runs in plan.values() for r in runs if r.run_id is not None}
+    planned = {
+        r.run_id: r for runs in plan.values() for r in runs if r.run_id is not None and not r.merged
+    }
     f.accepted = len(planned)
     for runs in plan.values():
         for r in runs:
-            if r.run_id is None:
+            if r.run_id is None and not (r.over_budget_at and r.user in (budgets or {})):
                 f.refused += 1
                 f.violate(f"{r.user} run #{r.index} never accepted: {r.refused}")
     rows = {
         r.id: r
         for r in db.query(
             "SELECT id, user_id, status, attempt, failures, error, created_at, started_at,"
-            " finished_at FROM runs"
+            " finished_at, input, cancel_requested_at, schedule_id, scheduled_for FROM runs"
         )
     }
     messages: dict[str, list[Any]] = defaultdict(list)
@@ -229,7 +298,7 @@ def check_all(
         "SELECT run_id, seq, kind, content, attempt, created_at FROM messages ORDER BY run_id, seq"
     ):
         messages[m.run_id].append(m)
-    extra = set(rows) - set(planned)
+    extra = {i for i, r in rows.items() if r.schedule_id is None} - set(planned)
     if extra:
         f.violate(f"{len(extra)} runs in Postgres that no answered request created")
 
@@ -244,6 +313,12 @@ def check_all(
     for run_id, plan_run in planned.items():
         _check_run(f, plan_run, rows.get(run_id), messages.get(run_id, []), claims[run_id])
     _check_order(f, plan, rows, claims)
+    _check_cancels(f, planned, rows, claims)
+    _check_merges(f, plan, rows)
+    _check_ledger(f, db, planned, rows, usage_report)
+    _check_schedules(f, rows, schedules or [])
+    _check_budgets(f, db, plan, rows, budgets or {})
+    _check_memories(f, db, planned, rows, messages)
     _check_topic(f, settings, planned, messages)
     _check_viewers(f, viewers, messages)
     _check_dlq(f, settings, planned, poison)
@@ -275,6 +350,8 @@ def _check_run(
     f.poison_runs += plan.poison
     f.max_attempt = max(f.max_attempt, row.attempt)
     expected = "failed" if plan.poison else "done"
+    if plan.cancel is not None and plan.cancel.took:
+        expected = "cancelled"
     if row.status != expected:
         history = ", ".join(f"#{a} on {w}" for a, _, w in sorted(claims))
         f.violate(
@@ -294,8 +371,11 @@ def _check_run(
     if row.status == "done":
         last_reset = max((m.seq for m in msgs if m.kind == "reset"), default=-1)
         got = "".join(m.content for m in msgs if m.kind == "chunk" and m.seq > last_reset)
-        if got != "".join(demo_tokens(plan.input)):
-            f.violate(f"run {run_id}: output differs from the demo model's")
+        # The final input: the submitted one, or that and the messages merged into it.
+        if got != "".join(demo_tokens(row.input)):
+            f.violate(f"run {run_id}: output differs from the demo model's for its input")
+    if row.status == "cancelled" and row.started_at is None:
+        return  # cancelled while pending: it never started
     if row.started_at is None or row.finished_at is None:
         f.violate(f"run {run_id} is {row.status} without started_at/finished_at")
         return
@@ -317,7 +397,8 @@ def _check_order(
     claims: dict[str, list[tuple[int, float, str]]],
 ) -> None:
     for user, runs in plan.items():
-        seq = [rows[r.run_id] for r in runs if r.run_id in rows]
+        # A merged follow-up is part of the run it joined, not a run of its own.
+        seq = [rows[r.run_id] for r in runs if r.run_id in rows and not r.merged]
         seq = [r for r in seq if r.started_at is not None and r.finished_at is not None]
         for prev, nxt in zip(seq, seq[1:], strict=False):
             if nxt.created_at < prev.created_at:
@@ -336,6 +417,252 @@ def _check_order(
             if early:
                 f.order_violations += 1
                 f.violate(f"{user}: attempts {early} of {nxt.id} claimed before {prev.id} ended")
+
+
+def _check_cancels(
+    f: Findings,
+    planned: dict[str, PlannedRun],
+    rows: dict[str, Any],
+    claims: dict[str, list[tuple[int, float, str]]],
+) -> None:
+    for run_id, p in planned.items():
+        answer = p.cancel
+        if answer is None:
+            continue
+        f.cancels += 1
+        row = rows.get(run_id)
+        if answer.code is None:
+            f.cancel_violations += 1
+            f.violate(f"cancel of run {run_id} never answered: {answer.problem}")
+            continue
+        if not answer.took:
+            f.cancels_after_end += answer.code == 200
+            if answer.code != 200:
+                f.cancel_violations += 1
+                f.violate(f"cancel of run {run_id} answered {answer.code}: {answer.problem}")
+            continue
+        f.cancels_took += 1
+        if row is None or row.status != "cancelled":
+            f.cancel_violations += 1
+            f.violate(
+                f"run {run_id} was cancelled ({answer.code}) but ended "
+                f"{None if row is None else row.status}"
+            )
+            continue
+        requested = row.cancel_requested_at or row.finished_at
+        if requested is None:
+            f.cancel_violations += 1
+            f.violate(f"run {run_id} is cancelled with neither cancel_requested_at nor finished_at")
+            continue
+        again = [a for a, at, _ in claims.get(run_id, []) if at > requested.timestamp() + 1.0]
+        if again:
+            f.cancel_violations += 1
+            f.violate(f"run {run_id} ran again after its cancel: attempts {again} claimed")
+
+
+def _check_merges(f: Findings, plan: dict[str, list[PlannedRun]], rows: dict[str, Any]) -> None:
+    for runs in plan.values():
+        for r in runs:
+            if not r.follow_up or r.run_id is None:
+                continue
+            f.follow_ups += 1
+            if not r.merged:
+                continue
+            f.merged += 1
+            row = rows.get(r.run_id)
+            text = row.input.get("text") if row is not None else None
+            if not isinstance(text, str) or r.input["text"] not in text:
+                f.merge_violations += 1
+                f.violate(f"message merged into run {r.run_id} is not in its final input")
+            # A done run's answer equals the demo model's for that final input
+            # (_check_run), so it was computed on the merged message too.
+
+
+def _check_ledger(
+    f: Findings,
+    db: Postgres,
+    planned: dict[str, PlannedRun],
+    rows: dict[str, Any],
+    usage_report: list[dict[str, Any]] | None,
+) -> None:
+    per_run = {
+        r.run_id: r
+        for r in db.query(
+            "SELECT run_id, count(*) AS n, count(*) FILTER (WHERE kind = 'chat'"
+            " AND outcome = 'ok' AND NOT estimated) AS ok_calls FROM ledger"
+            " WHERE run_id IS NOT NULL GROUP BY run_id"
+        )
+    }
+    f.ledger_rows = sum(r.n for r in per_run.values())
+    for run_id in planned:
+        row = rows.get(run_id)
+        if row is None:
+            continue
+        ok_calls = per_run[run_id].ok_calls if run_id in per_run else 0
+        want = 1 if row.status == "done" else 0
+        if ok_calls != want:
+            f.ledger_duplicates += 1
+            f.violate(
+                f"run {run_id} ({row.status}) has {ok_calls} completed chat calls in the "
+                f"ledger, expected {want}"
+            )
+    if usage_report is None:
+        return
+    sums = {
+        r.user_id: r
+        for r in db.query(
+            "SELECT user_id, count(*) AS calls, sum(prompt_tokens) AS prompt,"
+            " sum(completion_tokens) AS completion, sum(cost_usd) AS cost"
+            " FROM ledger GROUP BY user_id"
+        )
+    }
+    reported = {r["user_id"]: r for r in usage_report}
+    for user in set(sums) | set(reported):
+        mine, theirs = sums.get(user), reported.get(user)
+        if mine is None or theirs is None:
+            f.ledger_report_mismatches += 1
+            f.violate(f"usage of {user}: in the ledger {mine is not None}, reported {theirs}")
+            continue
+        got = (
+            int(theirs["calls"]),
+            int(theirs["prompt_tokens"]),
+            int(theirs["completion_tokens"]),
+            Decimal(theirs["cost_usd"]),
+        )
+        if got != (int(mine.calls), int(mine.prompt), int(mine.completion), Decimal(mine.cost)):
+            f.ledger_report_mismatches += 1
+            f.violate(f"usage report of {user} {got} differs from the ledger's sums {mine}")
+
+
+def _check_memories(
+    f: Findings,
+    db: Postgres,
+    planned: dict[str, PlannedRun],
+    rows: dict[str, Any],
+    messages: dict[str, list[Any]],
+) -> None:
+    memories: dict[str, list[str]] = defaultdict(list)
+    for m in db.query("SELECT user_id, text FROM memories"):
+        memories[m.user_id].append(m.text)
+    for run_id, p in planned.items():
+        row = rows.get(run_id)
+        if p.memory is None or row is None or row.status != "done":
+            continue
+        f.memory_runs += 1
+        kinds = [m.kind for m in messages.get(run_id, [])]
+        f.memory_runs_retried += row.attempt > 1 or "reset" in kinds
+        held = sum(p.memory in text for text in memories.get(p.user, []))
+        if held != 1:
+            f.memory_duplicates += held > 1
+            f.memory_missing += held == 0
+            f.violate(f"run {run_id}: its memory {p.memory!r} is stored {held} times")
+
+
+@dataclass
+class ChaosSchedule:
+    """A per-minute schedule of the chaos run: its first due minute, when it was paused."""
+
+    id: str
+    user: str
+    first: datetime
+    paused_at: datetime | None = None
+
+
+SCHEDULED_INPUT = {"text": "chaos tick", "demo": {"tokens": 3, "delay_ms": 20}}
+
+
+def create_schedules(db: Postgres, n: int, tag: str) -> list[ChaosSchedule]:
+    """``n`` schedules firing every minute from the next one, for users of their own."""
+    out = []
+    for i in range(n):
+        sid = uuid7()
+        rows = db.query(
+            "INSERT INTO schedules (id, user_id, cron, timezone, input, overlap, next_fire_at)"
+            " VALUES (:id, :u, '* * * * *', 'UTC', CAST(:inp AS jsonb), 'allow',"
+            " date_trunc('minute', now()) + interval '1 minute') RETURNING next_fire_at",
+            id=sid,
+            u=f"sched{i}-{tag}",
+            inp=json.dumps(SCHEDULED_INPUT),
+            commit=True,
+        )
+        out.append(ChaosSchedule(sid, f"sched{i}-{tag}", rows[0].next_fire_at))
+    return out
+
+
+def pause_schedules(db: Postgres, schedules: list[ChaosSchedule]) -> None:
+    rows = db.query(
+        "UPDATE schedules SET enabled = false WHERE id = ANY(:ids) RETURNING now() AS at",
+        ids=[s.id for s in schedules],
+        commit=True,
+    )
+    for s in schedules:
+        s.paused_at = rows[0].at
+
+
+def _check_schedules(f: Findings, rows: dict[str, Any], schedules: list[ChaosSchedule]) -> None:
+    f.schedules = len(schedules)
+    fired: dict[str, Counter[datetime]] = defaultdict(Counter)
+    for r in rows.values():
+        if r.schedule_id is not None:
+            fired[r.schedule_id][r.scheduled_for] += 1
+            f.scheduled_runs += 1
+            if r.status != "done":
+                f.schedule_violations += 1
+                f.violate(f"scheduled run {r.id} ended {r.status}")
+    for s in schedules:
+        assert s.paused_at is not None
+        minutes = fired[s.id]
+        for minute, n in minutes.items():
+            if n > 1:
+                f.schedule_violations += 1
+                f.violate(f"schedule {s.id} minute {minute:%H:%M} has {n} runs")
+            if minute > s.paused_at:
+                f.schedule_violations += 1
+                f.violate(f"schedule {s.id} fired minute {minute:%H:%M} after its pause")
+        due = s.first
+        while due <= s.paused_at - timedelta(seconds=20):
+            f.schedule_minutes += 1
+            if minutes[due] != 1:
+                f.schedule_violations += 1
+                f.violate(f"schedule {s.id} due minute {due:%H:%M} has {minutes[due]} runs")
+            due += timedelta(minutes=1)
+
+
+def _check_budgets(
+    f: Findings,
+    db: Postgres,
+    plan: dict[str, list[PlannedRun]],
+    rows: dict[str, Any],
+    budgets: dict[str, Decimal],
+) -> None:
+    f.budget_users = len(budgets)
+    slack = 0.5
+    for user, limit in budgets.items():
+        spent = Decimal(0)
+        reached: float | None = None
+        for r in db.query(
+            "SELECT cost_usd, created_at FROM ledger WHERE user_id = :u ORDER BY created_at, id",
+            u=user,
+        ):
+            spent += r.cost_usd
+            if reached is None and spent >= limit:
+                reached = r.created_at.timestamp()
+        f.budget_overshoot_usd = max(f.budget_overshoot_usd, spent - limit)
+        f.budget_max_spend_usd = max(f.budget_max_spend_usd, spent)
+        for p in plan.get(user, []):
+            if p.over_budget_at is not None and p.run_id is None:
+                f.budget_refusals += 1
+                if reached is None or p.over_budget_at < reached - slack:
+                    f.budget_violations += 1
+                    f.violate(f"{user} run #{p.index} refused 402 with budget left")
+            row = rows.get(p.run_id) if p.run_id is not None and not p.merged else None
+            if row is not None and reached is not None:
+                if row.created_at.timestamp() > reached + slack:
+                    f.budget_violations += 1
+                    f.violate(
+                        f"{user} run {row.id} admitted "
+                        f"{row.created_at.timestamp() - reached:.1f}s after the budget was spent"
+                    )
 
 
 def _check_topic(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,10 +20,12 @@ from sqlalchemy import text
 
 from koda_runtime.db import sync_engine
 from koda_runtime.kafka import consumer_config
-from koda_runtime.localstack import StackInfo
+from koda_runtime.localstack import StackInfo, down, up
+from koda_runtime.localstack.kafka_cluster import load_cluster
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS, WORKER_GROUP
-from tests.fixtures.processes import GatewayProcess, WorkerProcess, free_port
+from tests.chaos.toxiproxy import GATEWAY_SLOT, SLOTS, WORKER_SLOTS, Network, ToxiproxyServer
+from tests.fixtures.processes import GatewayProcess, SchedulerProcess, WorkerProcess, free_port
 
 # The harness's own clients stay quiet while a broker is down on purpose.
 QUIET = {"log_level": 0}
@@ -29,10 +33,30 @@ QUIET = {"log_level": 0}
 
 @dataclass
 class Stack:
-    """A local stack the chaos run may stop and start: its state dir and addresses."""
+    """A local stack the chaos run may stop and start: its state dir and addresses, and
+    (when the stack was started with client slots) the Toxiproxy network in front of it."""
 
     state_dir: Path
     info: StackInfo
+    network: Network | None = None
+
+
+@contextmanager
+def proxied_stack(state_dir: Path, brokers: int) -> Iterator[Stack]:
+    """Kafka (a listener per client slot on every node) and PostgreSQL under
+    ``state_dir``, and a Toxiproxy server with every slot's proxies; all stopped after."""
+    server = ToxiproxyServer(state_dir / "toxiproxy.log")
+    try:
+        info = up(state_dir, brokers=brokers, slots=SLOTS)
+        cluster = load_cluster(state_dir)
+        assert cluster is not None
+        network = Network.build(server.start(), cluster, info.database_url)
+        yield Stack(state_dir, info, network)
+    finally:
+        try:
+            server.stop()
+        finally:
+            down(state_dir)
 
 
 def process_env(settings: Settings) -> dict[str, str]:
@@ -60,6 +84,7 @@ class Pool:
     settings: Settings
     size: int
     extra_env: dict[str, str] = field(default_factory=dict)
+    network: Network | None = None
     workers: list[WorkerProcess] = field(default_factory=list)
     retired: list[WorkerProcess] = field(default_factory=list)
     gateway: GatewayProcess | None = None
@@ -68,22 +93,66 @@ class Pool:
     _next: int = 1
     unexpected_exits: list[str] = field(default_factory=list)
     sigterm_exit_codes: list[int] = field(default_factory=list)
+    slot_of: dict[str, str | None] = field(default_factory=dict)
+    schedulers: list[SchedulerProcess] = field(default_factory=list)
+    old_schedulers: list[SchedulerProcess] = field(default_factory=list)
 
-    def env(self) -> dict[str, str]:
-        return {**process_env(self.settings), **self.extra_env}
+    def env(self, slot: str | None = None) -> dict[str, str]:
+        """A process's environment; with a network, its connections go through ``slot``."""
+        through = self.network.env(slot) if self.network is not None and slot else {}
+        return {**process_env(self.settings), **self.extra_env, **through}
 
     def start_gateway(self) -> GatewayProcess:
         self.gateway_port = self.gateway_port or free_port()
-        gw = GatewayProcess(self.settings, self.env(), port=self.gateway_port).start()
+        env = self.env(GATEWAY_SLOT)
+        gw = GatewayProcess(self.settings, env, port=self.gateway_port).start()
         self.gateway = gw
         return gw
 
     def start_worker(self) -> WorkerProcess:
         worker_id = f"w{self._next}"
         self._next += 1
-        w = WorkerProcess(self.settings, worker_id, self.env()).start()
+        slot = self._free_slot()
+        w = WorkerProcess(self.settings, worker_id, self.env(slot)).start()
+        self.slot_of[w.name] = slot
         self.workers.append(w)
         return w
+
+    def start_scheduler(self) -> SchedulerProcess:
+        # A pass every second and at each minute boundary, as in the scheduler tests.
+        env = {**self.env(), "KODA_SCHEDULER_POLL": "1"}
+        name = f"s{len(self.schedulers) + len(self.old_schedulers) + 1}"
+        proc = SchedulerProcess(self.settings, name, env).start()
+        self.schedulers.append(proc)
+        return proc
+
+    def kill_scheduler(self, proc: SchedulerProcess) -> None:
+        if proc in self.schedulers:
+            self.schedulers.remove(proc)
+        self.old_schedulers.append(proc)
+        if proc.proc is not None and proc.proc.poll() is None:
+            proc.proc.send_signal(signal.SIGKILL)
+            proc.proc.wait()
+
+    def wait_started(self, w: WorkerProcess, timeout_s: float = 60.0) -> None:
+        """Until ``w`` has subscribed to the runs topic (its clients bootstrapped), or
+        exited: a worker that cannot reach a broker at start-up exits, so the next
+        fault (a broker restart, say) must not begin before it is up."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and w.alive():
+            if "event=intake_subscribed" in w.log():
+                return
+            time.sleep(0.2)
+
+    def _free_slot(self) -> str | None:
+        """A worker slot no running worker uses (None without a network)."""
+        if self.network is None:
+            return None
+        taken = {self.slot_of.get(w.name) for w in self.workers + self.retired if w.alive()}
+        for slot in WORKER_SLOTS:
+            if slot not in taken:
+                return slot
+        raise RuntimeError(f"every worker slot {WORKER_SLOTS} is taken by a running worker")
 
     def start(self) -> None:
         self.start_gateway()
@@ -110,6 +179,14 @@ class Pool:
                 )
                 self.workers.remove(w)
                 self.retired.append(w)
+        for sch in list(self.schedulers):
+            if sch.proc is not None and sch.proc.poll() is not None:
+                self.unexpected_exits.append(
+                    f"scheduler {sch.name} exited by itself (code {sch.proc.returncode}); "
+                    f"log {sch.log_path}"
+                )
+                self.schedulers.remove(sch)
+                self.old_schedulers.append(sch)
         gw = self.gateway
         if gw is not None and gw.proc is not None and gw.proc.poll() is not None:
             self.unexpected_exits.append(
@@ -127,6 +204,12 @@ class Pool:
             self.gateway = None
 
     def stop_all(self) -> None:
+        for sch in list(self.schedulers):
+            if sch.proc is not None and sch.proc.poll() is None:
+                sch.proc.send_signal(signal.SIGTERM)
+                sch.proc.wait(30)
+            self.schedulers.remove(sch)
+            self.old_schedulers.append(sch)
         for w in list(self.workers):
             if w.alive():
                 w.signal(signal.SIGCONT)
@@ -140,6 +223,10 @@ class Pool:
 
     def kill_all(self) -> None:
         """Last resort on an aborted run: nothing may keep running."""
+        for sch in self.schedulers + self.old_schedulers:
+            if sch.proc is not None and sch.proc.poll() is None:
+                sch.proc.kill()
+                sch.proc.wait()
         for w in self.workers + self.retired:
             w.kill()
         for gw in [self.gateway, *self.old_gateways]:
@@ -161,7 +248,11 @@ class Postgres:
     def __init__(self, settings: Settings) -> None:
         self.engine = sync_engine(settings, pool_size=2)
 
-    def query(self, sql: str, **params: Any) -> list[Any]:
+    def query(self, sql: str, commit: bool = False, **params: Any) -> list[Any]:
+        """Rows of ``sql``; with ``commit``, in a transaction that commits (a write)."""
+        if commit:
+            with self.engine.begin() as conn:
+                return list(conn.execute(text(sql), params).all())
         with self.engine.connect() as conn:
             return list(conn.execute(text(sql), params).all())
 

@@ -1,14 +1,16 @@
 """The chaos run: users × runs through the gateway, three workers, viewers, and faults.
 
-    python -m tests.chaos.harness --runs 2000 --users 200 --brokers 3      # make chaos
+    python -m tests.chaos.harness --runs 10000 --users 1000 --brokers 3 --faults 65  # make chaos
 
 Starts a private stack (Kafka with 1 or 3 nodes, PostgreSQL) in a /tmp state dir, a
 gateway and a pool of workers with the demo handler, and while users submit runs of
-0.1-5 s (a few flaky, a few poison) and SSE viewers follow a sample of them, injects
-faults in rounds, one at a time: kill -9 a worker; SIGTERM a worker and start a
-replacement; SIGSTOP a worker past the session timeout, then SIGCONT; restart a Kafka
-broker; (three brokers) kill -9 one and bring it back later; restart PostgreSQL
-(alternately a fast stop and a crash); kill -9 the gateway and start it again.
+0.1-5 s (a few flaky, a few poison, a few cancelled, a few followed by a second message
+that merges into them) and SSE viewers follow a sample of them, injects faults in
+rounds, one at a time: kill -9 a worker; SIGTERM a worker and start a replacement;
+SIGSTOP a worker past the session timeout, then SIGCONT; restart a Kafka broker; (three
+brokers) kill -9 one and bring it back later; restart PostgreSQL (alternately a fast
+stop and a crash); kill -9 the gateway and start it again; and the network faults of
+tests/chaos/faults.py on one process's own Toxiproxy links (tests/chaos/toxiproxy.py).
 Poison records are written straight to the runs topic along the way.
 
 Once every run has ended it runs the compactor's completeness pass (what the scheduled
@@ -30,27 +32,32 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from random import Random
+from typing import Any
 
 import httpx
 
-from koda_runtime.localstack import down, up
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.chunkverify import verify_chunks
 from koda_runtime.processors.compactor import ChunkCompactor
+from koda_runtime.processors.handlers.demo import MODEL as DEMO_MODEL
 from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from tests.chaos import faults as fk
 from tests.chaos.checks import (
+    ChaosSchedule,
     Findings,
     OffsetAuditor,
     check_all,
+    create_schedules,
     median_max,
+    pause_schedules,
     wait_all_committed,
 )
-from tests.chaos.cluster import CommitMonitor, Pool, Postgres, Stack
+from tests.chaos.cluster import CommitMonitor, Pool, Postgres, Stack, proxied_stack
 from tests.chaos.load import (
     InjectedPoison,
     PlannedRun,
@@ -76,6 +83,11 @@ class Config:
     watch_fraction: float = 0.05
     poison_runs: int = 5
     flaky_fraction: float = 0.02
+    cancel_fraction: float = 0.02
+    merge_fraction: float = 0.02
+    memory_fraction: float = 0.05
+    schedules: int = 5  # per-minute schedules fired by two schedulers (0: none)
+    budget_fraction: float = 0.02  # users with a daily budget of about three runs
     poison_rounds: int = 2
     min_faults: int = 21
     kinds: tuple[str, ...] = ()
@@ -86,12 +98,16 @@ class Config:
     session_timeout_s: float = 6.0
     handoff_ceiling_s: float = 2.0
     down_s: float = 3.0
-    deadline_s: float = 1800.0
+    slow_s: float = 8.0  # how long a latency fault (and a gateway feed cut) lasts
+    deadline_s: float | None = None  # None: twice the submission window plus 10 minutes
     seed: int = 1
     verbose: bool = True
+    network: bool = True  # the stack has Toxiproxy slots: network faults apply
 
     def fault_kinds(self) -> tuple[str, ...]:
-        return self.kinds or fk.kinds_for(self.brokers)
+        return self.kinds or fk.kinds_for(
+            self.brokers, network=self.network, schedulers=self.schedules > 0
+        )
 
     def window_s(self) -> float:
         """How long users keep submitting: about the pool's capacity, and as long as
@@ -102,6 +118,12 @@ class Config:
         capacity = min(self.partitions, self.workers * self.max_inflight) / mean
         return max(self.runs / capacity, self.min_faults * 15.0)
 
+    def run_deadline_s(self) -> float:
+        """How long the load and the wait for every run to end may take."""
+        if self.deadline_s is not None:
+            return self.deadline_s
+        return max(1800.0, 2 * self.window_s() + 600.0)
+
 
 @dataclass
 class Report:
@@ -110,10 +132,28 @@ class Report:
     faults: list[fk.Fault]
     elapsed_s: float
     violations: list[str] = field(default_factory=list)
+    plan: dict[str, list[PlannedRun]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+    def cancel_times(self) -> list[float]:
+        return [r.cancel.at for rs in self.plan.values() for r in rs if r.cancel is not None]
+
+    def merge_times(self) -> list[float]:
+        """When each follow-up was answered merged (the merge is done by then)."""
+        return [
+            r.accepted_at
+            for rs in self.plan.values()
+            for r in rs
+            if r.merged and r.accepted_at is not None
+        ]
+
+    def during_fault(self, times: list[float]) -> int:
+        """How many of ``times`` fell inside a fault (from injection until it was over)."""
+        spans = [(x.at, x.ended_at or x.at) for x in self.faults]
+        return sum(any(a <= t <= b for a, b in spans) for t in times)
 
     def table(self) -> str:
         f = self.findings
@@ -146,6 +186,42 @@ class Report:
                 f"{f.viewers} / {f.viewer_mismatches} / {f.viewer_reconnects}",
             ),
             ("dead letters (repeats)", f"{f.dead_letters} ({f.dead_letter_repeats})"),
+            (
+                "cancels: sent / during a fault / took / after the end",
+                f"{f.cancels} / {self.during_fault(self.cancel_times())} / {f.cancels_took}"
+                f" / {f.cancels_after_end}",
+            ),
+            ("  cancelled runs not cancelled or run again", str(f.cancel_violations)),
+            (
+                "follow-ups: sent / during a fault / merged",
+                f"{f.follow_ups} / {self.during_fault(self.merge_times())} / {f.merged}",
+            ),
+            ("  merged messages missing from input or answer", str(f.merge_violations)),
+            (
+                "schedules / due minutes / runs",
+                f"{f.schedules} / {f.schedule_minutes} / {f.scheduled_runs}",
+            ),
+            ("  due minutes without exactly one run", str(f.schedule_violations)),
+            (
+                "budget users / runs refused 402 / largest spend, overshoot",
+                f"{f.budget_users} / {f.budget_refusals} / ${f.budget_max_spend_usd:.2f},"
+                f" ${f.budget_overshoot_usd:.2f} (limit $15)",
+            ),
+            (
+                "  admitted past a spent budget or refused with budget left",
+                str(f.budget_violations),
+            ),
+            ("ledger rows", str(f.ledger_rows)),
+            ("  runs billed twice or billed when not done", str(f.ledger_duplicates)),
+            ("  users whose usage report differs from the ledger", str(f.ledger_report_mismatches)),
+            (
+                "memory runs done / retried before their end",
+                f"{f.memory_runs} / {f.memory_runs_retried}",
+            ),
+            (
+                "  memories duplicated / missing",
+                f"{f.memory_duplicates} / {f.memory_missing}",
+            ),
             ("offset audits / offsets ahead of work", f"{f.offset_audits} / {f.offsets_ahead}"),
         ]
         handoffs = [x.handoff_s for x in self.faults if x.handoff_s is not None]
@@ -156,6 +232,25 @@ class Report:
                 _secs(med) + " / " + _secs(mx) + f"  ({len(handoffs)} worker faults)",
             )
         )
+        for kind in fk.NETWORK_KINDS:
+            net = [x for x in self.faults if x.kind == kind]
+            if not net:
+                continue
+            med, mx = median_max([x.recover_s for x in net if x.recover_s is not None])
+            unmeasured = sum(x.recover_s is None for x in net)
+            tail = f"; {unmeasured} unmeasured" if unmeasured else ""
+            rows.append(
+                (
+                    f"  {kind}",
+                    f"{len(net)}; recovered median / max {_secs(med)} / {_secs(mx)}"
+                    f" ({fk.RECOVERY_OF[kind]}){tail}",
+                )
+            )
+            # Each fault's notes ("cut 8.1s", "/readyz while cut: 503", ...), the first few.
+            for x in net[:3]:
+                rows.append((f"    {x.target}", "; ".join(x.notes)))
+            if len(net) > 3:
+                rows.append(("    ...", f"{len(net) - 3} more in the log"))
         for x in self.faults:
             if x.kind in fk.SERVICE_KINDS or x.kind == fk.GATEWAY_RESTART:
                 what = "ready after" if x.kind == fk.GATEWAY_RESTART else "recovered after"
@@ -211,7 +306,9 @@ class Chaos:
         self.stack = stack
         self.rng = Random(cfg.seed)  # noqa: S311 - reproducible schedule, not crypto
         self.settings = chaos_settings(stack, cfg, f"chaos{int(time.time()) % 10**8}")
-        self.pool = Pool(self.settings, cfg.workers)
+        if cfg.network and stack.network is None:
+            raise ValueError("Config.network is set but the stack has no Toxiproxy slots")
+        self.pool = Pool(self.settings, cfg.workers, network=stack.network)
         self.db = Postgres(self.settings)
         self.monitor = CommitMonitor(self.settings)
         self.auditor = OffsetAuditor(self.settings, self.db, self.monitor)
@@ -220,6 +317,8 @@ class Chaos:
         self.poison: list[InjectedPoison] = []
         self.faults: list[fk.Fault] = []
         self.plan: dict[str, list[PlannedRun]] = {}
+        self.schedules: list[ChaosSchedule] = []
+        self.budgets: dict[str, Decimal] = {}
         self.started = time.monotonic()
 
     def log(self, msg: str) -> None:
@@ -238,6 +337,12 @@ class Chaos:
                 timeout=120,
                 what="workers holding every partition",
             )
+            if cfg.schedules:
+                self.schedules = await asyncio.to_thread(
+                    create_schedules, self.db, cfg.schedules, self.settings.namespace or ""
+                )
+                for _ in range(2):
+                    await asyncio.to_thread(self.pool.start_scheduler)
             self.monitor.start()
             self.auditor.start()
             self.log(
@@ -266,14 +371,18 @@ class Chaos:
             poison_runs=cfg.poison_runs,
             flaky_fraction=cfg.flaky_fraction,
             watch_fraction=cfg.watch_fraction,
+            cancel_fraction=cfg.cancel_fraction,
+            merge_fraction=cfg.merge_fraction,
+            memory_fraction=cfg.memory_fraction,
         )
-        deadline = time.monotonic() + cfg.deadline_s
+        deadline = time.monotonic() + cfg.run_deadline_s()
         per_user = max(len(v) for v in self.plan.values())
         gap = cfg.window_s() / per_user
         limits = httpx.Limits(max_connections=400, max_keepalive_connections=100)
         timeout = httpx.Timeout(30.0, read=20.0)
         url = f"http://127.0.0.1:{self.pool.gateway_port}"
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+            await self._set_budgets(client)
 
             def accepted(run: PlannedRun) -> None:
                 if run.watch and run.run_id is not None:
@@ -299,6 +408,8 @@ class Chaos:
             audits = asyncio.create_task(self._audit_loop())
             await self._fault_loop(users)
             await asyncio.gather(*users)
+            if self.schedules:
+                await asyncio.to_thread(pause_schedules, self.db, self.schedules)
             self.log("all submitted; waiting for every run to end")
             await self._wait_terminal(deadline)
             await asyncio.wait(self.viewer_tasks, timeout=120) if self.viewer_tasks else None
@@ -308,6 +419,24 @@ class Chaos:
             with contextlib.suppress(asyncio.CancelledError):
                 await audits
         return await asyncio.to_thread(self._verify)
+
+    async def _set_budgets(self, client: httpx.AsyncClient) -> None:
+        """Price the demo model ($1 a completion token: a run costs $2-20) and give a
+        few users a daily budget of $15, one or two runs' worth."""
+        users = sorted(self.plan)[: round(len(self.plan) * self.cfg.budget_fraction)]
+        if not users:
+            return
+        await asyncio.to_thread(
+            self.db.query,
+            "INSERT INTO prices (model, effective_from, prompt_usd_per_mtok,"
+            " completion_usd_per_mtok) VALUES (:m, now(), 0, 1000000) RETURNING id",
+            m=DEMO_MODEL,
+            commit=True,
+        )
+        for user in users:
+            resp = await client.put(f"/admin/budgets/{user}", json={"daily_usd": "15"})
+            resp.raise_for_status()
+            self.budgets[user] = Decimal(15)
 
     async def _view_later(self, client: httpx.AsyncClient, v: Viewer, deadline: float) -> None:
         # Most viewers join at once (live), some late (replay from Postgres, then live).
@@ -337,6 +466,7 @@ class Chaos:
             rounds += 1
             self.log(f"fault {len(self.faults) + 1}: {kind}")
             fault = await self.injector.inject(kind)
+            fault.ended_at = time.time()
             self.faults.append(fault)
             self.log(
                 f"  {fault.kind} on {fault.target}: handoff {_secs(fault.handoff_s)} "
@@ -359,21 +489,29 @@ class Chaos:
                 self.rng,
                 self.cfg.session_timeout_s,
                 down_s=self.cfg.down_s,
+                handoff_ceiling_s=self.cfg.handoff_ceiling_s,
+                slow_s=self.cfg.slow_s,
+                live_viewers=lambda: sum(
+                    1 for v in self.viewers if v.connections and not v.finished
+                ),
             )
         return self._injector
 
     async def _wait_terminal(self, deadline: float) -> None:
-        ids = [r.run_id for runs in self.plan.values() for r in runs if r.run_id]
+        # A merged follow-up names the run it joined: count each run once.
+        ids = sorted({r.run_id for runs in self.plan.values() for r in runs if r.run_id})
         last_log = 0.0
         while time.monotonic() < deadline:
             try:
                 rows = await asyncio.to_thread(
                     self.db.query,
-                    "SELECT count(*) AS n FROM runs WHERE id = ANY(:ids)"
-                    " AND status IN ('done', 'failed', 'cancelled')",
+                    "SELECT count(*) FILTER (WHERE id = ANY(:ids) AND status IN"
+                    " ('done', 'failed', 'cancelled')) AS n, count(*) FILTER (WHERE"
+                    " schedule_id IS NOT NULL AND status NOT IN ('done', 'failed',"
+                    " 'cancelled')) AS scheduled FROM runs",
                     ids=ids,
                 )
-                left = len(ids) - rows[0].n
+                left = len(ids) - rows[0].n + rows[0].scheduled
             except Exception:  # noqa: BLE001 - keep waiting through a restart
                 left = -1
             if left == 0:
@@ -383,6 +521,15 @@ class Chaos:
                 last_log = time.monotonic()
             self.pool.check_exits()
             await asyncio.sleep(1.0)
+
+    def _usage_report(self) -> list[dict[str, Any]]:
+        """The gateway's per-user usage report over everything (``/admin``, open in dev)."""
+        url = f"http://127.0.0.1:{self.pool.gateway_port}/admin/usage"
+        params = {"group_by": "user", "from": "2000-01-01"}
+        resp = httpx.get(url, params=params, timeout=30)
+        resp.raise_for_status()
+        rows: list[dict[str, Any]] = resp.json()["rows"]
+        return rows
 
     def _complete_topic(self, findings: Findings) -> None:
         """The repair delay: what workers left for the pass, then the pass itself."""
@@ -405,7 +552,15 @@ class Chaos:
         pass_findings = Findings()
         self._complete_topic(pass_findings)
         findings = check_all(
-            self.settings, self.db, self.plan, self.viewers, self.poison, self.auditor
+            self.settings,
+            self.db,
+            self.plan,
+            self.viewers,
+            self.poison,
+            self.auditor,
+            usage_report=self._usage_report(),
+            schedules=self.schedules,
+            budgets=self.budgets,
         )
         findings.chunks_left_for_pass = pass_findings.chunks_left_for_pass
         findings.runs_completed_by_pass = pass_findings.runs_completed_by_pass
@@ -418,9 +573,23 @@ class Chaos:
             f"{x.kind} on {x.target}: {n}"
             for x in self.faults
             for n in x.notes
-            if "exit code" in n or "not complete" in n
+            if "exit code" in n or "not complete" in n or "not recovered" in n
         ]
-        return Report(self.cfg, findings, self.faults, time.monotonic() - self.started, violations)
+        elapsed = time.monotonic() - self.started
+        return Report(self.cfg, findings, self.faults, elapsed, violations, self.plan)
+
+
+def _parse_kinds(arg: str, brokers: int) -> tuple[str, ...]:
+    known = fk.kinds_for(brokers, network=True)
+    kinds: list[str] = []
+    for name in filter(None, (k.strip() for k in arg.split(","))):
+        if name == "network":
+            kinds += fk.NETWORK_KINDS
+        elif name in known:
+            kinds.append(name)
+        else:
+            raise SystemExit(f"--kinds: unknown fault kind {name!r}; known: {', '.join(known)}")
+    return tuple(kinds)
 
 
 def run_on(cfg: Config, stack: Stack) -> Report:
@@ -434,11 +603,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--runs", type=int, default=2000)
-    p.add_argument("--users", type=int, default=200)
+    p.add_argument("--runs", type=int, default=10_000)
+    p.add_argument("--users", type=int, default=1000)
     p.add_argument("--brokers", type=int, choices=(1, 3), default=3)
     p.add_argument("--workers", type=int, default=3)
-    p.add_argument("--faults", type=int, default=21, help="at least this many faults")
+    p.add_argument("--faults", type=int, default=65, help="at least this many faults")
     p.add_argument("--min-run", type=float, default=0.1, help="shortest run, seconds")
     p.add_argument("--max-run", type=float, default=5.0, help="longest run, seconds")
     p.add_argument("--watch", type=float, default=0.05, help="fraction of runs with a viewer")
@@ -447,6 +616,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-inflight", type=int, default=8)
     p.add_argument("--window", type=float, default=None, help="submission window, seconds")
     p.add_argument("--gap", type=float, default=6.0, help="seconds between faults")
+    p.add_argument(
+        "--kinds",
+        default="",
+        help="only these fault kinds, comma-separated ('network' for every network kind)",
+    )
     p.add_argument("--seed", type=int, default=int(time.time()))
     p.add_argument("--state-dir", type=Path, default=None, help="default: a new /tmp dir")
     p.add_argument("--keep", action="store_true", help="leave the state dir for inspection")
@@ -466,18 +640,16 @@ def main(argv: list[str] | None = None) -> int:
         submit_window_s=a.window,
         fault_gap_s=a.gap,
         seed=a.seed,
+        kinds=_parse_kinds(a.kinds, a.brokers),
     )
     state = a.state_dir or Path(tempfile.mkdtemp(prefix="koda-chaos-", dir="/tmp"))
     print(f"chaos: seed {a.seed}, state dir {state}", flush=True)
     try:
-        info = up(state, brokers=a.brokers)
-        report = run_on(cfg, Stack(state, info))
+        with proxied_stack(state, a.brokers) as stack:
+            report = run_on(cfg, stack)
     finally:
-        try:
-            down(state)
-        finally:
-            if not a.keep:
-                shutil.rmtree(state, ignore_errors=True)
+        if not a.keep:
+            shutil.rmtree(state, ignore_errors=True)
     print()
     print(report.table())
     if report.violations:

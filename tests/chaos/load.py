@@ -7,6 +7,16 @@
 * A viewer follows one run over SSE as a browser does: on a cut stream or a failed
   connection it reconnects with ``Last-Event-ID``; it keeps every event with an id,
   in arrival order, across connections.
+* A few runs are **cancelled** by their user a moment after the 202 (while the faults
+  go on), and a few are followed by a **second message in the same session**, sent
+  while the first is likely streaming: the gateway merges it into that run (the answer
+  starts over on both messages) or, when the run is not running any more (or not yet),
+  makes it a run of its own. Either answer is recorded and checked.
+* A few runs carry a first-person statement, which the demo handler stores as a
+  memory of the user before the run's `done`: runs retried after a fault write it
+  again, and it must be there exactly once.
+* A few users have a daily budget of one or two runs' cost (the demo model is priced at
+  $1 a completion token): once it is spent their next runs are refused 402.
 * Poison comes in two forms: runs whose handler always fails (they must end
   ``failed`` with one dead letter each) and records written straight to the runs
   topic by an outside producer (garbage bytes, an unknown schema version, a null
@@ -42,10 +52,34 @@ class PlannedRun:
     input: dict[str, Any]
     poison: bool = False
     watch: bool = False
+    session_id: str = ""
+    cancel_after_s: float | None = None  # the user cancels it this long after the 202
+    follow_up: bool = False  # a second message into the previous run's session
+    followed: bool = False  # the user's next run is a follow-up of this one
+    memory: str | None = None  # the statement the run's handler must remember once
     run_id: str | None = None
     accepted_at: float | None = None
     attempts: int = 0  # POSTs it took
     refused: str | None = None
+    merged: bool = False  # a follow-up the gateway merged into the previous run
+    over_budget_at: float | None = None  # refused 402 budget_exceeded at this time
+    cancel: CancelAnswer | None = None
+
+
+@dataclass
+class CancelAnswer:
+    """What the user's cancel got: sent at ``at``, answered ``code`` with ``status``."""
+
+    at: float
+    code: int | None = None
+    status: str | None = None
+    answered_at: float | None = None
+    problem: str | None = None
+
+    @property
+    def took(self) -> bool:
+        """The run was cancelled at once (pending) or the cancel was recorded (running)."""
+        return self.code == 202 or (self.code == 200 and self.status == "cancelled")
 
 
 @dataclass
@@ -71,8 +105,13 @@ def plan_runs(
     poison_runs: int,
     flaky_fraction: float,
     watch_fraction: float,
+    cancel_fraction: float = 0.0,
+    merge_fraction: float = 0.0,
+    memory_fraction: float = 0.0,
 ) -> dict[str, list[PlannedRun]]:
-    """Runs per user: durations uniform in [min_s, max_s] seconds, a few flaky and poison."""
+    """Runs per user: durations uniform in [min_s, max_s] seconds, a few flaky and poison,
+    a few cancelled, a few followed by a second message (``merge_fraction``; the
+    follow-up is planned as the user's next run)."""
     nonce = uuid.uuid4().hex[:8]
     names = [f"u{i:04d}-{nonce}" for i in range(users)]
     plan: dict[str, list[PlannedRun]] = {u: [] for u in names}
@@ -90,37 +129,59 @@ def plan_runs(
             demo = {"tokens": 4, "delay_ms": 20, "fail_attempts": 99}
         elif rng.random() < flaky_fraction:
             demo["fail_attempts"] = 1
-        inp = {"text": f"chaos {user} #{len(plan[user])} {rng.random():.9f}", "demo": demo}
-        plan[user].append(
-            PlannedRun(
-                user,
-                len(plan[user]),
-                f"chaos-{nonce}-{i}",
-                inp,
-                poison=poison,
-                watch=rng.random() < watch_fraction,
-            )
+        text = f"chaos {user} #{len(plan[user])} {rng.random():.9f}"
+        key = f"chaos-{nonce}-{i}"
+        remembers = not poison and rng.random() < memory_fraction
+        if remembers:
+            # A first-person statement: the demo handler stores it as the user's memory.
+            text = f"I keep note {key}. {text}"
+        inp = {"text": text, "demo": demo}
+        prev = plan[user][-1] if plan[user] else None
+        follow_up = prev is not None and prev.followed and not poison
+        run = PlannedRun(
+            user,
+            len(plan[user]),
+            key,
+            inp,
+            poison=poison,
+            watch=rng.random() < watch_fraction,
+            session_id=prev.session_id if follow_up and prev is not None else f"s-{key}",
+            follow_up=follow_up,
+            memory=f"I keep note {key}." if remembers else None,
         )
+        if not poison and not follow_up:
+            if rng.random() < cancel_fraction:
+                run.cancel_after_s = rng.uniform(0.0, min(2.0, max_s))
+            elif rng.random() < merge_fraction:
+                # The longest duration, so it likely still streams when the follow-up comes.
+                run.followed = True
+                demo["delay_ms"] = max(1, int(max_s * 1000 / tokens))
+        plan[user].append(run)
     return plan
 
 
 async def submit(client: httpx.AsyncClient, run: PlannedRun, deadline: float) -> None:
     """POST until answered 202 (retrying failures with the same key) or ``deadline``."""
     headers = {"Authorization": f"Bearer dev:{run.user}", "Idempotency-Key": run.key}
+    body = {"session_id": run.session_id, "input": run.input}
     last = ""
     while time.monotonic() < deadline:
         run.attempts += 1
         try:
-            resp = await client.post("/v1/runs", json={"input": run.input}, headers=headers)
+            resp = await client.post("/v1/runs", json=body, headers=headers)
         except httpx.HTTPError as exc:
             last = f"{type(exc).__name__}: {exc}"
             await asyncio.sleep(0.5)
             continue
         if resp.status_code == 202:
-            run.run_id = resp.json()["run_id"]
+            answer = resp.json()
+            run.run_id = answer["run_id"]
+            run.merged = bool(answer.get("merged"))
             run.accepted_at = time.time()
             return
         last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+        if resp.status_code == 402:
+            run.over_budget_at = time.time()
         if resp.status_code in (429, 503) or resp.status_code >= 500:
             wait = float(resp.headers.get("retry-after", "0.5") or 0.5)
             await asyncio.sleep(min(wait, 2.0))
@@ -137,13 +198,65 @@ async def user_session(
     deadline: float,
     on_accepted: Any,
 ) -> None:
-    """Submit ``runs`` in order, about ``gap_s`` seconds apart (exponential gaps)."""
+    """Submit ``runs`` in order, about ``gap_s`` seconds apart (exponential gaps); a
+    follow-up goes once the run before it has started, a cancel after its delay."""
     await asyncio.sleep(rng.uniform(0, gap_s))
-    for run in runs:
+    for i, run in enumerate(runs):
         await submit(client, run, deadline)
-        if run.run_id is not None:
+        if run.run_id is not None and not run.merged:
             on_accepted(run)
-        await asyncio.sleep(rng.expovariate(1.0 / gap_s) if gap_s > 0 else 0)
+        if run.run_id is not None and run.cancel_after_s is not None:
+            await asyncio.sleep(run.cancel_after_s)
+            run.cancel = await cancel(client, run, deadline)
+        nxt = runs[i + 1] if i + 1 < len(runs) else None
+        if nxt is not None and nxt.follow_up and run.run_id is not None:
+            await until_streaming(client, run, deadline)
+            await asyncio.sleep(rng.uniform(0.0, 0.3))
+        else:
+            await asyncio.sleep(rng.expovariate(1.0 / gap_s) if gap_s > 0 else 0)
+
+
+async def until_streaming(client: httpx.AsyncClient, run: PlannedRun, deadline: float) -> None:
+    """Wait (up to 10 s) until ``run`` is running or streaming, as a user who types the
+    next message while the answer streams; a run that ended (or a failed probe) does
+    not hold the user up any longer."""
+    headers = {"Authorization": f"Bearer dev:{run.user}"}
+    until = min(deadline, time.monotonic() + 10.0)
+    while time.monotonic() < until:
+        try:
+            resp = await client.get(f"/v1/runs/{run.run_id}", headers=headers)
+        except httpx.HTTPError:
+            return
+        if resp.status_code != 200 or resp.json().get("status") != "pending":
+            return
+        await asyncio.sleep(0.1)
+
+
+async def cancel(client: httpx.AsyncClient, run: PlannedRun, deadline: float) -> CancelAnswer:
+    """POST the run's cancel until answered 200/202 (a retry of a cancel is harmless)."""
+    answer = CancelAnswer(at=time.time())
+    headers = {"Authorization": f"Bearer dev:{run.user}"}
+    while time.monotonic() < deadline:
+        try:
+            resp = await client.post(
+                f"/v1/runs/{run.run_id}/cancel", json={"reason": "chaos"}, headers=headers
+            )
+        except httpx.HTTPError as exc:
+            answer.problem = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(0.5)
+            continue
+        if resp.status_code in (200, 202):
+            answer.code, answer.status = resp.status_code, resp.json().get("status")
+            answer.answered_at = time.time()
+            answer.problem = None
+            return answer
+        answer.problem = f"HTTP {resp.status_code}: {resp.text[:200]}"
+        if resp.status_code >= 500 or resp.status_code == 429:
+            await asyncio.sleep(0.5)
+            continue
+        return answer
+    answer.problem = answer.problem or "deadline"
+    return answer
 
 
 async def follow(client: httpx.AsyncClient, viewer: Viewer, deadline: float) -> None:

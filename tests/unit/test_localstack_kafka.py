@@ -69,6 +69,45 @@ def test_cluster_spec_roundtrips_through_json_and_names_its_bootstrap() -> None:
         cluster.node(4)
 
 
+def test_slot_listeners_advertise_each_slots_proxy_on_every_node() -> None:
+    cluster = kafka_cluster.new_cluster(3, "4.1.1", ("w1", "gw"))
+    for node in cluster.nodes:
+        props = _props(kafka_cluster.render_server_properties(cluster, node, Path("/d")))
+        w1, gw = node.slot("w1"), node.slot("gw")
+        assert props["listeners"] == (
+            f"PLAINTEXT://127.0.0.1:{node.port},SLOT_W1://127.0.0.1:{w1.port},"
+            f"SLOT_GW://127.0.0.1:{gw.port},CONTROLLER://127.0.0.1:{node.controller_port}"
+        )
+        assert props["advertised.listeners"] == (
+            f"PLAINTEXT://127.0.0.1:{node.port},SLOT_W1://127.0.0.1:{w1.advertised_port},"
+            f"SLOT_GW://127.0.0.1:{gw.advertised_port}"
+        )
+        assert "SLOT_W1:PLAINTEXT" in props["listener.security.protocol.map"].split(",")
+        assert props["inter.broker.listener.name"] == "PLAINTEXT"
+    assert cluster.slot_bootstrap("w1") == ",".join(
+        f"127.0.0.1:{n.slot('w1').advertised_port}" for n in cluster.nodes
+    )
+    ports = [p for n in cluster.nodes for s in n.slots for p in (s.port, s.advertised_port)]
+    ports += [p for n in cluster.nodes for p in (n.port, n.controller_port)]
+    assert len(set(ports)) == len(ports) == 3 * (2 + 2 * 2)
+    assert ClusterSpec.from_json(cluster.to_json()) == cluster
+    with pytest.raises(ConfigError, match="no listener for client slot 'w9'"):
+        cluster.nodes[0].slot("w9")
+
+
+@pytest.mark.parametrize("slots", [("W1",), ("w1", "w1"), ("1w",), ("w-1",)])
+def test_bad_slot_names_are_refused_by_name(slots: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError, match="client slot names"):
+        kafka_cluster.new_cluster(1, "4.1.1", slots)
+
+
+def test_prepare_cluster_refuses_other_slots_and_says_what_to_delete(tmp_path: Path) -> None:
+    kafka_cluster.prepare_cluster(tmp_path, 1, "4.1.1", ("w1",))
+    assert kafka_cluster.prepare_cluster(tmp_path, 1, "4.1.1").slots == ("w1",)
+    with pytest.raises(ServiceError, match=r"client slots \['w1'\], not \['w2'\].*delete"):
+        kafka_cluster.prepare_cluster(tmp_path, 1, "4.1.1", ("w2",))
+
+
 def test_new_cluster_picks_distinct_ports_and_a_valid_id() -> None:
     cluster = kafka_cluster.new_cluster(3, "4.1.1")
     ports = [p for n in cluster.nodes for p in (n.port, n.controller_port)]
