@@ -31,7 +31,7 @@ from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import SchedulerProcess, WorkerProcess
 from tests.support import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.clock, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 STEADY_SCHEDULES = 30
 QUICK_RUN = {"text": "tick", "demo": {"tokens": 2, "delay_ms": 1}}
