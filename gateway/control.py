@@ -215,6 +215,8 @@ async def _page(
             finished_at=r.finished_at,
             cancel_reason=r.cancel_reason,
             merged_messages=r.merged,
+            schedule_id=r.schedule_id,
+            scheduled_for=r.scheduled_for,
         )
         for r in rows
     ]

@@ -184,6 +184,15 @@ def test_run_now_creates_a_scheduled_run_shown_by_get_run_and_on_the_topic(
     )
     second = client.post(f"/v1/schedules/{sid}/run-now", headers=bearer(who)).json()
     assert second["run_id"] != body["run_id"]  # a person pressing twice means twice
+    # The history listing says where each run came from too, a person's run included.
+    mine = client.post("/v1/runs", json={"input": "by hand"}, headers=bearer(who)).json()
+    listed = client.get("/v1/runs", headers=bearer(who)).json()["runs"]
+    origin = {r["run_id"]: (r["schedule_id"], r["scheduled_for"]) for r in listed}
+    assert origin == {
+        body["run_id"]: (sid, body["scheduled_for"]),
+        second["run_id"]: (sid, second["scheduled_for"]),
+        mine["run_id"]: (None, None),
+    }
 
 
 def test_delete_removes_the_schedule_and_keeps_its_runs(
