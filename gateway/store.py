@@ -362,6 +362,14 @@ class RunStore:
         except SQLAlchemyError as exc:
             raise DatabaseError(f"recording a budget alert failed: {type(exc).__name__}") from exc
 
+    async def spent_user_count(self) -> int:
+        """Users with a budget spent now (``koda_budget_exhausted_users``)."""
+        try:
+            async with self.engine.connect() as conn:
+                return await ledger.spent_user_count(conn)
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"counting spent budgets failed: {type(exc).__name__}") from exc
+
     async def _by_key(self, idempotency_key: str) -> AdmittedRun | None:
         async with self.engine.connect() as conn:
             row = (

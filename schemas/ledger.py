@@ -192,20 +192,19 @@ async def insert_run(conn: AsyncConnection, values: dict[str, Any], *, budgets: 
     return RunInsert(row.status, row.created_at, budget)
 
 
-_SPENT = text(
-    """
-    SELECT b.user_id
+# Budgets with the current month's and day's spend, filtered to the spent ones by the
+# rule of koda_runtime.lifecycle.ledger.exceeded, as in the admission insert.
+_SPENT_NOW = """
       FROM budgets b
       LEFT JOIN spend_periods m ON m.user_id = b.user_id AND m.period = 'month'
        AND m.starts_at = date_trunc('month', now(), 'UTC')
       LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
        AND d.starts_at = date_trunc('day', now(), 'UTC')
-     WHERE b.user_id = ANY(CAST(:users AS text[]))
-       -- The rule of koda_runtime.lifecycle.ledger.exceeded, as in the admission insert.
-       AND ((b.monthly_usd IS NOT NULL AND COALESCE(m.spend_usd, 0) >= b.monthly_usd)
+     WHERE ((b.monthly_usd IS NOT NULL AND COALESCE(m.spend_usd, 0) >= b.monthly_usd)
          OR (b.daily_usd IS NOT NULL AND COALESCE(d.spend_usd, 0) >= b.daily_usd))
-    """
-)
+"""
+_SPENT = text(f"SELECT b.user_id {_SPENT_NOW} AND b.user_id = ANY(CAST(:users AS text[]))")
+_SPENT_COUNT = text(f"SELECT count(*) {_SPENT_NOW}")
 
 
 async def spent_users(conn: AsyncConnection, users: list[str]) -> set[str]:
@@ -213,6 +212,11 @@ async def spent_users(conn: AsyncConnection, users: list[str]) -> set[str]:
     if not users:
         return set()
     return {r.user_id for r in (await conn.execute(_SPENT, {"users": users})).all()}
+
+
+async def spent_user_count(conn: AsyncConnection) -> int:
+    """How many users have a budget spent now (every new run of theirs is refused)."""
+    return int((await conn.execute(_SPENT_COUNT)).scalar_one())
 
 
 _MARK_SOFT = text(
