@@ -215,6 +215,7 @@ BAD_FIELDS = [
     ({"cron": None}, "cron", "required"),
     ({"timezone": "Mars/Olympus"}, "timezone", "Europe/Berlin"),
     ({"timezone": "CEST"}, "timezone", "Europe/Berlin"),
+    ({"timezone": "localtime"}, "timezone", "host"),
     ({"timezone": ""}, "timezone", "Europe/Berlin"),
     ({"timezone": None}, "timezone", "required"),
     ({"input": None}, "input", "required"),
