@@ -192,19 +192,32 @@ async def insert_run(conn: AsyncConnection, values: dict[str, Any], *, budgets: 
     return RunInsert(row.status, row.created_at, budget)
 
 
-# Budgets with the current month's and day's spend, filtered to the spent ones by the
-# rule of koda_runtime.lifecycle.ledger.exceeded, as in the admission insert.
-_SPENT_NOW = """
+_SPENT = text(
+    """
+    SELECT b.user_id
       FROM budgets b
       LEFT JOIN spend_periods m ON m.user_id = b.user_id AND m.period = 'month'
        AND m.starts_at = date_trunc('month', now(), 'UTC')
       LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
        AND d.starts_at = date_trunc('day', now(), 'UTC')
-     WHERE ((b.monthly_usd IS NOT NULL AND COALESCE(m.spend_usd, 0) >= b.monthly_usd)
+     WHERE b.user_id = ANY(CAST(:users AS text[]))
+       -- The rule of koda_runtime.lifecycle.ledger.exceeded, as in the admission insert.
+       AND ((b.monthly_usd IS NOT NULL AND COALESCE(m.spend_usd, 0) >= b.monthly_usd)
          OR (b.daily_usd IS NOT NULL AND COALESCE(d.spend_usd, 0) >= b.daily_usd))
-"""
-_SPENT = text(f"SELECT b.user_id {_SPENT_NOW} AND b.user_id = ANY(CAST(:users AS text[]))")
-_SPENT_COUNT = text(f"SELECT count(*) {_SPENT_NOW}")
+    """
+)
+# Every user's: the same rule over the whole budgets table (one row per user).
+_SPENT_COUNT = text(
+    """
+    SELECT count(*) FROM budgets b
+     WHERE b.monthly_usd <= COALESCE((SELECT spend_usd FROM spend_periods
+                                       WHERE user_id = b.user_id AND period = 'month'
+                                         AND starts_at = date_trunc('month', now(), 'UTC')), 0)
+        OR b.daily_usd <= COALESCE((SELECT spend_usd FROM spend_periods
+                                     WHERE user_id = b.user_id AND period = 'day'
+                                       AND starts_at = date_trunc('day', now(), 'UTC')), 0)
+    """
+)
 
 
 async def spent_users(conn: AsyncConnection, users: list[str]) -> set[str]:
