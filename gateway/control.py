@@ -242,6 +242,8 @@ def _summary(r: RunRow) -> dict[str, Any]:
         "finished_at": r.finished_at,
         "cancel_reason": r.cancel_reason,
         "merged_messages": r.merged,
+        "schedule_id": r.schedule_id,
+        "scheduled_for": r.scheduled_for,
     }
 
 

@@ -64,6 +64,8 @@ class RunSummary:
     finished_at: datetime | None
     cancel_reason: str | None
     merged: int  # messages merged into the run
+    schedule_id: str | None
+    scheduled_for: datetime | None
 
 
 _CANCEL_PENDING = text(
@@ -133,7 +135,8 @@ _MERGE_BY_KEY = text(
 )
 _LIST_RUNS_SQL = """
     SELECT r.id, r.user_id, r.session_id, r.status, r.attempt, r.created_at, r.finished_at,
-           r.cancel_reason, COALESCE(r.input_version, 0) AS merged
+           r.cancel_reason, COALESCE(r.input_version, 0) AS merged, r.schedule_id,
+           r.scheduled_for
       FROM runs r
      WHERE {who}
        AND (CAST(:session_id AS text) IS NULL OR r.session_id = CAST(:session_id AS text))
@@ -406,6 +409,8 @@ class ControlStore:
                 r.finished_at,
                 r.cancel_reason,
                 int(r.merged),
+                r.schedule_id,
+                r.scheduled_for,
             )
             for r in rows
         ]

@@ -132,6 +132,10 @@ class RunSummary(BaseModel):
     finished_at: datetime | None
     cancel_reason: str | None
     merged_messages: int = Field(description="Messages merged into this run.")
+    schedule_id: str | None = Field(None, description="The schedule that fired it, if any.")
+    scheduled_for: datetime | None = Field(
+        None, description="The scheduled UTC minute it was fired for, if scheduled."
+    )
 
 
 class RunPage(BaseModel):

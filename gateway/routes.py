@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 from koda_runtime import metrics
 from koda_runtime.errors import DatabaseError, KodaError
 from koda_runtime.gateway.auth import BEARER, authenticate_request
+from koda_runtime.gateway.components import Components
 from koda_runtime.gateway.dependencies import Gateway, User
 from koda_runtime.gateway.errors import BadRequest, GatewayError, NotFound, RateLimited, http_error
 from koda_runtime.gateway.exceptions import Refused
@@ -188,4 +189,19 @@ async def prometheus_metrics(gw: Gateway) -> Response:
     # koda_workers{state} as of this scrape: a worker whose beats stopped turns
     # stale here even while the gateway's tail of the workers topic is down.
     gw.workers.report()
+    if gw.settings.cost_ledger:
+        await _count_spent_budgets(gw)
     return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
+
+
+async def _count_spent_budgets(gw: Components) -> None:
+    """koda_budget_exhausted_users as of this scrape; NaN when Postgres cannot say.
+
+    The scrape still answers without Postgres (every other family is in memory); a
+    stale count would keep an alert firing, or quiet, on a figure nobody read."""
+    try:
+        count = float(await asyncio.wait_for(gw.store.spent_user_count(), READY_TIMEOUT_S))
+    except (DatabaseError, TimeoutError) as exc:
+        log.warning("event=budget_count_failed error=%s", exc or type(exc).__name__)
+        count = float("nan")
+    metrics.BUDGET_EXHAUSTED_USERS.set(count)

@@ -91,6 +91,8 @@ class PendingRun:
     user_id: str
     session_id: str
     created_at: datetime
+    schedule_id: str | None = None
+    scheduled_for: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ _CLAIM_UNPUBLISHED = text(
             ORDER BY created_at
             LIMIT :batch
               FOR UPDATE SKIP LOCKED)
-    RETURNING id, user_id, session_id, created_at
+    RETURNING id, user_id, session_id, created_at, schedule_id, scheduled_for
     """
 )
 
@@ -362,6 +364,14 @@ class RunStore:
         except SQLAlchemyError as exc:
             raise DatabaseError(f"recording a budget alert failed: {type(exc).__name__}") from exc
 
+    async def spent_user_count(self) -> int:
+        """Users with a budget spent now (``koda_budget_exhausted_users``)."""
+        try:
+            async with self.engine.connect() as conn:
+                return await ledger.spent_user_count(conn)
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"counting spent budgets failed: {type(exc).__name__}") from exc
+
     async def _by_key(self, idempotency_key: str) -> AdmittedRun | None:
         async with self.engine.connect() as conn:
             row = (
@@ -438,7 +448,10 @@ class RunStore:
                 ).all()
         except SQLAlchemyError as exc:
             raise DatabaseError(f"claiming unpublished runs failed: {type(exc).__name__}") from exc
-        return [PendingRun(r.id, r.user_id, r.session_id, r.created_at) for r in rows]
+        return [
+            PendingRun(r.id, r.user_id, r.session_id, r.created_at, r.schedule_id, r.scheduled_for)
+            for r in rows
+        ]
 
     async def release(self, run_ids: list[str]) -> None:
         """Make claimed runs eligible for the next sweep again."""

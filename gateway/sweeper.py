@@ -6,13 +6,16 @@ NULL. Every ``sweep_interval_s`` each gateway claims a batch of such runs older
 than ``sweep_after_s`` (``FOR UPDATE SKIP LOCKED``, so gateways never claim the
 same run twice at once), produces them again, and releases the claim of those
 that failed. A duplicate record is harmless: the worker's claim is a
-conditional update on the run's status in Postgres.
+conditional update on the run's status in Postgres. A scheduled run's record
+carries its schedule and minute, as the scheduler's own publish does: the
+warehouse replay reads them from whichever record reaches the topic.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import UTC
 
 from koda_runtime import metrics
 from koda_runtime.errors import KodaError
@@ -55,6 +58,12 @@ class Sweeper:
                     user_id=run.user_id,
                     session_id=run.session_id,
                     created_at=run.created_at.isoformat(),
+                    schedule_id=run.schedule_id,
+                    scheduled_for=(
+                        None
+                        if run.scheduled_for is None
+                        else run.scheduled_for.astimezone(UTC).isoformat()
+                    ),
                 )
             )
             for run in claimed

@@ -25,6 +25,8 @@ never from user ids, run ids or free text.
                   koda_sse_backfills_total{reason}, koda_sse_queued_bytes,
                   koda_live_feed_records_total, koda_live_feed_errors_total,
                   koda_workers{state}, koda_workers_expected
+    ledger        koda_ledger_calls_total{outcome,estimated} (worker),
+                  koda_budget_soft_alerts_total{period}, koda_budget_exhausted_users (gateway)
     chunk topic   koda_chunk_runs_compacted_total, koda_chunks_republished_total{by}
     scheduler     koda_schedule_fires_total, koda_schedule_fire_conflicts_total,
                   koda_schedule_skips_total{reason}, koda_schedule_missed_total,
@@ -48,6 +50,7 @@ from prometheus_client import (
 __all__ = [
     "ADMISSIONS",
     "ADMISSIONS_REJECTED",
+    "BUDGET_EXHAUSTED_USERS",
     "BUDGET_SOFT_ALERTS",
     "LEDGER_CALLS",
     "CONSUMER_LAG",
@@ -336,6 +339,13 @@ BUDGET_SOFT_ALERTS = Counter(
     "koda_budget_soft_alerts_total",
     "Users whose spend reached the soft threshold of a budget (once per user and period).",
     ["period"],
+    registry=REGISTRY,
+)
+BUDGET_EXHAUSTED_USERS = Gauge(
+    "koda_budget_exhausted_users",
+    "Users with a monthly or daily budget spent now, so their new runs are refused (402); "
+    "counted from Postgres at each scrape, the same figure on every gateway; NaN when "
+    "Postgres could not be read.",
     registry=REGISTRY,
 )
 

@@ -44,6 +44,13 @@ MINUTE = timedelta(minutes=1)
 _LOOKBACK = timedelta(hours=3)
 # A cron that matches no time within this horizon never fires (e.g. "0 0 31 2 *").
 HORIZON_YEARS = 8
+# Names the zone database holds that are not a place: ``localtime`` and ``posixrules``
+# are whatever the host links them to, so two replicas (or the gateway that accepted a
+# schedule and the scheduler that fires it) could read one schedule on two clocks;
+# ``posix/`` and ``right/`` are copies of the zones (``right/`` counts leap seconds for
+# readers that honour them, unlike Python).
+_HOST_ZONES = frozenset({"localtime", "posixrules"})
+_HOST_ZONE_TREES = ("posix/", "right/")
 # Missed fires beyond this many are counted as this many (a year of a per-minute
 # schedule is not enumerated to be thrown away).
 MISSED_COUNT_LIMIT = 10_000
@@ -149,6 +156,12 @@ class CronSpec:
         if not isinstance(timezone, str) or not timezone or len(timezone) > 64:
             raise ScheduleInvalid(
                 "timezone", f'timezone must be an IANA time zone name, e.g. "{EXAMPLE_TIMEZONE}"'
+            )
+        if timezone in _HOST_ZONES or timezone.startswith(_HOST_ZONE_TREES):
+            raise ScheduleInvalid(
+                "timezone",
+                f"timezone {timezone!r} depends on the host's zone files, not on a place; "
+                f'name the zone itself, e.g. "{EXAMPLE_TIMEZONE}" or "UTC"',
             )
         try:
             ZoneInfo(timezone)

@@ -206,6 +206,18 @@ _SPENT = text(
          OR (b.daily_usd IS NOT NULL AND COALESCE(d.spend_usd, 0) >= b.daily_usd))
     """
 )
+# Every user's: the same rule over the whole budgets table (one row per user).
+_SPENT_COUNT = text(
+    """
+    SELECT count(*) FROM budgets b
+     WHERE b.monthly_usd <= COALESCE((SELECT spend_usd FROM spend_periods
+                                       WHERE user_id = b.user_id AND period = 'month'
+                                         AND starts_at = date_trunc('month', now(), 'UTC')), 0)
+        OR b.daily_usd <= COALESCE((SELECT spend_usd FROM spend_periods
+                                     WHERE user_id = b.user_id AND period = 'day'
+                                       AND starts_at = date_trunc('day', now(), 'UTC')), 0)
+    """
+)
 
 
 async def spent_users(conn: AsyncConnection, users: list[str]) -> set[str]:
@@ -213,6 +225,11 @@ async def spent_users(conn: AsyncConnection, users: list[str]) -> set[str]:
     if not users:
         return set()
     return {r.user_id for r in (await conn.execute(_SPENT, {"users": users})).all()}
+
+
+async def spent_user_count(conn: AsyncConnection) -> int:
+    """How many users have a budget spent now (every new run of theirs is refused)."""
+    return int((await conn.execute(_SPENT_COUNT)).scalar_one())
 
 
 _MARK_SOFT = text(

@@ -4,9 +4,11 @@ Two scenarios overlap in time, each in its own namespace (own tables and topics,
 scheduler processes and worker), so the suite pays for the minutes once:
 
 * ``steady``: two schedulers and per-minute schedules for 3+ minutes; one scheduler is
-  killed with SIGKILL in the middle of firing a minute (some of that minute's runs
-  exist, not all). Every due minute of every schedule has exactly one run, and every
-  run reaches ``done`` (a worker runs them).
+  killed with SIGKILL in the middle of firing a minute, as soon as that minute's first
+  runs exist. They fire in batches of 5 schedules (one insert transaction each), so the
+  kill usually lands between two of its batches, with the minute partly written. Every
+  due minute of every schedule has exactly one run, and every run reaches ``done`` (a
+  worker runs them).
 * ``downtime``: two schedulers fire the first minute, both stop for two minutes, then
   one starts: the minutes missed while down fire once each, oldest first; a schedule
   whose catch-up window is shorter than the outage counts the older minute as missed
@@ -65,8 +67,10 @@ class Namespace:
             )
         return sid
 
-    def scheduler(self, name: str) -> SchedulerProcess:
-        proc = SchedulerProcess(self.settings, f"{self.settings.namespace}-{name}", FAST_PASSES)
+    def scheduler(self, name: str, **env: str) -> SchedulerProcess:
+        proc = SchedulerProcess(
+            self.settings, f"{self.settings.namespace}-{name}", {**FAST_PASSES, **env}
+        )
         proc.start()
         self.schedulers.append(proc)
         return proc
@@ -131,7 +135,8 @@ def test_schedulers_fire_every_due_minute_once_through_a_kill_and_a_downtime(sta
         short_id = downtime.schedule("short", start, catchup_s=60)
         steady.worker.start()
         downtime.worker.start()
-        first_pair = [steady.scheduler("s1"), steady.scheduler("s2")]
+        # Small batches: a minute of the steady schedules takes several inserts per replica.
+        first_pair = [steady.scheduler(n, KODA_SCHEDULER_BATCH="5") for n in ("s1", "s2")]
         down_pair = [downtime.scheduler("d1"), downtime.scheduler("d2")]
 
         # downtime: both fire the first minute, then both stop.

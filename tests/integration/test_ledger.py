@@ -261,3 +261,29 @@ def test_the_soft_threshold_alerts_once_per_user_and_period(
     assert soft_alerts() == before + 1
     lines = [r.getMessage() for r in caplog.records if "budget_soft_threshold" in r.getMessage()]
     assert lines == [f"event=budget_soft_threshold user_id={user} period=month"]
+
+
+def exhausted_users(url: str) -> float:
+    scraped = httpx.get(f"{url}/metrics", timeout=30).text
+    (line,) = [x for x in scraped.splitlines() if x.startswith("koda_budget_exhausted_users ")]
+    return float(line.split()[1])
+
+
+def test_the_gateway_counts_the_users_whose_budget_is_spent_at_each_scrape(
+    module_env: Settings, url: str
+) -> None:
+    # The gauge of the KodaBudgetExhausted alert: users refused now, not refusals so far.
+    assert (
+        koda(
+            module_env, "prices", "set", "gauge-seed", "--prompt", "10000", "--completion", "0"
+        ).exit_code
+        == 0
+    )
+    before = exhausted_users(url)
+    for user, budget in (("gauge-m", "--monthly"), ("gauge-d", "--daily"), ("gauge-ok", None)):
+        write_calls(module_env, [system_call(user, "gauge-seed", 100, 0)])  # 1.00 spent
+        limit = ["--monthly", "5.00"] if budget is None else [budget, "1.00"]
+        assert koda(module_env, "budgets", "set", user, *limit).exit_code == 0
+    assert exhausted_users(url) == before + 2  # the monthly and the daily one, at the limit
+    assert koda(module_env, "budgets", "set", "gauge-m", "--monthly", "2.00").exit_code == 0
+    assert exhausted_users(url) == before + 1  # a raised budget is no longer spent

@@ -28,6 +28,7 @@ from koda_runtime.gateway.publisher import RunPublisher
 from koda_runtime.gateway.scheduled import ScheduleStore, fire_key, scheduled_run
 from koda_runtime.gateway.schedules_cli import schedules_app
 from koda_runtime.gateway.store import RunStore
+from koda_runtime.gateway.sweeper import Sweeper
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.scheduler.service import Scheduler
 from koda_runtime.scheduling import CronSpec
@@ -184,6 +185,15 @@ def test_run_now_creates_a_scheduled_run_shown_by_get_run_and_on_the_topic(
     )
     second = client.post(f"/v1/schedules/{sid}/run-now", headers=bearer(who)).json()
     assert second["run_id"] != body["run_id"]  # a person pressing twice means twice
+    # The history listing says where each run came from too, a person's run included.
+    mine = client.post("/v1/runs", json={"input": "by hand"}, headers=bearer(who)).json()
+    listed = client.get("/v1/runs", headers=bearer(who)).json()["runs"]
+    origin = {r["run_id"]: (r["schedule_id"], r["scheduled_for"]) for r in listed}
+    assert origin == {
+        body["run_id"]: (sid, body["scheduled_for"]),
+        second["run_id"]: (sid, second["scheduled_for"]),
+        mine["run_id"]: (None, None),
+    }
 
 
 def test_delete_removes_the_schedule_and_keeps_its_runs(
@@ -206,6 +216,7 @@ BAD_FIELDS = [
     ({"cron": None}, "cron", "required"),
     ({"timezone": "Mars/Olympus"}, "timezone", "Europe/Berlin"),
     ({"timezone": "CEST"}, "timezone", "Europe/Berlin"),
+    ({"timezone": "localtime"}, "timezone", "host"),
     ({"timezone": ""}, "timezone", "Europe/Berlin"),
     ({"timezone": None}, "timezone", "required"),
     ({"input": None}, "input", "required"),
@@ -609,6 +620,45 @@ async def test_admit_many_keeps_nothing_of_a_run_whose_key_exists(harness: Harne
     assert n.n == 3
     keys = await harness.rows("SELECT idempotency_key FROM runs WHERE schedule_id = :s", s=sid)
     assert sorted(k.idempotency_key for k in keys) == sorted(fire_key(sid, m) for m in minutes)
+
+
+async def test_a_replica_killed_between_its_insert_and_its_advance_loses_and_doubles_nothing(
+    harness: Harness, module_env: Settings
+) -> None:
+    """The two crash points after an insert. Killed before the publish: a live replica
+    fires the same key and creates nothing, so only the sweeper can publish the run, and
+    its record must still carry the schedule and minute (the warehouse reads them from
+    it). Killed after the publish, before the advance: the minute is fired again and
+    creates nothing, and the topic keeps one record."""
+    minute = _ago(0)
+    # Fires once a day at this minute: a pass crossing a boundary adds no due minute.
+    sid = await harness.add(user(), minute, cron=f"{minute.minute} {minute.hour} * * *")
+    _, due = await harness.store.due(10, "dead")
+    assert [r.id for r in due] == [sid]
+    (dead,) = await RunStore(harness.engine).admit_many(
+        [scheduled_run(due[0], minute, partitions=8)]
+    )
+    assert dead is not None
+    live = harness.replica("live")
+    passed = await live.run_pass()
+    assert (passed.fired, passed.conflicts) == (0, 1)
+    assert records_of(module_env, dead.run_id) == []  # the creator died before producing it
+    # One sweep (with after_s=0 a second one would republish it as presumed lost).
+    sweeper = Sweeper(RunStore(harness.engine), harness.publisher, after_s=0, interval_s=1)
+    assert await sweeper.sweep_once() >= 1
+    (record,) = records_of(module_env, dead.run_id)
+    value = json.loads(payload(record))
+    assert value["schedule_id"] == sid
+    assert datetime.fromisoformat(value["scheduled_for"]) == minute
+    async with harness.engine.begin() as conn:  # as if the advance had not happened
+        await conn.execute(
+            text("UPDATE schedules SET next_fire_at = :m WHERE id = :s"), {"m": minute, "s": sid}
+        )
+    again = await live.run_pass()
+    assert (again.fired, again.conflicts) == (0, 1)
+    runs = await harness.rows("SELECT id FROM runs WHERE schedule_id = :s", s=sid)
+    assert [r.id for r in runs] == [dead.run_id]
+    assert len(records_of(module_env, dead.run_id)) == 1
 
 
 def test_the_schedules_cli_creates_lists_pauses_resumes_and_deletes(gateway_url: str) -> None:

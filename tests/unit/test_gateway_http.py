@@ -173,3 +173,13 @@ async def test_metrics_endpoint_exposes_koda_families(client: httpx.AsyncClient)
     ):
         assert f"# TYPE {family.removesuffix('_total')}" in text, family
     assert 'koda_http_requests_total{method="GET",route="/livez",status="200"}' in text
+
+
+async def test_metrics_answer_without_postgres_and_say_the_budget_count_is_unknown(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    metrics.BUDGET_EXHAUSTED_USERS.set(3)  # a count from before Postgres went away
+    r = await client.get("/metrics")
+    assert r.status_code == 200
+    assert "koda_budget_exhausted_users NaN" in r.text
+    assert "event=budget_count_failed" in caplog.text
