@@ -50,6 +50,7 @@ def clean_poll() -> list[FakeMessage]:
     msgs = [chunk(i, runs[i % 3], i // 3, "chunk", f"t{i} ") for i in range(9)]
     msgs.append(chunk(9, runs[0], 1, "reset", "{}"))  # a key seen before: the later one wins
     msgs[2].ts = 86_400_000
+    msgs[4].headers_, msgs[5].headers_ = None, []  # no schema header: nothing to check
     return msgs
 
 

@@ -304,6 +304,7 @@ class RecordDecoder:
 
 _CHUNK_FIELDS = spec.RUN_CHUNK.fields
 _CHUNK_HEADER = ("schema", spec.RUN_CHUNK.header.encode())
+_NO_HEADERS: Any = object()  # stands for a record without headers
 _PY_TYPES = {"string": str, "integer": int}
 
 
@@ -315,18 +316,21 @@ def chunk_columns(msgs: Sequence[Message]) -> tuple[list[Any], ...] | None:
     rules, under its own ``<run_id>:<seq>`` key. None sends the records through the
     per-record path, which gives a bad record its reason."""
     values = [m.value() for m in msgs]
-    if None in values or not all(_plain_chunk_headers(m.headers()) for m in msgs):
+    if None in values or not _plain_chunk_headers([m.headers() for m in msgs]):
         return None  # a tombstone, or a header the per-record path reads further
     try:
-        objs = [_whole_json(v.decode("utf-8")) for v in values]  # type: ignore[union-attr]
-        rows = list(map(itemgetter(*(f.name for f in _CHUNK_FIELDS)), objs))
+        texts = [v.decode("utf-8") for v in values]  # type: ignore[union-attr]
+        # json.loads(text) is _SCAN(text, 0) once leading whitespace is skipped; a text
+        # that is not exactly one JSON value without surrounding whitespace is refused.
+        objs, ends = zip(*[_SCAN(text, 0) for text in texts], strict=True)
     except (UnicodeDecodeError, StopIteration, ValueError, RecursionError):
-        return None  # not UTF-8, not exactly one JSON value
-    except (KeyError, TypeError):
-        return None  # a field missing, or not an object
-    if not all(type(o) is dict for o in objs):
+        return None  # not UTF-8, or not JSON
+    if list(ends) != list(map(len, texts)) or not all(type(o) is dict for o in objs):
         return None
-    columns = [list(c) for c in zip(*rows, strict=True)]
+    try:
+        columns = [list(map(itemgetter(f.name), objs)) for f in _CHUNK_FIELDS]
+    except KeyError:
+        return None  # a field missing
     if not all(_column_keeps(f, c) for f, c in zip(_CHUNK_FIELDS, columns, strict=True)):
         return None
     run_ids, seqs = columns[0], columns[1]
@@ -341,22 +345,18 @@ def chunk_columns(msgs: Sequence[Message]) -> tuple[list[Any], ...] | None:
     return tuple(columns)
 
 
-# What json.loads runs once it has skipped leading whitespace: (value, end) or StopIteration.
+# The scanner json.loads runs: (value, end) from an index, or StopIteration.
 _SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
-def _whole_json(text: str) -> Any:
-    """``json.loads(text)`` for a text that is exactly one JSON value with no
-    surrounding whitespace; StopIteration or ValueError for any other text."""
-    obj, end = _SCAN(text, 0)
-    if end != len(text):
-        raise ValueError("more than one JSON value")
-    return obj
-
-
-def _plain_chunk_headers(headers: Any) -> bool:
-    """True when the first header is the current chunk schema (or there are none)."""
-    return not headers or (type(headers) is list and headers[0] == _CHUNK_HEADER)
+def _plain_chunk_headers(headers: list[Any]) -> bool:
+    """True when every record's first header is the current chunk schema (or it has
+    none): the header the per-record path would find and accept."""
+    try:
+        firsts = [h[0] if h else _NO_HEADERS for h in headers]
+    except (KeyError, IndexError, TypeError):
+        return False
+    return firsts.count(_CHUNK_HEADER) + firsts.count(_NO_HEADERS) == len(firsts)
 
 
 def _column_keeps(f: Field, column: list[Any]) -> bool:
