@@ -128,6 +128,12 @@ def replay_into_duckdb(settings: Settings, records: int, batch: int, path: Path)
     assert summary.rows["chunks"] == records
 
 
+def load_note(loads: list[float]) -> str:
+    return "1-minute load average at the start and after each repetition: " + ", ".join(
+        f"{x:.1f}" for x in loads
+    )
+
+
 def child_cpu() -> float:
     """CPU seconds of the finished child processes."""
     use = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -201,10 +207,7 @@ def compare(before: Path, records: int, reps: int, batch: int) -> Table:
         f"raw confluent-kafka consume {fmt(rates['raw'])} records/s,"
         f" CPU {fmt(cpu['raw'], 1)} us/record"
     )
-    table.notes.append(
-        "1-minute load average at the start and after each repetition: "
-        + ", ".join(f"{x:.1f}" for x in loads)
-    )
+    table.notes.append(load_note(loads))
     return table
 
 
@@ -256,10 +259,7 @@ def main() -> None:
     table.notes.append(f"filled the topic in {fill_s:.1f} s")
     table.notes.append("each ratio is taken within one repetition; the replay includes decoding,")
     table.notes.append("upserts of chunks and outputs, and one transaction per batch")
-    table.notes.append(
-        "1-minute load average at the start and after each repetition: "
-        + ", ".join(f"{x:.1f}" for x in loads)
-    )
+    table.notes.append(load_note(loads))
     print(table.render())
     if args.json is not None:
         figures = {
