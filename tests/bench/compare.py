@@ -6,6 +6,10 @@ repetition measures before and after back to back on the same broker and
 database, and the ratio pairs them.
 
     python -m tests.bench.compare --before /tmp/before --runs 2000 --repeat 3
+
+``--bench replay`` compares ``koda replay`` into DuckDB instead (tests/bench/replay.py):
+
+    python -m tests.bench.compare --bench replay --before /tmp/before --runs 200000
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import tests.fixtures.processes
+from tests.bench import replay
 from tests.bench.common import Table, fmt, services
 from tests.bench.w1_throughput import Trial
 
@@ -22,11 +27,16 @@ from tests.bench.w1_throughput import Trial
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--before", required=True, type=Path)
-    ap.add_argument("--runs", type=int, default=2000)
+    ap.add_argument("--runs", type=int, default=2000, help="runs (replay: chunk records)")
     ap.add_argument("--users", type=int, default=2000)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--bench", choices=("w1", "replay"), default="w1")
+    ap.add_argument("--batch", type=int, default=5000, help="replay: records per transaction")
     args = ap.parse_args()
+    if args.bench == "replay":
+        print(replay.compare(args.before, args.runs, args.repeat, args.batch).render())
+        return
     after_root = tests.fixtures.processes.ROOT
     res: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
     with services() as stack:

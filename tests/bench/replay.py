@@ -13,19 +13,35 @@ broker:
 
 Both are wall-clock from creating the consumer to the last record (the replay also
 opens its file and creates its tables). It prints records/s for each, median
-[min-max], and the ratio replay / raw taken within each repetition.
+[min-max], and the ratio replay / raw taken within each repetition, with the CPU each
+used (this process's CPU time, librdkafka's threads included) and the load average.
+Nothing else of the bench runs meanwhile: the topic is filled before the first
+repetition, and the raw consumer and the replay take turns, so on a shared machine
+they compete only with the broker and whatever else the machine runs (the load
+average says how much that was). ``--json FILE`` also writes the figures.
 
     make bench-replay                                   # 200,000 records, 3 repetitions
     python -m tests.bench.replay --records 50000        # a quicker look
+
+Before/after (``python -m tests.bench.compare --bench replay --before DIR``, DIR a
+checkout with its own ``make install``): one filled topic; each repetition runs the
+raw consumer, then ``koda replay run-chunks`` as a child process from DIR's
+virtualenv and from this one, so both trees pay the same start-up and each ratio to
+the raw rate comes from the same repetition.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import shutil
+import statistics
+import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
@@ -38,6 +54,7 @@ from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
 from koda_runtime.topics.replay import ReplayOptions, run_replay
 from tests.bench.common import Table, fmt, namespace, services
+from tests.fixtures.processes import ROOT, settings_env
 
 PARTITIONS = 32
 CHUNKS_PER_RUN = 20
@@ -77,10 +94,16 @@ def fill(settings: Settings, records: int) -> int:
     return written
 
 
-def raw_consume(settings: Settings, records: int) -> float:
-    """Seconds to consume every record of the topic with a plain confluent-kafka consumer."""
+def timed(fn: Callable[[], None]) -> tuple[float, float]:
+    """Wall-clock and CPU seconds (this process, every thread) of ``fn()``."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def raw_consume(settings: Settings, records: int) -> None:
+    """Consume every record of the topic with a plain confluent-kafka consumer."""
     topic = settings.names.topic(RUN_CHUNKS)
-    t0 = time.perf_counter()
     consumer = Consumer(
         consumer_config(settings, "bench-raw", settings.names.group("bench-raw"))
         | {"queued.max.messages.kbytes": 65536, "fetch.wait.max.ms": 100}
@@ -93,22 +116,99 @@ def raw_consume(settings: Settings, records: int) -> float:
             for msg in consumer.consume(num_messages=1000, timeout=1.0):
                 if msg.error() is None:
                     seen += 1
-        return time.perf_counter() - t0
     finally:
         consumer.close()
 
 
-def replay_into_duckdb(settings: Settings, records: int, batch: int, folder: Path) -> float:
-    """Seconds for ``koda replay run-chunks`` into a fresh DuckDB file."""
-    path = folder / f"bench-{uuid7()}.duckdb"
+def replay_into_duckdb(settings: Settings, records: int, batch: int, path: Path) -> None:
+    """``koda replay run-chunks`` into a fresh DuckDB file at ``path``."""
     options = ReplayOptions(topics=(RUN_CHUNKS,), sink_url=f"duckdb:///{path}", batch_records=batch)
-    t0 = time.perf_counter()
     summary = run_replay(settings, options)
-    elapsed = time.perf_counter() - t0
     assert summary.records == records, (summary.records, records)
     assert summary.rows["chunks"] == records
-    path.unlink()
-    return elapsed
+
+
+def load_note(loads: list[float]) -> str:
+    return "1-minute load average at the start and after each repetition: " + ", ".join(
+        f"{x:.1f}" for x in loads
+    )
+
+
+def child_cpu() -> float:
+    """CPU seconds of the finished child processes."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def replay_cli(settings: Settings, root: Path, records: int, batch: int, path: Path) -> float:
+    """``koda replay run-chunks`` from the checkout ``root`` (its .venv) into a fresh
+    DuckDB file; returns the child's CPU seconds."""
+    python = root / ".venv" / "bin" / "python"
+    argv = [str(python), "-m", "koda_runtime", "replay", "run-chunks", "--quiet"]
+    argv += ["--to", f"duckdb:///{path}", "--batch", str(batch)]
+    cpu = child_cpu()
+    done = subprocess.run(  # noqa: S603 - our own interpreter and arguments
+        argv, cwd=root, env=settings_env(settings), capture_output=True, text=True, timeout=3600
+    )
+    if done.returncode != 0 or f"replayed {records:,} records" not in done.stdout:
+        raise RuntimeError(
+            f"replay from {root} failed ({done.returncode}): {done.stdout}{done.stderr}"
+        )
+    return child_cpu() - cpu
+
+
+def compare(before: Path, records: int, reps: int, batch: int) -> Table:
+    """Before/after (see the module docstring): the raw rate, then each tree's replay."""
+    trees = {"before": before.resolve(), "after": ROOT}
+    rates: dict[str, list[float]] = {"raw": [], "before": [], "after": []}
+    ratios: dict[str, list[float]] = {"before": [], "after": []}
+    cpu: dict[str, list[float]] = {"raw": [], "before": [], "after": []}
+    loads = [os.getloadavg()[0]]
+    folder = Path(tempfile.mkdtemp(prefix="koda-bench-replay-", dir="/tmp"))
+    try:
+        with services() as stack, namespace(stack, partitions=PARTITIONS) as settings:
+            n = fill(settings, records)
+            for rep in range(reps):
+                raw_s, raw_c = timed(lambda: raw_consume(settings, n))
+                rates["raw"].append(n / raw_s)
+                cpu["raw"].append(raw_c / n * 1e6)
+                for label, root in trees.items():
+                    path = folder / f"{label}-{uuid7()}.duckdb"
+                    t0 = time.perf_counter()
+                    used = replay_cli(settings, root, n, batch, path)
+                    replay_s = time.perf_counter() - t0
+                    path.unlink()
+                    rates[label].append(n / replay_s)
+                    ratios[label].append(raw_s / replay_s)
+                    cpu[label].append(used / n * 1e6)
+                    print(
+                        f"  rep {rep + 1}/{reps} {label:6}: {n / replay_s:,.0f} records/s,"
+                        f" ratio {raw_s / replay_s:.3f} (raw {n / raw_s:,.0f}/s)",
+                        flush=True,
+                    )
+                loads.append(os.getloadavg()[0])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    table = Table(
+        f"Before/after: koda replay run-chunks into DuckDB (CLI child process), {n:,} records,"
+        f" batch {batch}, {reps} repetitions (median [min-max]); before = {before}",
+        ["measure", "before", "after", "after/before"],
+    )
+    pairs = zip(rates["before"], rates["after"], strict=True)
+    table.add(
+        "replay (records/s)",
+        fmt(rates["before"]),
+        fmt(rates["after"]),
+        fmt([a / b for b, a in pairs], 2),
+    )
+    table.add("ratio replay / raw", fmt(ratios["before"], 3), fmt(ratios["after"], 3), "")
+    table.add("replay CPU (us/record)", fmt(cpu["before"], 1), fmt(cpu["after"], 1), "")
+    table.notes.append(
+        f"raw confluent-kafka consume {fmt(rates['raw'])} records/s,"
+        f" CPU {fmt(cpu['raw'], 1)} us/record"
+    )
+    table.notes.append(load_note(loads))
+    return table
 
 
 def main() -> None:
@@ -116,22 +216,33 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=200_000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=5000, help="records per sink transaction")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="koda-bench-replay-", dir="/tmp"))
     raw_rates: list[float] = []
     replay_rates: list[float] = []
     ratios: list[float] = []
+    raw_cpu: list[float] = []
+    replay_cpu: list[float] = []
+    loads = [os.getloadavg()[0]]
     try:
         with services() as stack, namespace(stack, partitions=PARTITIONS) as settings:
             t0 = time.perf_counter()
             n = fill(settings, args.records)
             fill_s = time.perf_counter() - t0
             for _ in range(args.reps):
-                raw = n / raw_consume(settings, n)
-                replay = n / replay_into_duckdb(settings, n, args.batch, folder)
-                raw_rates.append(raw)
-                replay_rates.append(replay)
-                ratios.append(replay / raw)
+                raw_s, raw_c = timed(lambda: raw_consume(settings, n))
+                path = folder / f"bench-{uuid7()}.duckdb"
+                replay_s, replay_c = timed(
+                    lambda: replay_into_duckdb(settings, n, args.batch, path)  # noqa: B023
+                )
+                path.unlink()
+                raw_rates.append(n / raw_s)
+                replay_rates.append(n / replay_s)
+                ratios.append(raw_s / replay_s)
+                raw_cpu.append(raw_c / n * 1e6)
+                replay_cpu.append(replay_c / n * 1e6)
+                loads.append(os.getloadavg()[0])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     table = Table(
@@ -142,10 +253,25 @@ def main() -> None:
     table.add("raw confluent-kafka consume (records/s)", fmt(raw_rates))
     table.add("koda replay into DuckDB (records/s)", fmt(replay_rates))
     table.add("ratio replay / raw", fmt(ratios, 3))
+    table.add("raw consumer CPU (us/record)", fmt(raw_cpu, 1))
+    table.add("replay CPU (us/record)", fmt(replay_cpu, 1))
+    table.add("goal: ratio >= 0.25", "met" if statistics.median(ratios) >= 0.25 else "not met")
     table.notes.append(f"filled the topic in {fill_s:.1f} s")
     table.notes.append("each ratio is taken within one repetition; the replay includes decoding,")
     table.notes.append("upserts of chunks and outputs, and one transaction per batch")
+    table.notes.append(load_note(loads))
     print(table.render())
+    if args.json is not None:
+        figures = {
+            "records": n,
+            "raw_records_s": raw_rates,
+            "replay_records_s": replay_rates,
+            "ratio": ratios,
+            "raw_cpu_us": raw_cpu,
+            "replay_cpu_us": replay_cpu,
+            "load_average": loads,
+        }
+        args.json.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

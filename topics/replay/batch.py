@@ -46,6 +46,10 @@ class RowBatch:
         rows = self.rows[table.name]
         return [rows[k] for k in sorted(rows)]
 
+    def rows_of(self, table: t.Table) -> list[tuple[Any, ...]]:
+        """The table's rows, one per key, in no particular order."""
+        return list(self.rows[table.name].values())
+
     def __len__(self) -> int:
         return self.records
 

@@ -113,9 +113,9 @@ class Replay:
         batch, batch_born = RowBatch(), time.monotonic()
         started = time.monotonic()
         while reader.open and not self.stop.is_set():
-            for msg in reader.poll(POLL_RECORDS, POLL_TIMEOUT_S):
-                decoder.add(msg, batch)
-                summary.per_topic[msg.topic() or ""] += 1
+            msgs = reader.poll(POLL_RECORDS, POLL_TIMEOUT_S)
+            decoder.add_many(msgs, batch)
+            summary.per_topic.update(msg.topic() or "" for msg in msgs)
             positions.update(reader.positions)
             summary.records = sum(summary.per_topic.values())
             now = time.monotonic()

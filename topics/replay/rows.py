@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
 from datetime import date
+from operator import itemgetter
 from typing import Any
 
 from koda_runtime.errors import RecordError
-from koda_runtime.lifecycle.chunks import split_chunk_key
+from koda_runtime.lifecycle.chunks import SEQ_WIDTH, split_chunk_key
 from koda_runtime.lifecycle.states import TERMINAL, RunStatus
 from koda_runtime.naming import Names
+from koda_runtime.schemas import record_specs as spec
 from koda_runtime.schemas.dead_letters import DeadLetter, decode_dead_letter
 from koda_runtime.schemas.events import Transition, decode_run_event, parse_instant
 from koda_runtime.schemas.records import (
@@ -37,6 +40,7 @@ from koda_runtime.schemas.records import (
     decode_run_requested,
     header_value,
 )
+from koda_runtime.schemas.specs import Field
 from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
 from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.batch import Message, RowBatch, instant, run_day, uuid7_day
@@ -65,6 +69,7 @@ class RecordDecoder:
 
     def __init__(self, names: Names, prices: PriceBook) -> None:
         self.bases = {names.topic(b): b for b in REPLAYABLE}
+        self.chunk_topic = names.topic(RUN_CHUNKS)
         self.prices = prices
         self._days: dict[str, date] = {}
 
@@ -79,6 +84,35 @@ class RecordDecoder:
                 self._days.clear()
             self._days[run_id] = day
         return day
+
+    def add_many(self, msgs: Sequence[Message], batch: RowBatch) -> None:
+        """:meth:`add` for each of ``msgs`` in order, a poll's worth of chunk records at
+        once where that gives the same rows (see :func:`chunk_columns`)."""
+        columns = chunk_columns(msgs) if self._all_chunks(msgs) else None
+        if columns is None:
+            for msg in msgs:
+                self.add(msg, batch)
+            return
+        run_ids, seqs, kinds, contents, attempts = columns
+        days = self._days
+        day_of = [
+            days.get(run_id) or self._day(run_id, msg.timestamp()[1])
+            for run_id, msg in zip(run_ids, msgs, strict=True)
+        ]
+        # Every chunks column but the key is "last wins", so an update in offset order
+        # leaves what merging row by row leaves.
+        batch.rows[t.CHUNKS.name].update(
+            zip(
+                zip(run_ids, seqs, strict=True),
+                zip(run_ids, seqs, day_of, kinds, contents, attempts, strict=True),
+                strict=True,
+            )
+        )
+        batch.chunk_runs.update(zip(run_ids, day_of, strict=True))
+        batch.records += len(msgs)
+
+    def _all_chunks(self, msgs: Sequence[Message]) -> bool:
+        return bool(msgs) and all(m.topic() == self.chunk_topic for m in msgs)
 
     def add(self, msg: Message, batch: RowBatch) -> None:
         batch.records += 1
@@ -266,6 +300,78 @@ class RecordDecoder:
                 letter.truncated,
             ),
         )
+
+
+_CHUNK_FIELDS = spec.RUN_CHUNK.fields
+_CHUNK_HEADER = ("schema", spec.RUN_CHUNK.header.encode())
+_NO_HEADERS: Any = object()  # stands for a record without headers
+_PY_TYPES = {"string": str, "integer": int}
+
+
+def chunk_columns(msgs: Sequence[Message]) -> tuple[list[Any], ...] | None:
+    """The ``run.chunk/1`` fields of ``msgs`` as columns (in the spec's field order), or
+    None unless every record is a well-formed chunk record that :meth:`RecordDecoder.add`
+    would turn into a ``chunks`` row: not a tombstone or a final record, a ``run.chunk/1``
+    (or no) schema header first, a UTF-8 JSON object value whose fields keep the spec's
+    rules, under its own ``<run_id>:<seq>`` key. None sends the records through the
+    per-record path, which gives a bad record its reason."""
+    values = [m.value() for m in msgs]
+    if None in values or not _plain_chunk_headers([m.headers() for m in msgs]):
+        return None  # a tombstone, or a header the per-record path reads further
+    try:
+        texts = [v.decode("utf-8") for v in values]  # type: ignore[union-attr]
+        # json.loads(text) is _SCAN(text, 0) once leading whitespace is skipped; a text
+        # that is not exactly one JSON value without surrounding whitespace is refused.
+        objs, ends = zip(*[_SCAN(text, 0) for text in texts], strict=True)
+    except (UnicodeDecodeError, StopIteration, ValueError, RecursionError):
+        return None  # not UTF-8, or not JSON
+    if list(ends) != list(map(len, texts)) or not all(type(o) is dict for o in objs):
+        return None
+    try:
+        columns = [list(map(itemgetter(f.name), objs)) for f in _CHUNK_FIELDS]
+    except KeyError:
+        return None  # a field missing
+    if not all(_column_keeps(f, c) for f, c in zip(_CHUNK_FIELDS, columns, strict=True)):
+        return None
+    run_ids, seqs = columns[0], columns[1]
+    if max(seqs) >= 10**SEQ_WIDTH:
+        return None
+    try:
+        keys = [f"{r}:{s:0{SEQ_WIDTH}d}".encode() for r, s in zip(run_ids, seqs, strict=True)]
+    except UnicodeEncodeError:  # a lone surrogate in the run_id
+        return None
+    if keys != [m.key() for m in msgs]:
+        return None
+    return tuple(columns)
+
+
+# The scanner json.loads runs: (value, end) from an index, or StopIteration.
+_SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _plain_chunk_headers(headers: list[Any]) -> bool:
+    """True when every record's first header is the current chunk schema (or it has
+    none): the header the per-record path would find and accept."""
+    try:
+        firsts = [h[0] if h else _NO_HEADERS for h in headers]
+    except (KeyError, IndexError, TypeError):
+        return False
+    return firsts.count(_CHUNK_HEADER) + firsts.count(_NO_HEADERS) == len(firsts)
+
+
+def _column_keeps(f: Field, column: list[Any]) -> bool:
+    """Every value of ``column`` keeps ``f``'s rules (as :meth:`Field.check` checks them,
+    with no value null)."""
+    if not f.checked:
+        return True
+    kind = _PY_TYPES.get(f.type)
+    if kind is None or set(map(type, column)) != {kind}:
+        return False
+    if f.min_length is not None and min(map(len, column)) < f.min_length:
+        return False
+    if f.max_length is not None and max(map(len, column)) > f.max_length:
+        return False
+    return f.minimum is None or min(column) >= f.minimum
 
 
 def _original_run_id(letter: DeadLetter) -> str | None:

@@ -12,7 +12,7 @@ A failure rolls the whole batch back; nothing is half-written.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -45,6 +45,10 @@ class Sink(ABC):
 class SqlSink(Sink):
     """A sink over a SQL database with ``INSERT ... ON CONFLICT`` (DuckDB, PostgreSQL)."""
 
+    # Upsert each table's rows in key order: the lock order of concurrent writers. A sink
+    # with one writer at a time (a DuckDB file) skips the sort.
+    key_order = True
+
     @abstractmethod
     def transaction(self) -> AbstractContextManager[None]:
         """Commit on exit, roll back on an exception."""
@@ -62,7 +66,7 @@ class SqlSink(Sink):
             for table in t.TABLES:
                 if table is t.OUTPUTS:
                     continue
-                rows = batch.sorted_rows(table)
+                rows = batch.sorted_rows(table) if self.key_order else batch.rows_of(table)
                 if rows:
                     self.upsert(table, rows)
                     written[table.name] = len(rows)
@@ -81,10 +85,15 @@ class SqlSink(Sink):
         todo = [r for r in wanted if r not in compacted]
         if not todo:
             return []
-        events: dict[str, list[tuple[int, str, str]]] = {r: [] for r in todo}
-        for run_id, seq, kind, content in self.select(self.chunks_sql, todo):
+        return self.rebuild_outputs(todo, batch.chunk_runs)
+
+    def rebuild_outputs(self, run_ids: list[str], days: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """The outputs rows of ``run_ids`` rebuilt from their stored chunks (see
+        :func:`output_row`), in ``run_ids`` order."""
+        events: dict[str, list[tuple[int, str, str]]] = {r: [] for r in run_ids}
+        for run_id, seq, kind, content in self.select(self.chunks_sql, run_ids):
             events[run_id].append((seq, kind, content))
-        return [output_row(r, batch.chunk_runs[r], events[r]) for r in todo]
+        return [output_row(r, days[r], events[r]) for r in run_ids]
 
     # Both dialects spell "this list" differently; subclasses supply the two queries.
     compacted_sql: str

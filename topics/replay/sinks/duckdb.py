@@ -7,18 +7,19 @@ DuckDB lets one process write a file at a time; a second writer gets a clear err
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import duckdb
 
+from koda_runtime.lifecycle.chunks import TERMINAL_KINDS, ChunkKind
 from koda_runtime.topics.replay import sql
 from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.errors import SinkError
 from koda_runtime.topics.replay.sinks.arrow import to_arrow
-from koda_runtime.topics.replay.sinks.base import SqlSink
+from koda_runtime.topics.replay.sinks.base import SqlSink, output_row
 
 DUCKDB_TYPES = {
     "text": "VARCHAR",
@@ -37,6 +38,8 @@ INCOMING = "koda_incoming"
 class DuckDBSink(SqlSink):
     """Tables in one DuckDB database file at ``path``."""
 
+    key_order = False  # DuckDB lets one process write a file: no lock order to keep
+
     compacted_sql = (
         "SELECT run_id FROM outputs WHERE compacted AND run_id IN (SELECT unnest(?::VARCHAR[]))"
     )
@@ -44,6 +47,37 @@ class DuckDBSink(SqlSink):
         "SELECT run_id, seq, kind, content FROM chunks"
         " WHERE run_id IN (SELECT unnest(?::VARCHAR[]))"
     )
+
+    # output_row in SQL, one row per run: the text of the ``chunk`` events after the last
+    # ``reset`` by seq; the terminal event with the highest seq, kept only when every seq
+    # below it is there (seqs are unique per run, so counting them is enough).
+    outputs_sql = """
+        WITH c AS (
+            SELECT run_id, seq, kind, content FROM chunks
+            WHERE run_id IN (SELECT unnest($runs::VARCHAR[]))
+        ), r AS (
+            SELECT run_id,
+                coalesce(max(seq) FILTER (WHERE kind = $reset), -1) AS last_reset,
+                max(seq) FILTER (WHERE list_contains($ends, kind)) AS end_seq,
+                arg_max(kind, seq) FILTER (WHERE list_contains($ends, kind)) AS end_kind,
+                arg_max(content, seq) FILTER (WHERE list_contains($ends, kind)) AS end_content,
+                max(seq) AS last_seq
+            FROM c GROUP BY run_id
+        )
+        SELECT r.run_id,
+            coalesce(
+                string_agg(c.content, '' ORDER BY c.seq)
+                    FILTER (WHERE c.kind = $chunk AND c.seq > r.last_reset),
+                ''
+            ),
+            CASE WHEN count(*) FILTER (WHERE c.seq <= r.end_seq) = r.end_seq + 1
+                THEN r.end_kind END,
+            CASE WHEN count(*) FILTER (WHERE c.seq <= r.end_seq) = r.end_seq + 1
+                THEN r.end_content END,
+            r.last_seq
+        FROM r JOIN c USING (run_id)
+        GROUP BY r.run_id, r.last_reset, r.end_seq, r.end_kind, r.end_content, r.last_seq
+    """
 
     def __init__(self, path: Path, display: str) -> None:
         self.path = path
@@ -96,6 +130,21 @@ class DuckDBSink(SqlSink):
     def upsert_from(self, table: t.Table, source: str) -> None:
         """Upsert the rows of the registered relation ``source`` (inside the transaction)."""
         self.conn.execute(sql.upsert(table, source))
+
+    def rebuild_outputs(self, run_ids: list[str], days: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """:func:`output_row` computed by DuckDB, so a batch's chunks never come back
+        into Python; a run without stored chunks gets output_row's empty row."""
+        params = {
+            "runs": run_ids,
+            "ends": sorted(k.value for k in TERMINAL_KINDS),
+            "reset": ChunkKind.RESET.value,
+            "chunk": ChunkKind.CHUNK.value,
+        }
+        found = {row[0]: row for row in self.conn.execute(self.outputs_sql, params).fetchall()}
+        return [
+            (r, days[r], *found[r][1:], False) if r in found else output_row(r, days[r], [])
+            for r in run_ids
+        ]
 
     def select(self, query: str, run_ids: list[str]) -> list[tuple[Any, ...]]:
         return self.conn.execute(query, [run_ids]).fetchall()
