@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# Two test processes: the chaos and scheduler tests (their own stacks, real minutes) beside the rest;
+# Two test processes: the long tests that mostly wait (tests/fixtures/streams.py) beside the rest;
 # tests/fixtures/streams.py says how. Empty it to run everything in one process.
 PYTEST_STREAMS ?= -n 2 --dist loadgroup
 # setuptools announces every editable install with an "Editable installation." notice

@@ -38,7 +38,7 @@ def test_each_network_fault_keeps_every_guarantee(stack_restored: Stack) -> None
         kinds=fk.NETWORK_KINDS,
         min_faults=len(fk.NETWORK_KINDS),
         fault_gap_s=0.5,
-        submit_window_s=30.0,
+        submit_window_s=90.0,  # traffic through the last fault: a reset needs open commits
         partitions=8,
         max_inflight=4,
         slow_s=4.0,
@@ -49,22 +49,29 @@ def test_each_network_fault_keeps_every_guarantee(stack_restored: Stack) -> None
     report = run_on(cfg, stack_restored)
     print(report.table())
     assert report.ok, "\n".join(report.violations[:40]) + "\n\n" + report.table()
-    by_kind = {x.kind: x for x in report.faults}
-    assert set(by_kind) == set(fk.NETWORK_KINDS)
+    of: dict[str, list[fk.Fault]] = {}
+    for x in report.faults:
+        of.setdefault(x.kind, []).append(x)
+    assert set(of) == set(fk.NETWORK_KINDS)
     assert report.findings.lost == 0 and report.findings.offsets_ahead == 0
+    # What must hold at every fault of a kind is asserted for each; what needs traffic on
+    # the victim at that moment (a handoff to time, a transaction open to cut, a viewer
+    # on the feed) for at least one, since the load ends before the faults do.
 
-    cut = by_kind[fk.NET_WORKER_KAFKA_CUT]
-    assert cut.handoff_s is not None, cut.notes  # its partitions moved on
-    assert cut.recover_s is not None, cut.notes  # and it got partitions back
+    cuts = of[fk.NET_WORKER_KAFKA_CUT]
+    assert any(c.handoff_s is not None for c in cuts), [c.notes for c in cuts]  # moved on
+    assert all(c.recover_s is not None for c in cuts), [c.notes for c in cuts]  # came back
 
-    pg_cut = by_kind[fk.NET_WORKER_PG_CUT]
-    assert pg_cut.kept is not None and pg_cut.kept[0] == pg_cut.kept[1], pg_cut.notes
+    pg_cuts = [c for c in of[fk.NET_WORKER_PG_CUT] if c.kept is not None]
+    assert pg_cuts, [c.notes for c in of[fk.NET_WORKER_PG_CUT]]
+    assert all(c.kept[0] == c.kept[1] for c in pg_cuts if c.kept), [c.notes for c in pg_cuts]
 
-    reset = by_kind[fk.NET_PG_RESET]
-    assert reset.open_txns_reset > 0, reset.notes
+    resets = of[fk.NET_PG_RESET]
+    assert any(r.open_txns_reset > 0 for r in resets), [r.notes for r in resets]
 
-    feed = by_kind[fk.NET_GATEWAY_FEED_CUT]
-    assert "/readyz while cut: 503" in feed.notes, feed.notes
-    assert feed.viewers > 0, feed.notes
-    assert feed.recover_s is not None
-    assert "/readyz while slow: 200" in by_kind[fk.NET_GATEWAY_KAFKA_SLOW].notes
+    feeds = of[fk.NET_GATEWAY_FEED_CUT]
+    assert all("/readyz while cut: 503" in f.notes for f in feeds), [f.notes for f in feeds]
+    assert all(f.recover_s is not None for f in feeds), [f.notes for f in feeds]
+    assert any(f.viewers > 0 for f in feeds), [f.notes for f in feeds]
+    slows = of[fk.NET_GATEWAY_KAFKA_SLOW]
+    assert all("/readyz while slow: 200" in f.notes for f in slows), [f.notes for f in slows]

@@ -9,7 +9,7 @@ from tests.fixtures.streams import BESIDE, BESIDE_PATHS, REST, stream_of
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_chaos_and_scheduler_tests_run_beside_the_rest() -> None:
+def test_the_long_waiting_tests_run_beside_the_rest() -> None:
     assert stream_of("tests/chaos/test_chaos_short.py::test_a") == BESIDE
     assert stream_of("tests/e2e/test_scheduler.py::test_x[1]") == BESIDE
     assert stream_of("tests/e2e/test_handoff.py::test_y") == REST
