@@ -205,3 +205,40 @@ async def test_a_member_the_group_gives_nothing_still_counts_as_joined(
         assert sorted(joined) == sorted(r.name for _, r in members)
     finally:
         await asyncio.gather(*(m.stop() for m, _ in members))
+
+
+async def test_a_partition_paused_when_it_left_is_fetched_when_it_comes_back(
+    kafka_topics: Settings,
+) -> None:
+    """librdkafka keeps an application pause on a partition across its revocation and a
+    later assignment to the same member, while the worker's chain for it starts afresh
+    (unpaused): nothing would ever resume it, and its runs would wait for good."""
+    env = kafka_topics
+    group = env.names.group("intake-paused")
+    n = env.partitions
+    first, a = member(env, group, "a")
+    first.start()
+    try:
+        await until(lambda: len(a.held) == n, timeout=60, what="a holds all")
+        for p in range(n):
+            first.pause(p)  # every chain at its high water when the group changes
+        second, b = member(env, group, "b")
+        second.start()
+        await until(lambda: len(b.held) > 0, timeout=60, what="b assigned")
+        for p in b.held:
+            first.pause(p)  # a chain's pause arriving after its partition left: dropped
+        await asyncio.wait_for(first.positions([]), 5)  # the thread ran the calls
+        await second.stop()
+        await until(lambda: len(a.held) == n, timeout=60, what="a holds all again")
+        back = sorted(b.moved("assigned"))
+        assert back
+        fill(env, n)
+        await until(
+            lambda: set(back) <= {f.partition for f in a.fetched},
+            timeout=30,
+            what=f"a reads the partitions that came back {back}",
+        )
+        # What it kept stays paused: its chain still holds a backlog.
+        assert not {f.partition for f in a.fetched} - set(back)
+    finally:
+        await first.stop()

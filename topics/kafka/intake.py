@@ -203,8 +203,21 @@ class RunsIntake:
         await self._call(lambda c: c.seek(tp))
 
     def pause(self, partition: int) -> None:
+        """Stop fetching ``partition`` for its current assignment only.
+
+        librdkafka keeps an application's pause on a partition after it is revoked, and
+        a later assignment of it to this member would start paused, with nothing left
+        to resume it: its runs would wait for good. So a pause that reaches the thread
+        after its assignment ended is dropped, and every partition leaving this member
+        is resumed on its way out (:meth:`_let_go`)."""
         tp = TopicPartition(self.topic, partition)
-        self._send(lambda c: c.pause([tp]))
+        generation = self.generations.get(partition)
+
+        def pause(c: Consumer) -> None:
+            if generation is not None and self.generations.get(partition) == generation:
+                c.pause([tp])
+
+        self._send(pause)
 
     def resume(self, partition: int) -> None:
         tp = TopicPartition(self.topic, partition)
@@ -344,13 +357,16 @@ class RunsIntake:
             self._joined()
 
     def _on_revoke(self, consumer: Consumer, tps: list[TopicPartition]) -> None:
-        self._let_go(self._hooks.revoked, tps)
+        self._let_go(consumer, self._hooks.revoked, tps)
 
     def _on_lost(self, consumer: Consumer, tps: list[TopicPartition]) -> None:
-        self._let_go(self._hooks.lost, tps)
+        self._let_go(consumer, self._hooks.lost, tps)
 
     def _let_go(
-        self, hook: Callable[[list[int]], Awaitable[None]], tps: list[TopicPartition]
+        self,
+        consumer: Consumer,
+        hook: Callable[[list[int]], Awaitable[None]],
+        tps: list[TopicPartition],
     ) -> None:
         """Partitions leaving this member (revoked or lost): the hook, then forget them."""
         partitions = self._partitions(tps)
@@ -359,6 +375,21 @@ class RunsIntake:
         finally:
             for p in partitions:
                 self.generations.pop(p, None)
+            self._unpause(consumer, tps)
+
+    def _unpause(self, consumer: Consumer, tps: list[TopicPartition]) -> None:
+        """Clear any pause of partitions leaving this member (see :meth:`pause`)."""
+        mine = [TopicPartition(self.topic, tp.partition) for tp in tps if tp.topic == self.topic]
+        if not mine:
+            return
+        try:
+            consumer.resume(mine)
+        except Exception as exc:  # noqa: BLE001 - a partition librdkafka no longer knows
+            log.warning(
+                "event=intake_unpause_failed partitions=%s error=%s",
+                [tp.partition for tp in mine],
+                exc,
+            )
 
     def _call_hook(
         self, hook: Callable[[list[int]], Awaitable[None]], partitions: list[int]
