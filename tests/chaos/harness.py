@@ -67,6 +67,7 @@ from tests.chaos.load import (
     plan_runs,
     user_session,
 )
+from tests.chaos.stalls import StallWatch
 from tests.support import wait_until
 
 
@@ -133,6 +134,7 @@ class Report:
     elapsed_s: float
     violations: list[str] = field(default_factory=list)
     plan: dict[str, list[PlannedRun]] = field(default_factory=dict)
+    stalls: StallWatch = field(default_factory=StallWatch)
 
     @property
     def ok(self) -> bool:
@@ -223,6 +225,14 @@ class Report:
                 f"{f.memory_duplicates} / {f.memory_missing}",
             ),
             ("offset audits / offsets ahead of work", f"{f.offset_audits} / {f.offsets_ahead}"),
+            (
+                "partition samples / longest wait with nothing moving",
+                f"{self.stalls.samples} / {_secs(self.stalls.longest_s())}",
+            ),
+            (
+                f"  partitions stalled over {self.stalls.limit_s:.0f}s",
+                str(len(self.stalls.stalls)),
+            ),
         ]
         handoffs = [x.handoff_s for x in self.faults if x.handoff_s is not None]
         med, mx = median_max(handoffs)
@@ -312,6 +322,7 @@ class Chaos:
         self.db = Postgres(self.settings)
         self.monitor = CommitMonitor(self.settings)
         self.auditor = OffsetAuditor(self.settings, self.db, self.monitor)
+        self.stalls = StallWatch()
         self.viewers: list[Viewer] = []
         self.viewer_tasks: list[asyncio.Task[None]] = []
         self.poison: list[InjectedPoison] = []
@@ -376,8 +387,6 @@ class Chaos:
             memory_fraction=cfg.memory_fraction,
         )
         deadline = time.monotonic() + cfg.run_deadline_s()
-        per_user = max(len(v) for v in self.plan.values())
-        gap = cfg.window_s() / per_user
         limits = httpx.Limits(max_connections=400, max_keepalive_connections=100)
         timeout = httpx.Timeout(30.0, read=20.0)
         url = f"http://127.0.0.1:{self.pool.gateway_port}"
@@ -398,7 +407,7 @@ class Chaos:
                         client,
                         runs,
                         Random(self.rng.random()),
-                        gap,  # noqa: S311
+                        cfg.window_s(),
                         deadline,
                         accepted,
                     )
@@ -449,6 +458,16 @@ class Chaos:
             await asyncio.sleep(3.0)
             await asyncio.to_thread(self.auditor.audit)
             self.pool.check_exits()
+            try:
+                opened = await asyncio.to_thread(self.stalls.look, self.db)
+            except Exception:  # noqa: BLE001 - Postgres restarting: the next look sees it
+                continue
+            for stall in opened:
+                self.log(
+                    f"  STALL: partition {stall.partition} (held by "
+                    f"{', '.join(sorted(stall.owners))}) has runs waiting and nothing"
+                    f" started or ended since {stall.since:%H:%M:%S}"
+                )
 
     async def _fault_loop(self, users: list[asyncio.Task[None]]) -> None:
         cfg = self.cfg
@@ -569,6 +588,7 @@ class Chaos:
                 fault.recover_s = self.monitor.recovery_after(fault.back_at)
         self.pool.check_exits()
         violations = list(findings.violations) + behind + self.pool.unexpected_exits
+        violations += self.stalls.violations()
         violations += [
             f"{x.kind} on {x.target}: {n}"
             for x in self.faults
@@ -576,7 +596,7 @@ class Chaos:
             if "exit code" in n or "not complete" in n or "not recovered" in n
         ]
         elapsed = time.monotonic() - self.started
-        return Report(self.cfg, findings, self.faults, elapsed, violations, self.plan)
+        return Report(self.cfg, findings, self.faults, elapsed, violations, self.plan, self.stalls)
 
 
 def _parse_kinds(arg: str, brokers: int) -> tuple[str, ...]:
