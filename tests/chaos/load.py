@@ -194,14 +194,19 @@ async def user_session(
     client: httpx.AsyncClient,
     runs: list[PlannedRun],
     rng: Random,
-    gap_s: float,
+    window_s: float,
     deadline: float,
     on_accepted: Any,
 ) -> None:
-    """Submit ``runs`` in order, about ``gap_s`` seconds apart (exponential gaps); a
+    """Submit ``runs`` in order at random moments of the next ``window_s`` seconds (a
+    Poisson process given its count: sorted uniform times, so every user is done by
+    the window's end instead of a few stragglers' exponential gaps stretching it); a
     follow-up goes once the run before it has started, a cancel after its delay."""
-    await asyncio.sleep(rng.uniform(0, gap_s))
+    start = time.monotonic()
+    times = sorted(rng.uniform(0, window_s) for _ in runs)
     for i, run in enumerate(runs):
+        if not run.follow_up or i == 0:
+            await asyncio.sleep(max(0.0, start + times[i] - time.monotonic()))
         await submit(client, run, deadline)
         if run.run_id is not None and not run.merged:
             on_accepted(run)
@@ -212,8 +217,6 @@ async def user_session(
         if nxt is not None and nxt.follow_up and run.run_id is not None:
             await until_streaming(client, run, deadline)
             await asyncio.sleep(rng.uniform(0.0, 0.3))
-        else:
-            await asyncio.sleep(rng.expovariate(1.0 / gap_s) if gap_s > 0 else 0)
 
 
 async def until_streaming(client: httpx.AsyncClient, run: PlannedRun, deadline: float) -> None:
