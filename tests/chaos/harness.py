@@ -135,6 +135,9 @@ class Report:
     violations: list[str] = field(default_factory=list)
     plan: dict[str, list[PlannedRun]] = field(default_factory=dict)
     stalls: StallWatch = field(default_factory=StallWatch)
+    # Records on the runs topic (the group's final committed offsets, summed) and rows
+    # in ``runs``: what the gateways and sweepers published beyond one record a run.
+    runs_records: tuple[int, int] = (0, 0)
 
     @property
     def ok(self) -> bool:
@@ -232,6 +235,10 @@ class Report:
             (
                 f"  partitions stalled over {self.stalls.limit_s:.0f}s",
                 str(len(self.stalls.stalls)),
+            ),
+            (
+                "runs-topic records / runs (republished or poison beyond one each)",
+                f"{self.runs_records[0]} / {self.runs_records[1]}",
             ),
         ]
         handoffs = [x.handoff_s for x in self.faults if x.handoff_s is not None]
