@@ -170,7 +170,13 @@ async def test_a_run_cut_off_writes_no_end_and_bills_its_calls_cancelled() -> No
     w.store.add("r1")
     task = asyncio.create_task(w.run("r1"))
 
-    await loop_until(lambda: len(w.store.messages_of["r1"]) >= 2)
+    def usage_events() -> list[int]:
+        return [s.fields["call_index"] for s in w.out.sent if s.what == "usage"]
+
+    # The call's usage came before "c": the batch writing "c" wrote its row, ok.
+    await loop_until(lambda: usage_events() == [0])
+    assert len(w.store.messages_of["r1"]) == 3
+    assert [c.outcome for c in w.store.ledger.values()] == [Outcome.OK]
     task.cancel()  # the handoff ceiling
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -179,9 +185,10 @@ async def test_a_run_cut_off_writes_no_end_and_bills_its_calls_cancelled() -> No
     assert "done" not in w.store.kinds("r1")
     calls = sorted(w.store.ledger.values(), key=lambda c: c.call_index)
     assert [(c.outcome, c.usage.estimated) for c in calls] == [
-        (Outcome.CANCELLED, False),
+        (Outcome.OK, False),  # written by the batch, once
         (Outcome.CANCELLED, True),  # "c" streamed after the last usage record
     ]
+    assert usage_events() == [0, 1]  # one event per row written
 
 
 async def test_a_partition_lost_mid_run_fences_the_run_out() -> None:
