@@ -224,6 +224,22 @@ async def test_a_reported_call_is_billed_ok_by_the_next_batch_and_a_cut_one_at_t
     assert carried[:3] == [(["a"], []), (["b"], [0]), (["c"], [])]
 
 
+async def test_a_call_no_output_follows_is_billed_alone_within_the_window() -> None:
+    stuck = asyncio.Event()
+    w = World(ScriptedHandler(["a", Usage("m", 5, 2), stuck.wait]))  # then a slow tool
+    w.store.add("r1")
+    task = asyncio.create_task(w.run("r1"))
+
+    await loop_until(lambda: len(w.store.ledger) == 1)
+    (call,) = w.store.ledger.values()
+    assert (call.attempt, call.call_index, call.outcome) == (1, 0, Outcome.OK)
+    assert w.store.kinds("r1") == ["chunk"]  # a batch of the call alone: no chunk
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert list(w.store.ledger.values()) == [call]  # the cut had nothing left to bill
+
+
 async def test_a_partition_lost_mid_run_fences_the_run_out() -> None:
     async def lose_the_partition() -> None:
         await loop_until(lambda: len(w.store.messages_of["r1"]) >= 2)
