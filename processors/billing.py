@@ -1,7 +1,11 @@
 """What an attempt's model calls cost, and who hears of it.
 
 The ledger rows of an attempt (``cost_ledger`` on) and the ``usage`` events on the
-run-events topic, one per row written: at the finish (in its transaction), for a
+run-events topic, one per row written. A call whose usage came is written ``ok`` by
+the attempt's next chunk batch (:class:`AttemptBook`, in the batch's fenced
+transaction), so a worker killed later in the attempt has billed it. What is left at
+the attempt's end (a call cut before its usage came, estimated; calls no batch wrote
+yet) is written with the attempt's outcome: at the finish (in its transaction), for a
 failed or merge-stopped attempt (in a transaction of their own) and for an attempt
 cut off at the handoff ceiling or fenced out (shielded from the cancellation).
 """
@@ -30,27 +34,36 @@ class Billing:
     def __init__(self, ledger: bool, store: WorkerStore, emitter: RunOutput, model: str) -> None:
         self.ledger, self.store, self.emitter, self.model = ledger, store, emitter, model
 
-    def calls(self, ctx: RunContext, usage: list[Usage], outcome: Outcome) -> list[LedgerCall]:
-        """The ledger rows of ``ctx``'s attempt (none with the ledger switched off)."""
+    def calls(
+        self, ctx: RunContext, usage: list[Usage], outcome: Outcome, written: int = 0
+    ) -> list[LedgerCall]:
+        """The ledger rows of ``ctx``'s attempt from call ``written`` on (the earlier ones
+        are in the ledger already); none with the ledger switched off."""
         if not self.ledger:
             return []
-        return calls_of(ctx.user_id, ctx.run_id, ctx.attempt, usage, outcome)
+        return calls_of(ctx.user_id, ctx.run_id, ctx.attempt, usage, outcome)[written:]
+
+    def book(self, ctx: RunContext, tally: CallTally) -> AttemptBook | None:
+        """The ledger of ``ctx``'s attempt as its chunk batches write it (None with the
+        ledger switched off: batches carry no calls)."""
+        return AttemptBook(self, ctx, tally) if self.ledger else None
 
     async def record_attempt(
         self, fence: Fence, ctx: RunContext, tally: CallTally, outcome: Outcome
     ) -> list[asyncio.Future[Any]]:
-        """Write an attempt's calls to the ledger with ``outcome``; its usage events."""
+        """Write an attempt's calls no batch wrote to the ledger with ``outcome``; their
+        usage events."""
         usage = tally.settled(self.model)
-        if not usage or not self.ledger:
+        if len(usage) <= tally.written or not self.ledger:
             return []
-        priced = await self.store.record_calls(self.calls(ctx, usage, outcome))
-        return await self._usage_events(fence, ctx, usage, outcome, priced)
+        priced = await self.store.record_calls(self.calls(ctx, usage, outcome, tally.written))
+        return await self.usage_events(fence, ctx, usage, outcome, priced)
 
     async def record_cut(self, fence: Fence, ctx: RunContext, tally: CallTally) -> None:
-        """An attempt cut off (handoff ceiling, fenced out): its calls were billed all the
-        same, so they go to the ledger as ``cancelled``, shielded from the cancellation.
-        A failure here is logged, never raised over the cut itself."""
-        if not tally.settled(self.model) or not self.ledger:
+        """An attempt cut off (handoff ceiling, fenced out): its calls no batch wrote were
+        billed all the same, so they go to the ledger as ``cancelled``, shielded from the
+        cancellation. A failure here is logged, never raised over the cut itself."""
+        if len(tally.settled(self.model)) <= tally.written or not self.ledger:
             return
         try:
             await asyncio.shield(self.record_attempt(fence, ctx, tally, Outcome.CANCELLED))
@@ -78,16 +91,17 @@ class Billing:
         finished: Finished,
     ) -> list[asyncio.Future[Any]]:
         """The usage events of a finish: one per ledger row it wrote (the finishing
-        attempt's calls; a stopped attempt's went out when it stopped), or, with the
+        attempt's calls no batch wrote; a stopped attempt's went out when it stopped, a
+        batch's with the batch), or, with the
         ledger switched off, one per usage row, priced as the usage table was."""
         if self.ledger:
-            return await self._usage_events(fence, ctx, own, outcome, finished.ledger)
+            return await self.usage_events(fence, ctx, own, outcome, finished.ledger)
         priced = [
             PricedCall(ctx.run_id, ctx.attempt, i, cost, None) for i, cost in finished.costs.items()
         ]
-        return await self._usage_events(fence, ctx, [*billed, *own], outcome, priced)
+        return await self.usage_events(fence, ctx, [*billed, *own], outcome, priced)
 
-    async def _usage_events(
+    async def usage_events(
         self,
         fence: Fence,
         ctx: RunContext,
@@ -123,6 +137,36 @@ class Billing:
                 )
             )
         return futures
+
+
+class AttemptBook:
+    """One attempt's calls as its chunk batches write them (a ``CallBook``): each batch
+    carries the calls whose usage came since the last one, ``ok``, not estimated.
+
+    A usage record the handler itself marks estimated (its stream was cut) stops the
+    batches there: that call and the later ones are the attempt's end's to write, with
+    its outcome, so the call indices stay in the order the calls came.
+    """
+
+    def __init__(self, billing: Billing, ctx: RunContext, tally: CallTally) -> None:
+        self.billing, self.ctx, self.tally = billing, ctx, tally
+
+    def due(self) -> list[LedgerCall]:
+        usage = self.tally.usage
+        end = self.tally.written
+        while end < len(usage) and not usage[end].estimated:
+            end += 1
+        if end == self.tally.written:
+            return []
+        return self.billing.calls(self.ctx, usage[:end], Outcome.OK, self.tally.written)
+
+    async def written(
+        self, fence: Fence, calls: list[LedgerCall], priced: list[PricedCall]
+    ) -> list[asyncio.Future[Any]]:
+        self.tally.written = calls[-1].call_index + 1
+        return await self.billing.usage_events(
+            fence, self.ctx, self.tally.usage, Outcome.OK, priced
+        )
 
 
 def _cost(usd: Decimal | None) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """Group commit: the worker's runs share their Postgres transactions.
 
-Every run starts with a claim, flushes its chunks every ``KODA_CHUNK_BATCH_MS`` and
-ends with a finish (trailing chunks, usage, terminal transition). Written one run at a
+Every run starts with a claim, flushes its chunks (with the ledger rows of the calls
+that reported usage meanwhile) every ``KODA_CHUNK_BATCH_MS`` and ends with a finish
+(trailing chunks, usage, terminal transition). Written one run at a
 time, 200 streaming runs ask for 10,000 transactions a second, far more than a worker
 and its database can commit, and latency grows without bound; short runs pay two
 transactions and their round trips each. The writer instead takes every claim, chunk
@@ -38,6 +39,7 @@ from typing import Protocol
 from koda_runtime.metrics import GROUP_COMMIT_RUNS
 from koda_runtime.processors import faults
 from koda_runtime.processors.store import (
+    Batched,
     ChunkWrite,
     Claim,
     ClaimWrite,
@@ -91,10 +93,11 @@ class GroupWriter:
             return result
         raise TypeError(f"a claim came back as {type(result).__name__}")
 
-    async def chunks(self, write: ChunkWrite) -> list[int] | None:
-        """Write one run's chunk batch; the seqs inserted, or None if fenced out."""
+    async def chunks(self, write: ChunkWrite) -> Batched | None:
+        """Write one run's chunk batch (and its ledger rows); the seqs inserted, or None
+        if fenced out."""
         result = await self._submit(write)
-        if result is None or isinstance(result, list):
+        if result is None or isinstance(result, Batched):
             return result
         raise TypeError(f"a chunk batch came back as {type(result).__name__}")
 

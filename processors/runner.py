@@ -250,6 +250,7 @@ class RunExecutor:
                 trigger.offset,
             )
             tally = CallTally([])
+            batcher.book = self.billing.book(ctx, tally)
             try:
                 await stream(
                     self.handler.stream(ctx),
@@ -274,7 +275,7 @@ class RunExecutor:
                 raise
             own = tally.settled(self.billing.model)
             if control.cancel_requested:
-                await self._cancel(batcher, ctx, control.cancel_reason, billed, own)
+                await self._cancel(batcher, ctx, control.cancel_reason, billed, own, tally.written)
                 return
             if not control.stopping:
                 finished = await self._end(
@@ -283,6 +284,7 @@ class RunExecutor:
                     ctx,
                     billed=billed,
                     own=own,
+                    written=tally.written,
                     input_version=claim.input_version,
                     cut=tally,
                 )
@@ -294,7 +296,9 @@ class RunExecutor:
                 # refused to write. Act on the row.
                 if finished.cancelled:
                     control.cancel(finished.cancel_reason)
-                    await self._cancel(batcher, ctx, finished.cancel_reason, billed, own)
+                    await self._cancel(
+                        batcher, ctx, finished.cancel_reason, billed, own, tally.written
+                    )
                     return
                 control.merged(finished.input_version)
             futures += await self._merged_stop(batcher, ctx, tally)
@@ -334,6 +338,7 @@ class RunExecutor:
         *,
         billed: list[Usage],
         own: list[Usage],
+        written: int = 0,
         event_attempt: int | None = None,
         reason: str | None = None,
         error: str = "",
@@ -346,7 +351,8 @@ class RunExecutor:
         mark that the run is whole on the chunk topic.
 
         ``billed``: the calls of attempts a merge stopped (usage rows only); ``own``: this
-        attempt's (usage and ledger rows). A refused finish (:class:`Superseded`) writes
+        attempt's (usage rows; ledger rows from call ``written`` on, the earlier ones
+        went with its chunk batches). A refused finish (:class:`Superseded`) writes
         and produces nothing; its end event is taken back. ``cut``: an attempt whose
         calls go to the ledger as cancelled if the finish is cut off or fenced out.
         """
@@ -365,7 +371,7 @@ class RunExecutor:
             error[:ERROR_ROW_CHARS] if status is RunStatus.FAILED else None,
             first_output=first_output(batcher.streaming, final),
             input_version=input_version,
-            ledger=self.billing.calls(ctx, own, outcome),
+            ledger=self.billing.calls(ctx, own, outcome, written),
         )
         try:
             finished = await self.writer.finish(write)
@@ -403,13 +409,21 @@ class RunExecutor:
         reason: str | None,
         billed: list[Usage],
         own: list[Usage],
+        written: int = 0,
     ) -> None:
         """End the run ``cancelled``: partial output stays, the calls so far are billed
-        (``own``, this attempt's, go to the ledger as ``cancelled``, an estimated one for
-        output no usage record covered), a terminal ``cancelled`` event (with the reason)
-        ends every viewer's stream."""
+        (``own``, this attempt's, go to the ledger as ``cancelled`` from call ``written``
+        on, an estimated one for output no usage record covered; the earlier ones are
+        in it already, ``ok``), a terminal ``cancelled`` event (with the reason) ends
+        every viewer's stream."""
         finished = await self._end(
-            RunStatus.CANCELLED, batcher, ctx, billed=billed, own=own, reason=reason
+            RunStatus.CANCELLED,
+            batcher,
+            ctx,
+            billed=billed,
+            own=own,
+            written=written,
+            reason=reason,
         )
         if not isinstance(finished, Finished):
             raise FencedOut(f"run {ctx.run_id}: cancel fenced out")

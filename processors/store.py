@@ -83,6 +83,9 @@ class ChunkWrite:
     # The input version the attempt runs on: a write that finds another one (a merge)
     # or a cancel request tells the store's observer, which stops the attempt.
     input_version: int | None = None
+    # Calls of the attempt whose usage came since its last batch: their ledger rows,
+    # written with the chunks (so under the same fence) as soon as the model reported.
+    ledger: Sequence[LedgerCall] = ()
 
     @property
     def target(self) -> RunStatus | None:
@@ -115,6 +118,15 @@ class FinishWrite:
     @property
     def target(self) -> RunStatus:
         return self.status
+
+
+class Batched(list[int]):
+    """What a chunk batch wrote: the chunk seqs inserted (the list itself, sorted) and
+    the ledger rows inserted, priced (``ledger``)."""
+
+    def __init__(self, inserted: Sequence[int], ledger: Sequence[PricedCall] = ()) -> None:
+        super().__init__(inserted)
+        self.ledger = list(ledger)
 
 
 @dataclass(frozen=True)
@@ -194,7 +206,7 @@ class PublishedWrite:
 
 
 GroupWrite = ClaimWrite | ChunkWrite | FinishWrite | PublishedWrite
-GroupResult = Claim | list[int] | Finished | Superseded | None
+GroupResult = Claim | Batched | Finished | Superseded | None
 
 
 def _all_moved(moved: int, expected: int, targets: Sequence[RunStatus]) -> None:
@@ -302,7 +314,8 @@ class RunStore:
         :class:`Claim` for a claim (``→ running``, ``attempt + 1``; None if someone
         moved first or it is fenced out); the seqs inserted for a chunk batch (ON
         CONFLICT DO NOTHING; with ``first_output`` the run moves ``running →
-        streaming`` with it); for a finish, the trailing chunks, usage, ledger rows and
+        streaming`` with it) and the ledger rows of the calls it carries, as a
+        :class:`Batched`; for a finish, the trailing chunks, usage, ledger rows and
         the terminal transition as a :class:`Finished` (with ``first_output`` the same
         UPDATE sets ``first_chunk_at``: ``streaming`` would be visible to nobody), or a
         :class:`Superseded` when a cancel request or a merge refuses it; None for a
@@ -337,7 +350,7 @@ class RunStore:
             inserted = await _insert_chunks(conn, mine)
             finishes = [w for w in mine if isinstance(w, FinishWrite)]
             costs = await _insert_usage(conn, finishes)
-            priced = await insert_calls(conn, [c for w in finishes for c in w.ledger])
+            priced = await insert_calls(conn, [c for w in mine for c in w.ledger])
             await _transition(conn, mine)
         out: list[GroupResult] = []
         for w in writes:
@@ -356,7 +369,7 @@ class RunStore:
                     )
                 )
             else:
-                out.append(inserted[w.run_id])
+                out.append(Batched(inserted[w.run_id], [p for p in priced if p.run_id == w.run_id]))
         return out
 
     async def record_calls(self, calls: Sequence[LedgerCall]) -> list[PricedCall]:

@@ -2,7 +2,9 @@
 
 :func:`stream` drives the handler; :class:`ChunkBatcher` writes its chunks, Postgres
 first (through the group writer), then the chunk topic; :class:`CallTally` keeps the
-attempt's billable calls, so a failed, stopped or cut attempt still knows them.
+attempt's billable calls, so a failed, stopped or cut attempt still knows them. A call
+whose usage came is written to the ledger by the next batch (its :class:`CallBook`),
+in the chunks' fenced transaction: a worker killed later in the attempt has billed it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from koda_runtime.errors import HandlerError, KodaError
 from koda_runtime.lifecycle.attempts import first_output
@@ -25,7 +27,9 @@ from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.store import ChunkWrite, Fence
 
 if TYPE_CHECKING:
+    from koda_runtime.lifecycle.ledger import LedgerCall
     from koda_runtime.processors.ports import RunOutput
+    from koda_runtime.schemas.ledger import PricedCall
 
 log = logging.getLogger("koda.worker")
 
@@ -47,6 +51,9 @@ class CallTally:
 
     usage: list[Usage]
     unreported_chunks: int = 0
+    # Calls 0..written-1 are in the ledger already, written by a chunk batch (as ``ok``):
+    # the attempt's end writes only the others.
+    written: int = 0
 
     def settled(self, model: str) -> list[Usage]:
         """The calls, with an estimated one for chunks no usage record covered."""
@@ -56,11 +63,26 @@ class CallTally:
         return [*self.usage, tail]
 
 
+class CallBook(Protocol):
+    """An attempt's ledger, as its chunk batches write it (processors/billing.py)."""
+
+    def due(self) -> list[LedgerCall]:
+        """The calls whose usage came and that no batch wrote yet (none: ledger off)."""
+        ...
+
+    async def written(
+        self, fence: Fence, calls: list[LedgerCall], priced: list[PricedCall]
+    ) -> list[asyncio.Future[Any]]:
+        """``calls`` are in the ledger (``priced``: the rows inserted); their events."""
+        ...
+
+
 class ChunkBatcher:
     """Collects chunks and writes them (Postgres first, then the topic) in batches.
 
     ``futures`` collects the deliveries of what it produced; the run awaits them before
-    its record is acked.
+    its record is acked. With a ``book``, each batch also writes the attempt's calls
+    whose usage came since the last one, in the same transaction.
     """
 
     def __init__(
@@ -82,6 +104,7 @@ class ChunkBatcher:
         self.input_version = input_version
         self.pending: list[Chunk] = []
         self.streaming = False
+        self.book: CallBook | None = None
 
     def add(self, kind: ChunkKind, content: str) -> None:
         self.pending.append(Chunk(self.run_id, self.seq.take(), kind, content, self.attempt))
@@ -102,20 +125,23 @@ class ChunkBatcher:
         return len(self.pending) >= self.max_size
 
     async def flush(self) -> None:
-        if not self.pending:
+        calls = self.book.due() if self.book is not None else []
+        if not self.pending and not calls:
             return
         batch = self.take()
         first = first_output(self.streaming, batch)
-        inserted = await self.writer.chunks(
-            ChunkWrite(self.fence, self.run_id, batch, first, self.input_version)
+        written = await self.writer.chunks(
+            ChunkWrite(self.fence, self.run_id, batch, first, self.input_version, calls)
         )
-        if inserted is None:
+        if written is None:
             raise FencedOut(f"run {self.run_id}: chunk write fenced out")
         if first:
             self.streaming = True
         # The whole batch, also seqs that were in Postgres already: only this owner writes
         # them, so they are this batch (its group committed, then the answer was lost).
         self.futures += await self.emitter.chunks(self.fence.partition, batch)
+        if calls and self.book is not None:
+            self.futures += await self.book.written(self.fence, calls, written.ledger)
 
 
 async def stream(
@@ -174,6 +200,10 @@ async def stream(
             if isinstance(item, Usage):
                 tally.usage.append(item)
                 tally.unreported_chunks = 0
+                # The call goes to the ledger with the window's batch, or alone when
+                # no chunk follows within the window (a tool call, a slow next step).
+                if deadline is None:
+                    deadline = time.monotonic() + window_s
                 continue
             if isinstance(item, ToolActivity):
                 batcher.add(ChunkKind.TOOL, item.content)

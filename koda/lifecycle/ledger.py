@@ -1,8 +1,10 @@
 """The cost ledger's rules, free of I/O: calls, outcomes, budget periods and decisions.
 
-A ledger row is one billable call of one attempt. Its outcome is the outcome of that
-attempt: ``ok`` (the attempt finished the run), ``failed`` (the handler failed), or
-``cancelled`` (the attempt was cut off: a handoff ceiling, a cancel). Money is
+A ledger row is one billable call of one attempt, written as soon as the model reports
+the call's usage: then its outcome is ``ok``. What the attempt's end finds unwritten
+(a call it cut, estimated) takes the attempt's outcome: ``ok`` (the attempt finished
+the run), ``failed`` (the handler failed), or ``cancelled`` (the attempt was cut off: a
+handoff ceiling, a cancel). Money is
 ``Decimal`` everywhere; periods are UTC calendar months and days, so a budget resets
 by itself when the next period starts (no reset job to forget).
 """

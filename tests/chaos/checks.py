@@ -53,11 +53,13 @@ Definitions used by the checks:
   so the answer was computed on both messages. A follow-up not merged is a run of its
   own and is checked like every other.
 * **The ledger has no duplicate row and sums to the usage reports**: the demo model
-  reports one call per attempt it completes, so a `done` run has exactly one
-  non-estimated `ok` chat row (two would be a finish billed twice: a redelivered
-  finish, or an attempt cut after its call and billed as the winner) and a run that
-  did not end `done` has none; estimated and `cancelled`/`failed` rows are what cut
-  attempts streamed, billed once each. Then, per user, the gateway's usage report
+  reports one call per attempt it completes, so no attempt has more than one
+  non-estimated `ok` chat row (two would be one call billed twice: by its chunk batch
+  and again by the attempt's end, or by a redelivered finish), and a `done` run's
+  finishing attempt has exactly one. An earlier attempt may have one too: a call is
+  billed `ok` as soon as its usage is written, so an attempt killed, cut or cancelled
+  after it keeps it (the model was called). Estimated and `cancelled`/`failed` rows
+  are what cut attempts streamed, billed once each. Then, per user, the gateway's usage report
   (`GET /admin/usage?group_by=user`) equals the ledger's own sums (calls, tokens,
   cost).
 * **No memory is duplicated**: every run that ended `done` with a statement to
@@ -485,26 +487,31 @@ def _check_ledger(
     rows: dict[str, Any],
     usage_report: list[dict[str, Any]] | None,
 ) -> None:
-    per_run = {
-        r.run_id: r
-        for r in db.query(
-            "SELECT run_id, count(*) AS n, count(*) FILTER (WHERE kind = 'chat'"
-            " AND outcome = 'ok' AND NOT estimated) AS ok_calls FROM ledger"
-            " WHERE run_id IS NOT NULL GROUP BY run_id"
-        )
-    }
-    f.ledger_rows = sum(r.n for r in per_run.values())
+    # Completed (ok, not estimated) chat calls per run and attempt.
+    completed: dict[str, dict[int, int]] = defaultdict(dict)
+    f.ledger_rows = 0
+    for r in db.query(
+        "SELECT run_id, attempt, count(*) AS n, count(*) FILTER (WHERE kind = 'chat'"
+        " AND outcome = 'ok' AND NOT estimated) AS ok_calls FROM ledger"
+        " WHERE run_id IS NOT NULL GROUP BY run_id, attempt"
+    ):
+        f.ledger_rows += r.n
+        completed[r.run_id][r.attempt] = r.ok_calls
     for run_id in planned:
         row = rows.get(run_id)
         if row is None:
             continue
-        ok_calls = per_run[run_id].ok_calls if run_id in per_run else 0
-        want = 1 if row.status == "done" else 0
-        if ok_calls != want:
+        by_attempt = completed.get(run_id, {})
+        twice = sorted(a for a, n in by_attempt.items() if n > 1)
+        if twice:
+            f.ledger_duplicates += 1
+            f.violate(f"run {run_id}: attempts {twice} have their one chat call billed twice")
+        finishing = by_attempt.get(row.attempt, 0)
+        if row.status == "done" and finishing != 1:
             f.ledger_duplicates += 1
             f.violate(
-                f"run {run_id} ({row.status}) has {ok_calls} completed chat calls in the "
-                f"ledger, expected {want}"
+                f"run {run_id} (done) has {finishing} completed chat calls of its finishing "
+                f"attempt {row.attempt} in the ledger, expected 1"
             )
     if usage_report is None:
         return

@@ -217,7 +217,7 @@ class Report:
                 str(f.budget_violations),
             ),
             ("ledger rows", str(f.ledger_rows)),
-            ("  runs billed twice or billed when not done", str(f.ledger_duplicates)),
+            ("  runs with a call billed twice, or done unbilled", str(f.ledger_duplicates)),
             ("  users whose usage report differs from the ledger", str(f.ledger_report_mismatches)),
             (
                 "memory runs done / retried before their end",

@@ -24,6 +24,7 @@ from koda_runtime.errors import TransitionRejected
 from koda_runtime.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
 from koda_runtime.lifecycle.handler import Usage
 from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.lifecycle.ledger import LedgerCall, Outcome
 from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.processors.emitter import Emitter
 from koda_runtime.processors.groupcommit import GroupWriter
@@ -268,6 +269,60 @@ async def test_a_fenced_out_run_is_refused_and_the_rest_of_its_group_written(db:
         assert list(results) == [[0, 1], None, [2, 3], None]
         assert await stored(db, kept) == ([0, 1, 2, 3], "streaming")
         assert await stored(db, lost) == ([], "running")
+    finally:
+        await writer.close()
+
+
+async def test_a_batchs_ledger_rows_are_fenced_with_its_chunks_and_counted_once(
+    db: Stack,
+) -> None:
+    await db.store.bump_epochs(TOPIC, [2, 3], "w1")
+    kept, kept_fence = await claimed_run(db, 2)
+    lost, lost_fence = await claimed_run(db, 3)
+    await db.store.bump_epochs(TOPIC, [3], "successor")  # partition 3 moved away
+    user = f"gc-{uuid7()}"
+
+    def call(run_id: str, index: int) -> LedgerCall:
+        return LedgerCall(user, run_id, 1, index, Usage("gc-model", 10, 20), Outcome.OK)
+
+    async def billed() -> tuple[list[tuple[str, int]], int]:
+        async with db.engine.connect() as conn:
+            rows = await conn.execute(
+                text("SELECT run_id, call_index FROM ledger WHERE user_id = :u ORDER BY 1, 2"),
+                {"u": user},
+            )
+            calls = await conn.execute(
+                text("SELECT calls FROM spend_periods WHERE user_id = :u AND period = 'month'"),
+                {"u": user},
+            )
+            return [(r, int(i)) for r, i in rows], int(calls.scalar_one_or_none() or 0)
+
+    writer = GroupWriter(db.store)
+    try:
+        results = await asyncio.gather(
+            writer.chunks(
+                ChunkWrite(kept_fence, kept, batch(kept, 0, 1), True, ledger=[call(kept, 0)])
+            ),
+            writer.chunks(
+                ChunkWrite(lost_fence, lost, batch(lost, 0, 1), True, ledger=[call(lost, 0)])
+            ),
+        )
+        assert list(results) == [[0], None]
+        assert results[0] is not None
+        assert [(p.run_id, p.call_index, p.price_id) for p in results[0].ledger] == [
+            (kept, 0, None)
+        ]
+        # The fenced-out writer wrote neither its chunks nor its call.
+        assert await billed() == ([(kept, 0)], 1)
+        # Redelivered with the next call (the answer was lost): only the new call is
+        # inserted, and only it is added to the month's spend row.
+        again = await writer.chunks(
+            ChunkWrite(
+                kept_fence, kept, batch(kept, 0, 2), False, ledger=[call(kept, 0), call(kept, 1)]
+            )
+        )
+        assert again == [1] and [p.call_index for p in again.ledger] == [1]
+        assert await billed() == ([(kept, 0), (kept, 1)], 2)
     finally:
         await writer.close()
 

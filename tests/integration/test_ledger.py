@@ -133,6 +133,83 @@ def test_a_run_cut_at_the_handoff_ceiling_is_billed_estimated_and_cancelled(stac
         drop_schema(settings)
 
 
+def test_a_worker_killed_mid_attempt_has_billed_the_calls_that_reported_usage(stack) -> None:
+    """A call is in the ledger once its usage came, not when the attempt ends: kill -9
+    mid-run loses none of the calls already reported, and the retry adds its own."""
+    settings = make_settings(stack)
+    apply_topics(settings)
+    upgrade(settings)
+    submitter = Submitter(settings)
+    w1 = WorkerProcess(settings, "ledger-k1").start()
+    w2: WorkerProcess | None = None
+    try:
+        # One model call per chunk, 100 ms apart: an attempt of ~3 s.
+        inp = {"text": "kill me", "demo": {"tokens": 30, "delay_ms": 100, "usage_each": True}}
+        run_id = submitter.submit("killed-user", inp)
+
+        def spend() -> tuple[Decimal, int]:
+            rows = db_rows(
+                settings,
+                "SELECT spend_usd, calls FROM spend_periods"
+                " WHERE user_id = 'killed-user' AND period = 'month'",
+            )
+            return (rows[0].spend_usd, rows[0].calls) if rows else (Decimal(0), 0)
+
+        def billed_while_running() -> list[Any] | None:
+            rows = ledger_of(settings, run_id)
+            running = submitter.statuses([run_id]) == {run_id: "streaming"}
+            return rows if len(rows) >= 3 and running else None
+
+        wait_until(
+            billed_while_running,
+            timeout=60,
+            what="the first calls' ledger rows while the attempt still runs",
+        )
+        w1.kill()
+        before = ledger_of(settings, run_id)
+        assert [(r.attempt, r.call_index) for r in before] == [(1, i) for i in range(len(before))]
+        assert all(r.outcome == "ok" and not r.estimated for r in before), before
+        assert all((r.prompt_tokens, r.completion_tokens) == (1, 1) for r in before)
+        assert all(r.price_id is not None and r.cost_usd == (r.pp + r.cp) / MICRO for r in before)
+        assert spend() == (sum((r.cost_usd for r in before), Decimal(0)), len(before))
+
+        w2 = WorkerProcess(settings, "ledger-k2").start()
+        wait_terminal(submitter, [run_id], 90, w2)
+        assert submitter.statuses([run_id]) == {run_id: "done"}
+        rows = ledger_of(settings, run_id)
+        # Attempt 1's rows are as the kill left them; attempt 2 billed all its 30 calls.
+        assert [r for r in rows if r.attempt == 1] == before
+        assert [(r.attempt, r.call_index, r.outcome, r.estimated) for r in rows[len(before) :]] == [
+            (2, i, "ok", False) for i in range(30)
+        ]
+        assert spend() == (sum((r.cost_usd for r in rows), Decimal(0)), len(rows))
+
+        def usage_events() -> list[tuple[int, int]] | None:
+            events = [
+                json.loads(m.value())
+                for m in read_topic(settings, settings.names.topic(RUN_EVENTS))
+            ]
+            mine = [
+                (e["attempt"], e["call_index"])
+                for e in events
+                if e["event"] == "usage" and e["run_id"] == run_id
+            ]
+            return mine if sum(1 for a, _ in mine if a == 2) >= 30 else None
+
+        events = wait_until(usage_events, timeout=30, what="attempt 2's usage events")
+        # One event per row written: none twice; attempt 1's may lack those the kill cut.
+        assert len(events) == len(set(events))
+        assert set(events) <= {(r.attempt, r.call_index) for r in rows}
+        assert {(2, i) for i in range(30)} <= set(events)
+    finally:
+        w1.kill()
+        if w2 is not None:
+            w2.kill()
+        submitter.close()
+        delete_topics(settings)
+        drop_schema(settings)
+
+
 def next_month(now: datetime) -> datetime:
     start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     return (

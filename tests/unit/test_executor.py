@@ -20,6 +20,7 @@ from koda_runtime.lifecycle.ledger import Outcome
 from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.runner import FencedOut, Record, RunExecutor
+from koda_runtime.processors.store import ChunkWrite
 from koda_runtime.schemas.records import (
     RUN_REQUESTED,
     RunRequested,
@@ -170,7 +171,13 @@ async def test_a_run_cut_off_writes_no_end_and_bills_its_calls_cancelled() -> No
     w.store.add("r1")
     task = asyncio.create_task(w.run("r1"))
 
-    await loop_until(lambda: len(w.store.messages_of["r1"]) >= 2)
+    def usage_events() -> list[int]:
+        return [s.fields["call_index"] for s in w.out.sent if s.what == "usage"]
+
+    # The call's usage came before "c": the batch writing "c" wrote its row, ok.
+    await loop_until(lambda: usage_events() == [0])
+    assert len(w.store.messages_of["r1"]) == 3
+    assert [c.outcome for c in w.store.ledger.values()] == [Outcome.OK]
     task.cancel()  # the handoff ceiling
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -179,9 +186,58 @@ async def test_a_run_cut_off_writes_no_end_and_bills_its_calls_cancelled() -> No
     assert "done" not in w.store.kinds("r1")
     calls = sorted(w.store.ledger.values(), key=lambda c: c.call_index)
     assert [(c.outcome, c.usage.estimated) for c in calls] == [
-        (Outcome.CANCELLED, False),
+        (Outcome.OK, False),  # written by the batch, once
         (Outcome.CANCELLED, True),  # "c" streamed after the last usage record
     ]
+    assert usage_events() == [0, 1]  # one event per row written
+
+
+async def test_a_reported_call_is_billed_ok_by_the_next_batch_and_a_cut_one_at_the_end() -> None:
+    w = World(
+        ScriptedHandler(
+            [
+                "a",
+                Usage("m", 1, 1),
+                "b",
+                Usage("m", 2, 3, estimated=True),
+                "c",
+                RuntimeError("cut"),
+            ],
+            ["x", Usage("m", 4, 4)],
+        )
+    )
+    w.store.add("r1")
+    await w.run("r1")
+    assert w.store.runs["r1"].status is RunStatus.DONE
+    got = sorted(
+        (c.attempt, c.call_index, c.outcome, c.usage.estimated) for c in w.store.ledger.values()
+    )
+    assert got == [
+        (1, 0, Outcome.OK, False),  # written with "b", before the attempt failed
+        (1, 1, Outcome.FAILED, True),  # the handler said the call was cut: the end's
+        (1, 2, Outcome.FAILED, True),  # "c", streamed after the last usage record
+        (2, 0, Outcome.OK, False),  # came last: written by the finish
+    ]
+    # The call of attempt 1 went with the batch of "b", not with the failure.
+    batches = [w_ for group in w.store.groups for w_ in group if isinstance(w_, ChunkWrite)]
+    carried = [([c.content for c in b.chunks], [c.call_index for c in b.ledger]) for b in batches]
+    assert carried[:3] == [(["a"], []), (["b"], [0]), (["c"], [])]
+
+
+async def test_a_call_no_output_follows_is_billed_alone_within_the_window() -> None:
+    stuck = asyncio.Event()
+    w = World(ScriptedHandler(["a", Usage("m", 5, 2), stuck.wait]))  # then a slow tool
+    w.store.add("r1")
+    task = asyncio.create_task(w.run("r1"))
+
+    await loop_until(lambda: len(w.store.ledger) == 1)
+    (call,) = w.store.ledger.values()
+    assert (call.attempt, call.call_index, call.outcome) == (1, 0, Outcome.OK)
+    assert w.store.kinds("r1") == ["chunk"]  # a batch of the call alone: no chunk
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert list(w.store.ledger.values()) == [call]  # the cut had nothing left to bill
 
 
 async def test_a_partition_lost_mid_run_fences_the_run_out() -> None:

@@ -23,6 +23,7 @@ from koda_runtime.lifecycle.ledger import LedgerCall
 from koda_runtime.lifecycle.states import ACTIVE, RunStatus, can_transition
 from koda_runtime.processors.ports import Record
 from koda_runtime.processors.store import (
+    Batched,
     ChunkWrite,
     Claim,
     ClaimWrite,
@@ -208,7 +209,7 @@ class FakeStore:
                 raise TransitionRejected(f"run {r.id}: no edge {r.status.value} → {w.target}")
             r.status = w.target
         if isinstance(w, ChunkWrite):
-            return inserted
+            return Batched(inserted, self._insert_calls(w.ledger))
         r.error = w.error
         costs = {}
         for i, u in enumerate(w.usage):
