@@ -100,7 +100,7 @@ class Config:
     handoff_ceiling_s: float = 2.0
     down_s: float = 3.0
     slow_s: float = 8.0  # how long a latency fault (and a gateway feed cut) lasts
-    deadline_s: float | None = None  # None: twice the submission window plus 10 minutes
+    deadline_s: float | None = None  # None: three submission windows plus 10 minutes
     seed: int = 1
     verbose: bool = True
     network: bool = True  # the stack has Toxiproxy slots: network faults apply
@@ -120,10 +120,11 @@ class Config:
         return max(self.runs / capacity, self.min_faults * 15.0)
 
     def run_deadline_s(self) -> float:
-        """How long the load and the wait for every run to end may take."""
+        """How long the load and the wait for every run to end may take: three windows
+        (the faults cost capacity, so the backlog outlives the window) and ten minutes."""
         if self.deadline_s is not None:
             return self.deadline_s
-        return max(1800.0, 2 * self.window_s() + 600.0)
+        return max(1800.0, 3 * self.window_s() + 600.0)
 
 
 @dataclass
@@ -644,6 +645,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=None, help="submission window, seconds")
     p.add_argument("--gap", type=float, default=6.0, help="seconds between faults")
     p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds the load and the wait for every run to end may take (a run not"
+        " ended by then counts as lost); default: three windows plus 10 minutes",
+    )
+    p.add_argument(
         "--kinds",
         default="",
         help="only these fault kinds, comma-separated ('network' for every network kind)",
@@ -665,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         partitions=a.partitions,
         max_inflight=a.max_inflight,
         submit_window_s=a.window,
+        deadline_s=a.deadline,
         fault_gap_s=a.gap,
         seed=a.seed,
         kinds=_parse_kinds(a.kinds, a.brokers),

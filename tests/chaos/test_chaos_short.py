@@ -50,5 +50,9 @@ def test_a_short_chaos_run_loses_nothing_and_keeps_order(stack_restored: Stack) 
     assert f.cancels_took >= 1 and report.during_fault(report.cancel_times()) >= 1
     assert f.merged >= 1 and report.during_fault(report.merge_times()) >= 1
     assert f.viewers > 0 and f.offset_audits > 0
+    # The other capabilities were exercised, not only left unviolated: a budget spent
+    # and refusing, a schedule minute due (and fired once), memories written.
+    assert f.budget_refusals >= 1 and f.schedule_minutes >= 1 and f.memory_runs >= 1
+    assert report.stalls.samples > 0
     # The worker faults were measured: their partitions moved to another worker.
     assert [x.handoff_s for x in report.faults if x.handoff_s is not None]
