@@ -192,6 +192,31 @@ async def insert_run(conn: AsyncConnection, values: dict[str, Any], *, budgets: 
     return RunInsert(row.status, row.created_at, budget)
 
 
+_BUDGETS_OF = text(
+    """
+    SELECT b.user_id, b.monthly_usd, b.daily_usd, b.soft_ratio,
+           COALESCE(m.spend_usd, 0) AS month_spend, COALESCE(d.spend_usd, 0) AS day_spend,
+           m.soft_alerted_at AS month_alerted, d.soft_alerted_at AS day_alerted
+      FROM budgets b
+      LEFT JOIN spend_periods m ON m.user_id = b.user_id AND m.period = 'month'
+       AND m.starts_at = date_trunc('month', now(), 'UTC')
+      LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
+       AND d.starts_at = date_trunc('day', now(), 'UTC')
+     WHERE b.user_id = ANY(CAST(:users AS text[]))
+    """
+)
+
+
+async def budgets_of(conn: AsyncConnection, users: list[str]) -> dict[str, BudgetRead]:
+    """The budget read of :func:`insert_run` for many users in one statement: each of
+    ``users`` that has a budget, with its current periods' spend and soft alerts.
+    Not locked, as there: runs admitted concurrently all see the same spend."""
+    if not users:
+        return {}
+    rows = (await conn.execute(_BUDGETS_OF, {"users": users})).all()
+    return {r.user_id: read for r in rows if (read := _budget_of(r)) is not None}
+
+
 _SPENT = text(
     """
     SELECT b.user_id
