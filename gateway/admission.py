@@ -4,20 +4,30 @@ The gateway never runs a job and never retries one: it writes the run, produces
 one ``run.requested`` record, and waits up to ``publish_wait_s`` for the broker's
 acknowledgement before answering. A slow or failed publish does not fail the
 request: the run is durable in Postgres and the sweeper publishes it later.
+
+Admission is a group commit (:class:`AdmissionQueue`): the requests that arrive
+while one transaction is in flight are written together by the next, and their
+records are enqueued together right after its commit, each request still getting
+its own answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from koda_runtime import metrics
 from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.control_store import ControlStore
 from koda_runtime.gateway.exceptions import PublishError
 from koda_runtime.gateway.intake import RunRequest
-from koda_runtime.gateway.publisher import RunPublisher
+from koda_runtime.gateway.publisher import Delivery, RunPublisher
 from koda_runtime.gateway.store import AdmittedRun, NewRun, RunStore
 from koda_runtime.lifecycle.control import MERGE, ControlRecord
 from koda_runtime.lifecycle.ids import derived_idempotency_key, scoped_idempotency_key, uuid7
@@ -32,6 +42,10 @@ log = logging.getLogger(__name__)
 PUBLISH_WAIT_S = 2.0
 MARK_INTERVAL_S = 0.05
 MARK_BATCH = 500
+# Requests admitted by one transaction at most; more wait for the next one.
+ADMIT_BATCH = 256
+# Times a request is tried again when its key conflicted with a run that then vanished.
+ADMIT_ATTEMPTS = 3
 
 
 def idempotency_key_for(user_id: str, request: RunRequest, client_key: str | None) -> str:
@@ -86,6 +100,126 @@ class PublishedMarks:
                 log.warning("event=mark_published_failed runs=%d error=%s", len(ids), exc)
 
 
+Committed = Callable[[list[AdmittedRun]], None]
+
+
+@dataclass
+class _Waiting:
+    run: NewRun
+    answer: asyncio.Future[AdmittedRun]
+    attempts: int = 0
+
+
+class AdmissionQueue:
+    """Group commit for admissions: one transaction for all the requests waiting.
+
+    One flusher at a time takes every request queued (up to ``max_batch``) and admits
+    them with :meth:`RunStore.admit_batch`, while the next requests queue behind it:
+    under load a transaction carries as many requests as arrived during the previous
+    one, and a lone request is written at once (no timer). ``committed`` is called
+    with the batch's created runs, in arrival order, after the commit and before the
+    next transaction starts, so records enqueued there keep admission order.
+
+    Each request gets its own answer: its run, its own refusal, or DatabaseError when
+    the transaction failed (then nothing of the batch was written). A batch that fails
+    on one request's data (not a lost connection) is tried again one request at a
+    time, so a request Postgres cannot store fails alone.
+    """
+
+    def __init__(
+        self,
+        store: RunStore,
+        committed: Committed,
+        *,
+        budgets: bool = True,
+        max_batch: int = ADMIT_BATCH,
+    ) -> None:
+        self.store = store
+        self.committed = committed
+        self.budgets = budgets
+        self.max_batch = max_batch
+        self._queue: deque[_Waiting] = deque()
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def admit(self, run: NewRun) -> AdmittedRun:
+        """``run`` admitted in the next transaction (see :meth:`RunStore.admit`)."""
+        waiting = _Waiting(run, asyncio.get_running_loop().create_future())
+        self._queue.append(waiting)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush(), name="admission-flusher")
+        return await waiting.answer
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for the next transaction (not the one in flight)."""
+        return len(self._queue)
+
+    async def close(self) -> None:
+        """Let the flusher write what is queued."""
+        if self._flusher is not None:
+            await asyncio.gather(self._flusher, return_exceptions=True)
+
+    async def _flush(self) -> None:
+        while self._queue:
+            batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
+            try:
+                await self._admit(batch)
+            except Exception as exc:  # a bug: every waiter must still hear of it
+                log.exception("event=admission_batch_failed runs=%d", len(batch))
+                for w in batch:
+                    _settle(w.answer, exc)
+
+    async def _admit(self, batch: list[_Waiting]) -> None:
+        metrics.ADMISSION_BATCH_RUNS.observe(len(batch))
+        try:
+            answers = await self.store.admit_batch([w.run for w in batch], budgets=self.budgets)
+        except DatabaseError as exc:
+            if len(batch) == 1 or _lost_connection(exc):
+                for w in batch:
+                    _settle(w.answer, exc)
+                return
+            log.warning("event=admission_batch_failed runs=%d error=%s", len(batch), exc)
+            for w in batch:
+                await self._admit([w])
+            return
+        created = [a for a in answers if isinstance(a, AdmittedRun) and a.created]
+        if created:
+            self.committed(created)
+        for w, answer in zip(batch, answers, strict=True):
+            if answer is not None:
+                _settle(w.answer, answer)
+                continue
+            w.attempts += 1
+            if w.attempts < ADMIT_ATTEMPTS:
+                self._queue.append(w)
+            else:
+                _settle(
+                    w.answer,
+                    DatabaseError(
+                        f"idempotency key conflicted but no run was found after {w.attempts} tries"
+                    ),
+                )
+
+
+def _settle(future: asyncio.Future[AdmittedRun], answer: AdmittedRun | BaseException) -> None:
+    if future.done():  # the request went away (client disconnect): nobody listens
+        return
+    if isinstance(answer, BaseException):
+        future.set_exception(answer)
+    else:
+        future.set_result(answer)
+
+
+def _lost_connection(exc: DatabaseError) -> bool:
+    """True when Postgres itself failed (connection, server), not one request's data."""
+    cause = exc.__cause__
+    return (
+        not isinstance(cause, DBAPIError)
+        or cause.connection_invalidated
+        or isinstance(cause, OperationalError | InterfaceError)
+    )
+
+
 class Admissions:
     """Turns requests into durable, published runs."""
 
@@ -111,8 +245,9 @@ class Admissions:
         self.publisher = publisher
         self.partitions = partitions
         self.publish_wait_s = publish_wait_s
-        self._deliveries: set[asyncio.Task[None]] = set()
+        self._deliveries: dict[str, asyncio.Future[Delivery]] = {}
         self._marks = PublishedMarks(store)
+        self.queue = AdmissionQueue(store, self._publish_all, budgets=budgets)
 
     async def submit(
         self, user_id: str, request: RunRequest, client_key: str | None
@@ -173,7 +308,7 @@ class Admissions:
             metadata=request.metadata,
             partition=partition_for_key(user_id.encode(), self.partitions),
         )
-        run = await self.store.admit(new, budgets=self.budgets)
+        run = await self.queue.admit(new)
         for period in run.soft_alerts:
             await self._soft_alert(user_id, period)
         if not run.created:
@@ -193,7 +328,7 @@ class Admissions:
             run.session_id,
             new.partition,
         )
-        await self._publish(run)
+        await self._await_delivery(run)
         return run
 
     async def signal(self, record: ControlRecord) -> None:
@@ -230,30 +365,26 @@ class Admissions:
             metrics.BUDGET_SOFT_ALERTS.labels(period=period.value).inc()
             log.warning("event=budget_soft_threshold user_id=%s period=%s", user_id, period.value)
 
-    async def _publish(self, run: AdmittedRun) -> None:
-        task = asyncio.create_task(self._deliver(run), name=f"publish-{run.run_id}")
-        self._deliveries.add(task)
-        task.add_done_callback(self._deliveries.discard)
-        try:
-            await asyncio.wait_for(asyncio.shield(task), self.publish_wait_s)
-        except TimeoutError:
-            log.warning(
-                "event=publish_slow run_id=%s user_id=%s wait_s=%.1f",
-                run.run_id,
-                run.user_id,
-                self.publish_wait_s,
+    def _publish_all(self, runs: list[AdmittedRun]) -> None:
+        """Enqueue one record per created run, in admission order (the queue's commit hook)."""
+        for run in runs:
+            delivery = self.publisher.publish(
+                RunRequested(
+                    run_id=run.run_id,
+                    user_id=run.user_id,
+                    session_id=run.session_id,
+                    created_at=run.created_at.isoformat(),
+                )
             )
+            self._deliveries[run.run_id] = delivery
+            delivery.add_done_callback(functools.partial(self._delivered, run))
 
-    async def _deliver(self, run: AdmittedRun) -> None:
-        record = RunRequested(
-            run_id=run.run_id,
-            user_id=run.user_id,
-            session_id=run.session_id,
-            created_at=run.created_at.isoformat(),
-        )
-        try:
-            delivery = await self.publisher.publish(record)
-        except PublishError as exc:
+    def _delivered(self, run: AdmittedRun, delivery: asyncio.Future[Delivery]) -> None:
+        self._deliveries.pop(run.run_id, None)
+        if delivery.cancelled():
+            return  # abandoned at drain: published_at stays NULL, the sweeper publishes it
+        exc = delivery.exception()
+        if exc is not None:
             log.warning(
                 "event=publish_failed run_id=%s user_id=%s error=%s (the sweeper retries)",
                 run.run_id,
@@ -262,25 +393,41 @@ class Admissions:
             )
             return
         self._marks.note(run.run_id)
+        where = delivery.result()
         log.info(
             "event=run_published run_id=%s user_id=%s partition=%d offset=%d",
             run.run_id,
             run.user_id,
-            delivery.partition,
-            delivery.offset,
+            where.partition,
+            where.offset,
         )
+
+    async def _await_delivery(self, run: AdmittedRun) -> None:
+        """Wait up to ``publish_wait_s`` for the run's record to be acknowledged."""
+        delivery = self._deliveries.get(run.run_id)
+        if delivery is None:
+            return  # settled already
+        try:
+            await asyncio.wait_for(asyncio.shield(delivery), self.publish_wait_s)
+        except TimeoutError:
+            log.warning(
+                "event=publish_slow run_id=%s user_id=%s wait_s=%.1f",
+                run.run_id,
+                run.user_id,
+                self.publish_wait_s,
+            )
+        except PublishError:
+            pass  # logged by _delivered; the run is durable and the sweeper publishes it
 
     async def drain(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for outstanding deliveries, then abandon the rest.
 
         An abandoned run keeps ``published_at`` NULL, so a sweeper publishes it.
         """
-        pending = set(self._deliveries)
+        await self.queue.close()
+        pending = set(self._deliveries.values())
         if pending:
             _done, still = await asyncio.wait(pending, timeout=timeout_s)
-            for task in still:
-                task.cancel()
-            for task in still:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            for future in still:
+                future.cancel()
         await self._marks.close()

@@ -18,10 +18,10 @@ from typing import Any
 from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from koda_runtime.errors import DatabaseError
-from koda_runtime.gateway.exceptions import OverBudget, SessionNotOwned
+from koda_runtime.gateway.exceptions import OverBudget, Refused, SessionNotOwned
 from koda_runtime.lifecycle.chunks import TERMINAL_KINDS
 from koda_runtime.lifecycle.ledger import Period, exceeded, soft_crossed
 from koda_runtime.lifecycle.states import RunStatus
@@ -198,6 +198,22 @@ _ADMIT_RUNS = text(
     RETURNING id, status, created_at
     """
 )
+# admit_batch: many requests' admissions in one transaction (see RunStore.admit_batch).
+_BATCH_SESSIONS = text(
+    """
+    INSERT INTO sessions (id, user_id)
+    SELECT * FROM unnest(CAST(:sids AS text[]), CAST(:uids AS text[]))
+    ON CONFLICT (id) DO NOTHING
+    RETURNING id
+    """
+)
+_SESSION_OWNERS = text("SELECT id, user_id FROM sessions WHERE id = ANY(CAST(:sids AS text[]))")
+_RUNS_BY_KEY = text(
+    """
+    SELECT id, user_id, session_id, status, created_at, idempotency_key FROM runs
+     WHERE idempotency_key = ANY(CAST(:keys AS text[]))
+    """
+)
 # One array parameter: an IN list of hundreds of bound values costs more to build and
 # bind than the update itself.
 _MARK_PUBLISHED = text("UPDATE runs SET published_at = now() WHERE id = ANY(CAST(:ids AS text[]))")
@@ -245,6 +261,99 @@ class RunStore:
             f"idempotency key conflicted but no run was found after {_ADMIT_ATTEMPTS} tries"
         )
 
+    async def admit_batch(
+        self, batch: list[NewRun], *, budgets: bool = True
+    ) -> list[AdmittedRun | Refused | None]:
+        """:meth:`admit` for many requests at once, in one transaction of six statements.
+
+        The i-th answer is ``batch[i]``'s: its run (created, or the run its key already
+        had), SessionNotOwned or OverBudget (nothing of it written), or None when its key
+        conflicted with a run that has vanished since (deleted by hand: try it again).
+        One request's refusal or replay never fails another's. Raises DatabaseError when
+        the transaction fails: then nothing of any request is written.
+
+        The rules are :meth:`admit`'s, statement by statement: sessions upserted, the
+        sessions named by the requests read for their owner, the users' budgets read
+        (unlocked, so the overshoot is at most the runs admitted meanwhile), the runs
+        inserted ``ON CONFLICT (idempotency_key) DO NOTHING``, the runs of conflicting
+        or refused keys read back, and the sessions created for requests that made no run
+        deleted again. Rows are written in key order, so that two gateways' overlapping
+        batches wait on each other in one order, never in a cycle.
+        """
+        if not batch:
+            return []
+        answers: list[AdmittedRun | Refused | None] = [None] * len(batch)
+        try:
+            async with self.engine.begin() as conn:
+                await self._admit_batch(conn, batch, budgets, answers)
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"admitting runs failed: {type(exc).__name__}") from exc
+        return answers
+
+    async def _admit_batch(
+        self,
+        conn: AsyncConnection,
+        batch: list[NewRun],
+        budgets: bool,
+        answers: list[AdmittedRun | Refused | None],
+    ) -> None:
+        owners = {r.session_id: r.user_id for r in sorted(batch, key=lambda r: r.session_id)}
+        made = {
+            row.id
+            for row in await conn.execute(
+                _BATCH_SESSIONS, {"sids": list(owners), "uids": list(owners.values())}
+            )
+        }
+        named = sorted({r.session_id for r in batch if not r.create_session})
+        if named:
+            rows = await conn.execute(_SESSION_OWNERS, {"sids": named})
+            owners.update({row.id: row.user_id for row in rows})
+        reads = await ledger.budgets_of(conn, sorted({r.user_id for r in batch})) if budgets else {}
+        now = datetime.now(UTC)
+        over = {user: e for user, b in reads.items() if (e := exceeded(b.state, now)) is not None}
+        insert: list[int] = []
+        for i, run in enumerate(batch):
+            if owners[run.session_id] != run.user_id:
+                answers[i] = SessionNotOwned(
+                    "session not found: omit session_id to start a new session"
+                )
+            elif run.user_id not in over:
+                insert.append(i)
+        insert.sort(key=lambda i: batch[i].idempotency_key)
+        rows = await conn.execute(_ADMIT_RUNS, _run_params([batch[i] for i in insert]))
+        created = {row.id: row for row in rows}
+        for i in insert:
+            run = batch[i]
+            if (row := created.get(run.run_id)) is not None:
+                read = reads.get(run.user_id)
+                soft = () if read is None else _unalerted(read)
+                answers[i] = AdmittedRun(
+                    run.run_id,
+                    run.user_id,
+                    run.session_id,
+                    row.status,
+                    row.created_at,
+                    True,
+                    soft_alerts=soft,
+                )
+        # A replay answers with its key's run, over budget or not.
+        again = sorted({r.idempotency_key for i, r in enumerate(batch) if answers[i] is None})
+        if again:
+            rows = await conn.execute(_RUNS_BY_KEY, {"keys": again})
+            found = {row.idempotency_key: row for row in rows}
+            for i, run in enumerate(batch):
+                if answers[i] is not None:
+                    continue
+                if (row := found.get(run.idempotency_key)) is not None:
+                    answers[i] = AdmittedRun(
+                        row.id, row.user_id, row.session_id, row.status, row.created_at, False
+                    )
+                elif run.user_id in over:
+                    answers[i] = OverBudget(run.user_id, over[run.user_id])
+        kept = {a.session_id for a in answers if isinstance(a, AdmittedRun) and a.created}
+        if lost := sorted(made - kept):
+            await conn.execute(_DROP_SESSIONS, {"sids": lost})
+
     async def admit_many(self, batch: list[NewRun]) -> list[AdmittedRun | None]:
         """Insert each run of ``batch`` unless its idempotency key exists, in one transaction.
 
@@ -258,18 +367,7 @@ class RunStore:
             return []
         # In key order: two callers inserting overlapping batches then wait on each
         # other's keys in one order, never in a cycle (a deadlock would abort one).
-        ordered = sorted(batch, key=lambda r: r.idempotency_key)
-        params = {
-            "ids": [r.run_id for r in ordered],
-            "sids": [r.session_id for r in ordered],
-            "uids": [r.user_id for r in ordered],
-            "keys": [r.idempotency_key for r in ordered],
-            "inputs": [json.dumps(r.input) for r in ordered],
-            "metas": [None if r.metadata is None else json.dumps(r.metadata) for r in ordered],
-            "parts": [r.partition for r in ordered],
-            "scheds": [r.schedule_id for r in ordered],
-            "ats": [r.scheduled_for for r in ordered],
-        }
+        params = _run_params(sorted(batch, key=lambda r: r.idempotency_key))
         try:
             async with self.engine.begin() as conn:
                 await conn.execute(
@@ -335,9 +433,7 @@ class RunStore:
                     over = exceeded(done.budget.state, datetime.now(UTC))
                     if done.status is None and over is not None:
                         raise OverBudget(run.user_id, over)
-                    soft = tuple(
-                        p for p in soft_crossed(done.budget.state) if p not in done.budget.alerted
-                    )
+                    soft = _unalerted(done.budget)
                 if done.status is None or done.created_at is None:
                     await trans.rollback()
                     return None
@@ -523,6 +619,26 @@ class RunStore:
             raise DatabaseError(f"reading run events failed: {type(exc).__name__}") from exc
         events = [StoredEvent(int(r.seq), r.kind, r.content, int(r.attempt)) for r in rows]
         return (None if status is None else RunStatus(status)), events
+
+
+def _run_params(ordered: list[NewRun]) -> dict[str, list[Any]]:
+    """The array parameters of ``_ADMIT_RUNS`` (and its sessions), one entry per run."""
+    return {
+        "ids": [r.run_id for r in ordered],
+        "sids": [r.session_id for r in ordered],
+        "uids": [r.user_id for r in ordered],
+        "keys": [r.idempotency_key for r in ordered],
+        "inputs": [json.dumps(r.input) for r in ordered],
+        "metas": [None if r.metadata is None else json.dumps(r.metadata) for r in ordered],
+        "parts": [r.partition for r in ordered],
+        "scheds": [r.schedule_id for r in ordered],
+        "ats": [r.scheduled_for for r in ordered],
+    }
+
+
+def _unalerted(read: ledger.BudgetRead) -> tuple[Period, ...]:
+    """The periods past their soft threshold whose alert nobody has recorded yet."""
+    return tuple(p for p in soft_crossed(read.state) if p not in read.alerted)
 
 
 def _storable(run_id: str) -> bool:

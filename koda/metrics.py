@@ -49,6 +49,7 @@ from prometheus_client import (
 
 __all__ = [
     "ADMISSIONS",
+    "ADMISSION_BATCH_RUNS",
     "ADMISSIONS_REJECTED",
     "BUDGET_EXHAUSTED_USERS",
     "BUDGET_SOFT_ALERTS",
@@ -175,6 +176,12 @@ OFFSET_REWINDS = Counter(
 GROUP_COMMIT_RUNS = Histogram(
     "koda_group_commit_runs",
     "Runs whose chunk batches or finishes were written together in one transaction.",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    registry=REGISTRY,
+)
+ADMISSION_BATCH_RUNS = Histogram(
+    "koda_admission_batch_runs",
+    "Requests of POST /v1/runs admitted together in one gateway transaction.",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
     registry=REGISTRY,
 )

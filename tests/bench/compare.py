@@ -10,18 +10,29 @@ database, and the ratio pairs them.
 ``--bench replay`` compares ``koda replay`` into DuckDB instead (tests/bench/replay.py):
 
     python -m tests.bench.compare --bench replay --before /tmp/before --runs 200000
+
+``--bench w3`` compares the gateway's ``POST /v1/runs`` rate (tests/bench/w3_gateway.py):
+each repetition measures, level by level, the before gateway, the after gateway and the
+bare handler back to back in one namespace. The before gateway runs ``python -m
+koda_runtime gateway`` with DIR's ``.venv`` when it has one, else with this interpreter
+in DIR as working directory (so DIR must then hold a ``koda_runtime`` package, e.g. the
+``build/__editable__...`` folder that ``make install`` made in the other checkout):
+
+    python -m tests.bench.compare --bench w3 --before /tmp/before --levels 1 8 32 128
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections import defaultdict
 from pathlib import Path
 
 import tests.fixtures.processes
-from tests.bench import replay
-from tests.bench.common import Table, fmt, services
+from tests.bench import replay, w3_gateway
+from tests.bench.common import Table, fmt, namespace, services
 from tests.bench.w1_throughput import Trial
+from tests.fixtures.processes import GatewayProcess
 
 
 def main() -> None:
@@ -31,11 +42,16 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=2000)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--bench", choices=("w1", "replay"), default="w1")
+    ap.add_argument("--bench", choices=("w1", "replay", "w3"), default="w1")
     ap.add_argument("--batch", type=int, default=5000, help="replay: records per transaction")
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 128], help="w3")
+    ap.add_argument("--requests", type=int, default=1000, help="w3: POSTs per level")
     args = ap.parse_args()
     if args.bench == "replay":
         print(replay.compare(args.before, args.runs, args.repeat, args.batch).render())
+        return
+    if args.bench == "w3":
+        print(compare_w3(args.before.resolve(), args.levels, args.requests, args.repeat).render())
         return
     after_root = tests.fixtures.processes.ROOT
     res: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
@@ -88,6 +104,71 @@ def main() -> None:
         f"after {fmt([x['post_s'] for x in e2e_a])}"
     )
     print(table.render())
+
+
+def compare_w3(before: Path, levels: list[int], requests: int, reps: int) -> Table:
+    """Before/after for W3 (see the module docstring)."""
+    res: dict[tuple[str, int], list[dict[str, float]]] = defaultdict(list)
+    loads = [os.getloadavg()[0]]
+    with services() as stack:
+        for rep in range(reps):
+            with namespace(stack, partitions=32) as settings:
+                rate = {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000"}
+                old = GatewayProcess(settings, rate)
+                old.cwd = before
+                if (before / ".venv" / "bin" / "python").exists():
+                    old.argv = [str(before / ".venv" / "bin" / "python"), *old.argv[1:]]
+                new = GatewayProcess(settings, rate)
+                bare = w3_gateway.bare_process(settings)
+                urls = {"before": old.url, "after": new.url, "bare": bare.url}  # type: ignore[attr-defined]
+                try:
+                    old.start()
+                    new.start()
+                    bare.start()
+                    w3_gateway.wait_http(urls["bare"], bare)
+                    for url in urls.values():
+                        w3_gateway.measure(url, 100, 8, "warm")
+                    for level in levels:
+                        line = []
+                        for label, url in urls.items():
+                            r = w3_gateway.measure(url, requests, level, f"{label[0]}{rep}")
+                            res[(label, level)].append(r)
+                            line.append(f"{label} {r['rps']:.0f} req/s p99 {r['p99']:.1f} ms")
+                        print(f"  w3 rep {rep + 1}/{reps} c{level}: " + "; ".join(line), flush=True)
+                finally:
+                    for child in (old, new, bare):
+                        if child.proc is not None:
+                            child.stop()
+            loads.append(os.getloadavg()[0])
+    table = Table(
+        f"Before/after: W3 gateway, {requests} POST /v1/runs per level, {reps} repetitions "
+        f"(median [min-max]); before = {before}",
+        [
+            "concurrency",
+            "before req/s",
+            "after req/s",
+            "after/before",
+            "bare req/s",
+            "before/bare",
+            "after/bare",
+            "p99 ms before -> after",
+        ],
+    )
+    for level in levels:
+        b, a, bare_r = res[("before", level)], res[("after", level)], res[("bare", level)]
+        table.add(
+            str(level),
+            fmt([x["rps"] for x in b]),
+            fmt([x["rps"] for x in a]),
+            fmt([y["rps"] / x["rps"] for x, y in zip(b, a, strict=True)], 2),
+            fmt([x["rps"] for x in bare_r]),
+            fmt([x["rps"] / y["rps"] for x, y in zip(b, bare_r, strict=True)], 2),
+            fmt([x["rps"] / y["rps"] for x, y in zip(a, bare_r, strict=True)], 2),
+            f"{fmt([x['p99'] for x in b], 1)} -> {fmt([x['p99'] for x in a], 1)}",
+        )
+    table.notes.append(replay.load_note(loads))
+    table.notes.append("the load generator (aiohttp) shares the 2 cores with the servers")
+    return table
 
 
 if __name__ == "__main__":

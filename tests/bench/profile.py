@@ -7,6 +7,11 @@ process's top frames by inclusive share of samples (collapsed stacks are kept in
 
     python -m tests.bench.profile --runs 3000 --workers 2 --through topic
     python -m tests.bench.profile --runs 3000 --workers 2 --through gateway
+
+``--through w3`` profiles the gateway alone under W3's load: no workers, ``--runs``
+POSTs at ``--concurrency`` (the runs stay pending).
+
+    python -m tests.bench.profile --through w3 --runs 4000 --concurrency 32
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3000)
     ap.add_argument("--users", type=int, default=2000)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--through", choices=["topic", "gateway"], default="topic")
+    ap.add_argument("--through", choices=["topic", "gateway", "w3"], default="topic")
+    ap.add_argument("--concurrency", type=int, default=64, help="POSTs in flight (gateway, w3)")
     ap.add_argument("--out", default="/tmp/koda-profile")
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
@@ -70,22 +76,27 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     with services() as stack, namespace(stack, partitions=PARTITIONS, chunk_batch_ms=20) as st:
         loader = Loader(st)
-        workers = [WorkerProcess(st, f"w{i}").start() for i in range(args.workers)]
+        w3 = args.through == "w3"
+        workers = [] if w3 else [WorkerProcess(st, f"w{i}").start() for i in range(args.workers)]
         gw = None
-        if args.through == "gateway":
+        if args.through in ("gateway", "w3"):
             gw = GatewayProcess(
                 st, {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000"}
             ).start()
         spies: list[subprocess.Popen[bytes]] = []
         try:
-            wait_group(st, st.names.group(st.worker_group), args.workers)
-            warm = loader.insert(
-                PARTITIONS,
-                users_on_distinct_partitions(PARTITIONS, PARTITIONS, "warm"),
-                lambda i: demo_input(i, 1),
-            )
-            loader.publish(warm)
-            loader.wait_terminal(warm.run_ids, 120, "warm-up")
+            if w3:
+                assert gw is not None
+                asyncio.run(post_runs(gw.url, ["warm"] * 100, [{"text": "w"}] * 100, 8))
+            else:
+                wait_group(st, st.names.group(st.worker_group), args.workers)
+                warm = loader.insert(
+                    PARTITIONS,
+                    users_on_distinct_partitions(PARTITIONS, PARTITIONS, "warm"),
+                    lambda i: demo_input(i, 1),
+                )
+                loader.publish(warm)
+                loader.wait_terminal(warm.run_ids, 120, "warm-up")
             targets = [(w.worker_id, w.pid) for w in workers]
             if gw is not None:
                 assert gw.proc is not None
@@ -119,18 +130,24 @@ def main() -> None:
             if gw is not None:
                 inputs = [demo_input(i, TOKENS) for i in range(args.runs)]
                 who = [f"u-{i % args.users}" for i in range(args.runs)]
-                ids, _ = asyncio.run(post_runs(gw.url, who, inputs, 64))
+                ids, _ = asyncio.run(post_runs(gw.url, who, inputs, args.concurrency))
+                if w3:
+                    wall = time.time() - t0
+                    print(
+                        f"profiled {args.runs} POSTs at {args.concurrency}: {len(ids) / wall:.0f}/s"
+                    )
             else:
                 loaded = loader.insert(args.runs, args.users, lambda i: demo_input(i, TOKENS), "u")
                 t0 = time.time()
                 loader.publish(loaded)
                 ids = loaded.run_ids
-            loader.wait_terminal(ids, 1800, "profiled runs")
-            res = loader.outcome(ids, t0)
-            print(
-                f"profiled {args.runs} runs through {args.through}, {args.workers} workers: "
-                f"{res['runs_s']:.0f} runs/s, {res['chunks_s']:.0f} chunks/s"
-            )
+            if not w3:
+                loader.wait_terminal(ids, 1800, "profiled runs")
+                res = loader.outcome(ids, t0)
+                print(
+                    f"profiled {args.runs} runs through {args.through}, {args.workers} workers: "
+                    f"{res['runs_s']:.0f} runs/s, {res['chunks_s']:.0f} chunks/s"
+                )
         finally:
             for spy in spies:
                 spy.send_signal(2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -21,6 +22,9 @@ from tests.bench.common import Table, demo_input, fmt, namespace, percentile, se
 from tests.bench.w1_throughput import post_runs
 from tests.fixtures.processes import ChildProcess, GatewayProcess, free_port, settings_env
 from tests.support import wait_until
+
+GOAL_RPS = 1500
+GOAL_RATIO = 0.4
 
 
 def bare_process(settings) -> ChildProcess:
@@ -107,6 +111,17 @@ def run_w3(stack: StackInfo, args: argparse.Namespace) -> Table:
             fmt([r["rps"] for r in bare_reps]),
             fmt([r["p99"] for r in bare_reps], 1),
             fmt([x["rps"] / y["rps"] for x, y in zip(gw_reps, bare_reps, strict=True)], 2),
+        )
+    if 32 in args.levels:
+        rps = statistics.median(r["rps"] for r in res[("gateway", 32)])
+        ratio = statistics.median(
+            g["rps"] / b["rps"]
+            for g, b in zip(res[("gateway", 32)], res[("bare", 32)], strict=True)
+        )
+        met = "met" if rps >= GOAL_RPS and ratio >= GOAL_RATIO else "NOT met"
+        table.notes.append(
+            f"goal at concurrency 32: >= {GOAL_RPS} req/s and >= {GOAL_RATIO}x bare; median "
+            f"{rps:.0f} req/s, {ratio:.2f}x: {met}"
         )
     table.notes.append("the load generator (aiohttp) shares the 2 cores with the server")
     return table

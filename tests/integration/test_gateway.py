@@ -29,8 +29,6 @@ from koda_runtime import metrics
 from koda_runtime.gateway.app import create_app
 from koda_runtime.gateway.client import runs_app
 from koda_runtime.gateway.components import build_components
-from koda_runtime.gateway.publisher import RunPublisher
-from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.ids import scoped_idempotency_key, uuid7
 from koda_runtime.naming import AppEnv
 from koda_runtime.schemas.migrate import upgrade
@@ -38,7 +36,7 @@ from koda_runtime.schemas.records import decode_run_requested, header_value
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from koda_runtime.topics.catalogue import partition_for_key
-from tests.fixtures.gateway import db_rows, read_runs_topic, records_of, serve_app
+from tests.fixtures.gateway import db_rows, dead_publisher, read_runs_topic, records_of, serve_app
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.runs import payload
 from tests.sse_client import bearer
@@ -60,22 +58,6 @@ def counts(settings: Settings) -> tuple[int, int]:
 def published_at(settings: Settings, run_id: str) -> Any:
     (row,) = db_rows(settings, "SELECT published_at FROM runs WHERE id = :id", id=run_id)
     return row[0]
-
-
-def dead_publisher(settings: Settings) -> RunPublisher:
-    """A producer pointed at a closed port: every delivery fails after ~1.5 s."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed_port = s.getsockname()[1]
-    conf = producer_config(settings, "gateway")
-    conf.update(
-        {
-            "bootstrap.servers": f"127.0.0.1:{closed_port}",
-            "message.timeout.ms": 1500,
-            "log_level": 0,
-        }
-    )
-    return RunPublisher(settings, config=conf)
 
 
 @dataclass(frozen=True)
