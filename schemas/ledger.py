@@ -142,9 +142,14 @@ def _budget_of(row: Any) -> BudgetRead | None:
     )
 
 
-# What admission reads of a user's budgets: the caps, the current periods' spend and
-# whether their soft alert was recorded (``_budget_of`` reads the row).
-_BUDGET_READ = """
+# What admission reads of a user's budgets (the caps, the current periods' spend and
+# whether their soft alert was recorded; ``_budget_of`` reads the row) is the same text
+# in _ADMIT_RUN and _BUDGETS_OF, written out in each: SQL here is never assembled
+# from strings (tests/unit/test_security_static.py).
+
+_ADMIT_RUN = text(
+    """
+    WITH b AS (
     SELECT b.user_id, b.monthly_usd, b.daily_usd, b.soft_ratio,
            COALESCE(m.spend_usd, 0) AS month_spend, COALESCE(d.spend_usd, 0) AS day_spend,
            m.soft_alerted_at AS month_alerted, d.soft_alerted_at AS day_alerted
@@ -153,11 +158,6 @@ _BUDGET_READ = """
        AND m.starts_at = date_trunc('month', now(), 'UTC')
       LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
        AND d.starts_at = date_trunc('day', now(), 'UTC')
-"""
-
-_ADMIT_RUN = text(
-    f"""
-    WITH b AS ({_BUDGET_READ}
          WHERE b.user_id = :user_id AND :budgets
     ), ins AS (
         -- The rule of koda_runtime.lifecycle.ledger.exceeded: a budget is spent at its limit.
@@ -197,7 +197,19 @@ async def insert_run(conn: AsyncConnection, values: dict[str, Any], *, budgets: 
     return RunInsert(row.status, row.created_at, budget)
 
 
-_BUDGETS_OF = text(_BUDGET_READ + "     WHERE b.user_id = ANY(CAST(:users AS text[]))")
+_BUDGETS_OF = text(
+    """
+    SELECT b.user_id, b.monthly_usd, b.daily_usd, b.soft_ratio,
+           COALESCE(m.spend_usd, 0) AS month_spend, COALESCE(d.spend_usd, 0) AS day_spend,
+           m.soft_alerted_at AS month_alerted, d.soft_alerted_at AS day_alerted
+      FROM budgets b
+      LEFT JOIN spend_periods m ON m.user_id = b.user_id AND m.period = 'month'
+       AND m.starts_at = date_trunc('month', now(), 'UTC')
+      LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
+       AND d.starts_at = date_trunc('day', now(), 'UTC')
+     WHERE b.user_id = ANY(CAST(:users AS text[]))
+    """
+)
 
 
 async def budgets_of(conn: AsyncConnection, users: list[str]) -> dict[str, BudgetRead]:
