@@ -315,7 +315,11 @@ class RunStore:
         At most eight statements however many runs: the published marks (unfenced, see
         :class:`PublishedWrite`), the claims and their next seqs, the ownership check,
         the chunks, the usage and the ledger rows, and one transition statement for
-        every run entering ``streaming`` or a terminal status. Per write: a
+        every run entering ``streaming`` or a terminal status. They take four round
+        trips: the marks, the claims, their next seqs and the ownership check are sent
+        together in pipeline mode (psycopg's, on the driver connection under the
+        SQLAlchemy one: the same transaction), then the chunks, the usage and the
+        transitions, then the ledger rows (through SQLAlchemy), then COMMIT. Per write: a
         :class:`Claim` for a claim (``→ running``, ``attempt + 1``; None if someone
         moved first or it is fenced out); the seqs inserted for a chunk batch (ON
         CONFLICT DO NOTHING; with ``first_output`` the run moves ``running →
