@@ -7,7 +7,8 @@ time, 200 streaming runs ask for 10,000 transactions a second, far more than a w
 and its database can commit, and latency grows without bound; short runs pay two
 transactions and their round trips each. The writer instead takes every claim, chunk
 batch and finish that is waiting, writes them all in one transaction
-(``RunStore.write_group``: at most eight statements however many runs), and hands
+(``RunStore.write_group``: at most eight statements in four round trips, however
+many runs), and hands
 each run its own result. While one group
 commits the next one gathers, so an idle worker adds no delay and a busy one commits
 fewer, larger groups.

@@ -11,11 +11,13 @@ match zero rows. A frozen worker that wakes up cannot write.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
+import psycopg
+from psycopg.rows import namedtuple_row
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from koda_runtime.errors import TransitionRejected
@@ -26,6 +28,8 @@ from koda_runtime.lifecycle.states import ACTIVE, OPEN, RunStatus
 from koda_runtime.processors import sql
 from koda_runtime.schemas.ledger import PricedCall, insert_calls
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class Fence:
@@ -35,6 +39,19 @@ class Fence:
     partition: int
     epoch: int
 
+
+# The group's statements as psycopg takes them (sent on the driver connection).
+_MARK_PUBLISHED = sql.for_driver(sql.MARK_PUBLISHED)
+_CLAIM = sql.for_driver(sql.CLAIM)
+_NEXT_SEQS = sql.for_driver(sql.NEXT_SEQS)
+_OWNED = sql.for_driver(sql.OWNED)
+_INSERT_CHUNKS = sql.for_driver(sql.INSERT_CHUNKS)
+_INSERT_USAGE = sql.for_driver(sql.INSERT_USAGE)
+_TRANSITION = sql.for_driver(sql.TRANSITION)
+
+Cursor = psycopg.AsyncCursor[Any]
+# What a statement queued in a pipeline gives once the pipeline has synced.
+Read = Callable[[], Awaitable[T]]
 
 # Statuses a run can still leave: its successors in the user's order must wait for it.
 _OPEN = sorted(s.value for s in OPEN)
@@ -310,7 +327,11 @@ class RunStore:
         At most eight statements however many runs: the published marks (unfenced, see
         :class:`PublishedWrite`), the claims and their next seqs, the ownership check,
         the chunks, the usage and the ledger rows, and one transition statement for
-        every run entering ``streaming`` or a terminal status. Per write: a
+        every run entering ``streaming`` or a terminal status. They take four round
+        trips: the marks, the claims, their next seqs and the ownership check are sent
+        together in pipeline mode (psycopg's, on the driver connection under the
+        SQLAlchemy one: the same transaction), then the chunks, the usage and the
+        transitions, then the ledger rows (through SQLAlchemy), then COMMIT. Per write: a
         :class:`Claim` for a claim (``→ running``, ``attempt + 1``; None if someone
         moved first or it is fenced out); the seqs inserted for a chunk batch (ON
         CONFLICT DO NOTHING; with ``first_output`` the run moves ``running →
@@ -335,23 +356,35 @@ class RunStore:
         marks = [w for w in writes if isinstance(w, PublishedWrite)]
         parts = [w for w in writes if isinstance(w, ChunkWrite | FinishWrite)]
         async with self.engine.begin() as conn:
-            if marks:
-                await _mark_published(conn, marks)
-            claimed = await _claim(conn, claims) if claims else {}
+            # The group's statements go to psycopg directly, on the connection (and in
+            # the transaction) of ``conn``, in pipeline mode: those that need nothing
+            # of each other's results share one round trip. ``conn`` itself stays usable
+            # between the pipelines (the ledger rows below are written through it).
+            raw = await _driver(conn)
+            async with raw.pipeline():
+                if marks:
+                    await _mark_published(raw, marks)
+                claiming = await _claim(raw, claims) if claims else None
+                owning = await _owned(raw, parts) if parts else None
+            claimed = await claiming() if claiming is not None else {}
             refused: dict[str, Superseded] = {}
             mine: list[ChunkWrite | FinishWrite] = []
-            for part, steer in await _owned(conn, parts) if parts else []:
+            for part, steer in await owning() if owning is not None else []:
                 self._observe(part, steer)
                 no = steer.supersedes(part)
                 if no is None:
                     mine.append(part)
                 else:
                     refused[part.run_id] = no
-            inserted = await _insert_chunks(conn, mine)
             finishes = [w for w in mine if isinstance(w, FinishWrite)]
-            costs = await _insert_usage(conn, finishes)
+            async with raw.pipeline():
+                inserting = await _insert_chunks(raw, mine)
+                pricing = await _insert_usage(raw, finishes)
+                moving = await _transition(raw, mine)
+            inserted = await inserting()
+            costs = await pricing()
+            await moving()
             priced = await insert_calls(conn, [c for w in mine for c in w.ledger])
-            await _transition(conn, mine)
         out: list[GroupResult] = []
         for w in writes:
             if isinstance(w, ClaimWrite):
@@ -394,20 +427,48 @@ class RunStore:
             ]
 
 
-async def _mark_published(conn: AsyncConnection, marks: Sequence[PublishedWrite]) -> None:
+async def _driver(conn: AsyncConnection) -> psycopg.AsyncConnection[Any]:
+    """The psycopg connection under ``conn``: the same session and transaction."""
+    fairy = await conn.get_raw_connection()
+    driver = fairy.driver_connection
+    if not isinstance(driver, psycopg.AsyncConnection):
+        raise TypeError(f"the run store needs psycopg's async driver, not {type(driver)}")
+    return driver
+
+
+async def _send(raw: psycopg.AsyncConnection[Any], query: str, params: dict[str, Any]) -> Cursor:
+    """Queue one statement in ``raw``'s pipeline; its rows are read once the pipeline
+    has synced (on leaving its block)."""
+    cur = raw.cursor(row_factory=namedtuple_row)
+    await cur.execute(query, params)
+    return cur
+
+
+async def _mark_published(
+    raw: psycopg.AsyncConnection[Any], marks: Sequence[PublishedWrite]
+) -> None:
     ordered = sorted(marks, key=lambda w: w.run_id)  # one lock order for every writer
-    await conn.execute(
-        sql.MARK_PUBLISHED,
+    await _send(
+        raw,
+        _MARK_PUBLISHED,
         {"ids": [w.run_id for w in ordered], "seqs": [w.seq for w in ordered]},
     )
 
 
-async def _claim(conn: AsyncConnection, claims: Sequence[ClaimWrite]) -> dict[str, Claim]:
-    """The claims that succeeded, by run, each with the run's next seq."""
-    rows = await conn.execute(
-        sql.CLAIM,
+async def _claim(
+    raw: psycopg.AsyncConnection[Any], claims: Sequence[ClaimWrite]
+) -> Read[dict[str, Claim]]:
+    """The claims that succeeded, by run, each with the run's next seq.
+
+    The next seqs are asked for every claimed run, won or not, so that both statements
+    share the pipeline; a statement under READ COMMITTED sees what the claim's row locks
+    waited for, as when it was sent after the claim's answer."""
+    ids = [w.run_id for w in claims]
+    claiming = await _send(
+        raw,
+        _CLAIM,
         {
-            "ids": [w.run_id for w in claims],
+            "ids": ids,
             "topics": [w.fence.topic for w in claims],
             "parts": [w.fence.partition for w in claims],
             "epochs": [w.fence.epoch for w in claims],
@@ -416,33 +477,38 @@ async def _claim(conn: AsyncConnection, claims: Sequence[ClaimWrite]) -> dict[st
             **sql.edges([RunStatus.RUNNING]),
         },
     )
-    won = {r.id: r for r in rows}
-    if not won:
-        return {}
-    seqs = await conn.execute(sql.NEXT_SEQS, {"ids": list(won), "chunk": ChunkKind.CHUNK.value})
-    out = {}
-    for run_id, next_seq, chunks in seqs:
-        row = won[run_id]
-        out[run_id] = Claim(
-            attempt=int(row.attempt),
-            next_seq=int(next_seq),
-            had_output=chunks > 0,
-            queue_age_s=None if row.queue_age_s is None else float(row.queue_age_s),
-            failures=int(row.failures),
-            input=row.input,
-            input_version=int(row.input_version),
-            cancel_requested=bool(row.cancel_requested),
-            cancel_reason=row.cancel_reason,
-        )
-    return out
+    seqs = await _send(raw, _NEXT_SEQS, {"ids": ids, "chunk": ChunkKind.CHUNK.value})
+
+    async def read() -> dict[str, Claim]:
+        won = {r.id: r for r in await claiming.fetchall()}
+        out = {}
+        for run_id, next_seq, chunks in await seqs.fetchall():
+            row = won.get(run_id)
+            if row is None:
+                continue
+            out[run_id] = Claim(
+                attempt=int(row.attempt),
+                next_seq=int(next_seq),
+                had_output=chunks > 0,
+                queue_age_s=None if row.queue_age_s is None else float(row.queue_age_s),
+                failures=int(row.failures),
+                input=row.input,
+                input_version=int(row.input_version),
+                cancel_requested=bool(row.cancel_requested),
+                cancel_reason=row.cancel_reason,
+            )
+        return out
+
+    return read
 
 
 async def _owned(
-    conn: AsyncConnection, parts: Sequence[ChunkWrite | FinishWrite]
-) -> list[tuple[ChunkWrite | FinishWrite, RunSteer]]:
+    raw: psycopg.AsyncConnection[Any], parts: Sequence[ChunkWrite | FinishWrite]
+) -> Read[list[tuple[ChunkWrite | FinishWrite, RunSteer]]]:
     """The parts whose fences still own their runs, each with its run's steer."""
-    owned = await conn.execute(
-        sql.OWNED,
+    owned = await _send(
+        raw,
+        _OWNED,
         {
             "topics": [w.fence.topic for w in parts],
             "parts": [w.fence.partition for w in parts],
@@ -451,22 +517,27 @@ async def _owned(
             "active": _ACTIVE,
         },
     )
-    return [
-        (parts[int(i) - 1], RunSteer(bool(cancel), reason, int(version)))
-        for i, cancel, reason, version in owned
-    ]
+
+    async def read() -> list[tuple[ChunkWrite | FinishWrite, RunSteer]]:
+        return [
+            (parts[int(i) - 1], RunSteer(bool(cancel), reason, int(version)))
+            for i, cancel, reason, version in await owned.fetchall()
+        ]
+
+    return read
 
 
 async def _insert_chunks(
-    conn: AsyncConnection, parts: Sequence[ChunkWrite | FinishWrite]
-) -> dict[str, list[int]]:
+    raw: psycopg.AsyncConnection[Any], parts: Sequence[ChunkWrite | FinishWrite]
+) -> Read[dict[str, list[int]]]:
     """Insert the parts' chunks idempotently; the seqs actually inserted, by run, sorted
     (every part has an entry, empty when nothing was new)."""
-    inserted: dict[str, list[int]] = {w.run_id: [] for w in parts}
     chunks = [c for w in parts for c in w.chunks]
+    rows = None
     if chunks:
-        rows = await conn.execute(
-            sql.INSERT_CHUNKS,
+        rows = await _send(
+            raw,
+            _INSERT_CHUNKS,
             {
                 "ids": [c.run_id for c in chunks],
                 "seqs": [c.seq for c in chunks],
@@ -475,51 +546,70 @@ async def _insert_chunks(
                 "attempts": [c.attempt for c in chunks],
             },
         )
-        for run_id, seq in rows:
+
+    async def read() -> dict[str, list[int]]:
+        inserted: dict[str, list[int]] = {w.run_id: [] for w in parts}
+        for run_id, seq in await rows.fetchall() if rows is not None else []:
             inserted[run_id].append(int(seq))
-    return {run_id: sorted(seqs) for run_id, seqs in inserted.items()}
+        return {run_id: sorted(seqs) for run_id, seqs in inserted.items()}
+
+    return read
 
 
 async def _insert_usage(
-    conn: AsyncConnection, finishes: Sequence[FinishWrite]
-) -> dict[str, dict[int, Decimal]]:
+    raw: psycopg.AsyncConnection[Any], finishes: Sequence[FinishWrite]
+) -> Read[dict[str, dict[int, Decimal]]]:
     """The usage rows of ``finishes``, priced; the costs of the rows inserted, by run and
     call index."""
     calls = [(w.run_id, i, u) for w in finishes for i, u in enumerate(w.usage)]
-    if not calls:
-        return {}
-    rows = await conn.execute(
-        sql.INSERT_USAGE,
-        {
-            "ids": [r for r, _, _ in calls],
-            "idx": [i for _, i, _ in calls],
-            "models": [u.model for _, _, u in calls],
-            "pt": [u.prompt_tokens for _, _, u in calls],
-            "ct": [u.completion_tokens for _, _, u in calls],
-        },
-    )
-    costs: dict[str, dict[int, Decimal]] = {}
-    for run_id, index, cost in rows:
-        costs.setdefault(run_id, {})[int(index)] = cost
-    return costs
+    rows = None
+    if calls:
+        rows = await _send(
+            raw,
+            _INSERT_USAGE,
+            {
+                "ids": [r for r, _, _ in calls],
+                "idx": [i for _, i, _ in calls],
+                "models": [u.model for _, _, u in calls],
+                "pt": [u.prompt_tokens for _, _, u in calls],
+                "ct": [u.completion_tokens for _, _, u in calls],
+            },
+        )
+
+    async def read() -> dict[str, dict[int, Decimal]]:
+        costs: dict[str, dict[int, Decimal]] = {}
+        for run_id, index, cost in await rows.fetchall() if rows is not None else []:
+            costs.setdefault(run_id, {})[int(index)] = cost
+        return costs
+
+    return read
 
 
-async def _transition(conn: AsyncConnection, parts: Sequence[ChunkWrite | FinishWrite]) -> None:
-    """Move every part's run that changes status (a first output, a finish) in one UPDATE."""
+async def _transition(
+    raw: psycopg.AsyncConnection[Any], parts: Sequence[ChunkWrite | FinishWrite]
+) -> Read[None]:
+    """Move every part's run that changes status (a first output, a finish) in one UPDATE;
+    reading it raises TransitionRejected when a move matched no row."""
     moves = [(w, target) for w in parts if (target := w.target) is not None]
-    if not moves:
-        return
     targets = [t for _, t in moves]
-    moved = await conn.execute(
-        sql.TRANSITION,
-        {
-            "ids": [w.run_id for w, _ in moves],
-            "epochs": [w.fence.epoch for w, _ in moves],
-            "targets": [t.value for t in targets],
-            "terminals": [t.terminal for t in targets],
-            "errors": [w.error if isinstance(w, FinishWrite) else None for w, _ in moves],
-            "firsts": [w.first_output for w, _ in moves],
-            **sql.edges(targets),
-        },
-    )
-    _all_moved(len(moved.all()), len(moves), targets)
+    moved = None
+    if moves:
+        moved = await _send(
+            raw,
+            _TRANSITION,
+            {
+                "ids": [w.run_id for w, _ in moves],
+                "epochs": [w.fence.epoch for w, _ in moves],
+                "targets": [t.value for t in targets],
+                "terminals": [t.terminal for t in targets],
+                "errors": [w.error if isinstance(w, FinishWrite) else None for w, _ in moves],
+                "firsts": [w.first_output for w, _ in moves],
+                **sql.edges(targets),
+            },
+        )
+
+    async def read() -> None:
+        if moved is not None:
+            _all_moved(len(await moved.fetchall()), len(moves), targets)
+
+    return read

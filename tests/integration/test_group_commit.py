@@ -3,8 +3,9 @@
 Provoked here: many runs flushing at once share transactions; finishes in a group
 write the same rows, costs and transitions as alone; a fenced-out run in a group is
 refused while the others are written; a part Postgres refuses fails only its own run;
-a run cancelled while its part waits leaves nothing written; a closed writer fails
-what still waits."""
+a finish's ledger rows (written through SQLAlchemy) and its pipelined chunks and
+transition (on the driver connection) commit or roll back together; a run cancelled
+while its part waits leaves nothing written; a closed writer fails what still waits."""
 
 from __future__ import annotations
 
@@ -349,6 +350,45 @@ async def test_a_batch_postgres_refuses_fails_only_its_own_run(db: Stack) -> Non
                 assert await stored(db, r) == ([0, 1], "streaming")
     finally:
         await writer.close()
+
+
+async def ledger_rows(s: Stack, run_id: str) -> list[tuple[int, str]]:
+    async with s.engine.connect() as conn:
+        rows = await conn.execute(
+            text("SELECT call_index, model FROM ledger WHERE run_id = :id ORDER BY call_index"),
+            {"id": run_id},
+        )
+        return [(int(r[0]), str(r[1])) for r in rows]
+
+
+async def test_a_finishs_ledger_rows_commit_and_roll_back_with_its_pipelined_writes(
+    db: Stack,
+) -> None:
+    """The ledger rows go through SQLAlchemy after the chunks and the transition went
+    through psycopg's pipeline on the connection under it: one transaction. A ledger
+    row Postgres refuses (a NUL in its model) rolls the chunks and the terminal move
+    back with it; a good one commits with them."""
+    await db.store.bump_epochs(TOPIC, [0], "w1")
+    (good, good_fence), (bad, bad_fence) = [await claimed_run(db, 0) for _ in range(2)]
+
+    def finishing(run: str, fence: Fence, model: str) -> FinishWrite:
+        chunks = [*batch(run, 0, 2), Chunk(run, 2, ChunkKind.DONE, "{}", 1)]
+        call = LedgerCall("u", run, 1, 0, Usage(model, 10, 20), Outcome.OK)
+        return FinishWrite(fence, run, RunStatus.DONE, chunks, first_output=True, ledger=[call])
+
+    done = await alone(db, finishing(good, good_fence, "m-ledger"))
+    assert isinstance(done, Finished) and done.inserted == [0, 1, 2]
+    assert [(p.run_id, p.call_index) for p in done.ledger] == [(good, 0)]
+    assert await stored(db, good) == ([0, 1, 2], "done")
+    assert await ledger_rows(db, good) == [(0, "m-ledger")]
+    with pytest.raises(Exception, match="0x00|NUL"):
+        await alone(db, finishing(bad, bad_fence, "m\x00"))
+    assert await stored(db, bad) == ([], "running")  # the pipelined writes rolled back
+    assert await ledger_rows(db, bad) == []
+    # The connection went back to the pool clean: the same run now finishes whole.
+    again = await alone(db, finishing(bad, bad_fence, "m-ledger"))
+    assert isinstance(again, Finished) and again.inserted == [0, 1, 2]
+    assert await stored(db, bad) == ([0, 1, 2], "done")
 
 
 async def test_a_move_the_state_machine_has_no_edge_for_fails_only_its_own_run(
