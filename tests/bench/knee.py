@@ -155,6 +155,20 @@ class Offer:
     hold_s: float = 15.0
 
 
+async def post_and_watch(session: aiohttp.ClientSession, o: Offer, user: str) -> RunSeen:
+    """POST one run of ``o``'s shape as ``user``, then follow it with ``o.viewers`` streams."""
+    body = {"input": demo_input(next(SERIAL), o.chunks, o.spacing_ms, stamp=True)}
+    sent = time.time()
+    async with session.post(
+        "/v1/runs", json=body, headers={"Authorization": f"Bearer dev:{user}"}
+    ) as r:
+        got = await r.json()
+        if r.status != 202:
+            raise AssertionError(f"POST -> {r.status}: {got}")
+    seen = await asyncio.gather(*(watch(session, got["run_id"], user) for _ in range(o.viewers)))
+    return RunSeen(sent, list(seen))
+
+
 async def offer(o: Offer, rate: float) -> tuple[list[RunSeen], int]:
     """POST runs at ``rate / o.chunks`` runs/s; (runs POSTed in the hold window,
     unfinished or failed runs of the whole step)."""
@@ -164,28 +178,18 @@ async def offer(o: Offer, rate: float) -> tuple[list[RunSeen], int]:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
     measured: list[RunSeen] = []
     async with aiohttp.ClientSession(base_url=o.url, connector=conn, timeout=timeout) as session:
-
-        async def run(i: int, user: str) -> RunSeen:
-            body = {"input": demo_input(next(SERIAL), o.chunks, o.spacing_ms, stamp=True)}
-            sent = time.time()
-            async with session.post(
-                "/v1/runs", json=body, headers={"Authorization": f"Bearer dev:{user}"}
-            ) as r:
-                got = await r.json()
-                if r.status != 202:
-                    raise AssertionError(f"POST -> {r.status}: {got}")
-            seen = await asyncio.gather(
-                *(watch(session, got["run_id"], user) for _ in range(o.viewers))
-            )
-            return RunSeen(sent, list(seen))
-
         t0 = time.monotonic()
         tasks: list[tuple[bool, asyncio.Task[RunSeen]]] = []
         for i in range(total):
             due = t0 + i * every
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             in_hold = i * every >= o.warm_s
-            tasks.append((in_hold, asyncio.create_task(run(i, o.users[i % len(o.users)]))))
+            tasks.append(
+                (
+                    in_hold,
+                    asyncio.create_task(post_and_watch(session, o, o.users[i % len(o.users)])),
+                )
+            )
         # The last run's schedule ends chunks * spacing after its POST; then DRAIN_S.
         deadline = time.monotonic() + o.chunks * o.spacing_ms / 1000 + DRAIN_S
         await asyncio.wait([t for _, t in tasks], timeout=max(0.0, deadline - time.monotonic()))

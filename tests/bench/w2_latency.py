@@ -46,6 +46,7 @@ import aiohttp
 from koda_runtime.localstack import StackInfo
 from tests.bench import knee
 from tests.bench.common import (
+    TERMINAL,
     Loader,
     Table,
     cpu_seconds,
@@ -84,22 +85,7 @@ async def burst(o: knee.Offer, runs: int) -> tuple[list[knee.RunSeen], int]:
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(base_url=o.url, connector=conn, timeout=timeout) as session:
-
-        async def run(i: int, user: str) -> knee.RunSeen:
-            body = {"input": demo_input(next(knee.SERIAL), o.chunks, o.spacing_ms, stamp=True)}
-            sent = time.time()
-            async with session.post(
-                "/v1/runs", json=body, headers={"Authorization": f"Bearer dev:{user}"}
-            ) as r:
-                got = await r.json()
-                if r.status != 202:
-                    raise AssertionError(f"POST -> {r.status}: {got}")
-            seen = await asyncio.gather(
-                *(knee.watch(session, got["run_id"], user) for _ in range(o.viewers))
-            )
-            return knee.RunSeen(sent, list(seen))
-
-        seen = await asyncio.gather(*(run(i, u) for i, u in enumerate(o.users[:runs])))
+        seen = await asyncio.gather(*(knee.post_and_watch(session, o, u) for u in o.users[:runs]))
     unfinished = sum(not all(v.terminal for v in r.viewers) for r in seen)
     return list(seen), unfinished
 
@@ -114,6 +100,21 @@ def timed_burst(o: knee.Offer, runs: int, cpu_of_sut: Callable[[], float]) -> kn
     step.sut_cores = (cpu_of_sut() - sut0) / wall
     step.load1 = os.getloadavg()[0]
     return step
+
+
+def settle(loader: Loader, timeout: float = 300.0) -> None:
+    """Until no run is left pending or running: a step after an unsustainable one must
+    not start on its backlog (its viewers gave up on the runs; the workers did not)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = loader.query(
+            "SELECT count(*) AS n FROM runs WHERE NOT status = ANY(:t)", t=list(TERMINAL)
+        )
+        if left[0].n == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{left[0].n} runs still open {timeout:.0f} s after a step")
+        time.sleep(0.5)
 
 
 def one_rep(stack: StackInfo, args: argparse.Namespace, rep: int, prior: float | None) -> Rep:
@@ -152,6 +153,7 @@ def one_rep(stack: StackInfo, args: argparse.Namespace, rep: int, prior: float |
                 for w in workers:
                     w.check()
                 gw.check()
+                settle(loader)
                 s = knee.run_step(offer, rate, sut_cpu)
                 print(f"  w2 rep {rep + 1}/{args.repeat} step {s.line()}", flush=True)
                 return s
