@@ -128,7 +128,7 @@ def one_rep(stack: StackInfo, args: argparse.Namespace, rep: int, prior: float |
             gw.start()
             for w in workers:
                 w.start()
-            wait_group(settings, settings.names.group(settings.worker_group), args.workers)
+            wait_group(settings, settings.names.group(settings.worker_group), args.workers, 300)
             system = [gw.pid] + [w.pid for w in workers]
             args.placement = place(args.pin, system)
             warm_users = users_on_distinct_partitions(PARTITIONS, PARTITIONS, "warm")
