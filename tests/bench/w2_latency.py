@@ -85,9 +85,14 @@ async def burst(o: knee.Offer, runs: int) -> tuple[list[knee.RunSeen], int]:
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(base_url=o.url, connector=conn, timeout=timeout) as session:
-        seen = await asyncio.gather(*(knee.post_and_watch(session, o, u) for u in o.users[:runs]))
-    unfinished = sum(not all(v.terminal for v in r.viewers) for r in seen)
-    return list(seen), unfinished
+        got = await asyncio.gather(
+            *(knee.post_and_watch(session, o, u) for u in o.users[:runs]), return_exceptions=True
+        )
+    # A POST refused under the burst (503: the database pool timed out) is an unfinished
+    # run of the figure, not the end of the bench.
+    seen = [r for r in got if isinstance(r, knee.RunSeen)]
+    unfinished = len(got) - len(seen) + sum(not all(v.terminal for v in r.viewers) for r in seen)
+    return seen, unfinished
 
 
 def timed_burst(o: knee.Offer, runs: int, cpu_of_sut: Callable[[], float]) -> knee.Step:
