@@ -1,4 +1,4 @@
-"""``make bench``: W1 throughput, W2 latency and W3 gateway, printed as tables.
+"""``make bench``: W1 throughput, W2 latency, W3 gateway and replay, then the goals.
 
 Every figure is the median of ``--repeat`` (at least 3) repetitions with min and
 max; every ratio pairs figures measured in the same repetition, on the same
@@ -8,6 +8,12 @@ run (or the exported ``KODA_KAFKA_BOOTSTRAP``/``KODA_DATABASE_URL`` are used).
     python -m tests.bench                          # the reported configuration
     python -m tests.bench --quick                  # a few minutes: small counts
     python -m tests.bench --only w1 --runs 20000   # one workload, full size
+    python -m tests.bench --only w2 --w2-pin       # W2 with the load generator pinned
+
+The last table, Goals (tests/bench/goals.py), is every goal of this round with its
+measured figure and met / not met. Replay runs here too (tests/bench/replay.py,
+``--replay-records``, 200,000 by default) so that its ratio sits beside the others;
+``make bench-replay`` is the same measurement on its own.
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ import os
 import sys
 import time
 
-from tests.bench import w1_throughput, w2_latency, w3_gateway
+from tests.bench import replay, w1_throughput, w2_latency, w3_gateway
 from tests.bench.common import services
+from tests.bench.goals import goals_table
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tests.bench")
-    ap.add_argument("--only", nargs="+", choices=["w1", "w2", "w3"], default=["w1", "w2", "w3"])
+    every = ["w1", "w2", "w3", "replay"]
+    ap.add_argument("--only", nargs="+", choices=every, default=every)
     ap.add_argument(
         "--quick",
         action="store_true",
@@ -31,28 +39,25 @@ def parse() -> argparse.Namespace:
     )
     w1_throughput.add_args(ap)
     # W2 and W3 take the same --repeat; their own counts:
-    ap.add_argument("--w2-runs", type=int, default=200)
-    ap.add_argument("--w2-chunks", type=int, default=100)
+    w2_latency.add_args(ap, prefix="w2-")
     ap.add_argument("--w3-levels", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--w3-requests", type=int, default=1000)
+    ap.add_argument("--replay-records", type=int, default=200_000)
     args = ap.parse_args()
     if args.repeat < 3 and not args.quick:
         ap.error("--repeat must be at least 3 (use --quick for a smoke run)")
     if args.quick:
         args.runs, args.repeat, args.workers = 600, 1, [2]
-        args.w2_runs, args.w2_chunks, args.w3_requests, args.w3_levels = 40, 50, 300, [1, 32]
+        args.w3_requests, args.w3_levels, args.replay_records = 300, [1, 32], 20_000
+        args.w2_warm_s, args.w2_hold_s, args.w2_bisections, args.w2_burst_runs = 2, 5, 1, 40
     return args
 
 
 def main() -> None:
     args = parse()
     w2 = argparse.Namespace(
-        runs=args.w2_runs,
-        chunks=args.w2_chunks,
-        spacing_ms=20,
-        viewers=2,
+        **{k[3:]: v for k, v in vars(args).items() if k.startswith("w2_")},
         workers=2,
-        max_inflight=110,
         repeat=args.repeat,
     )
     w3 = argparse.Namespace(levels=args.w3_levels, requests=args.w3_requests, repeat=args.repeat)
@@ -66,6 +71,8 @@ def main() -> None:
             tables.append(w2_latency.run_w2(stack, w2))
         if "w3" in args.only:
             tables.append(w3_gateway.run_w3(stack, w3))
+        if "replay" in args.only:
+            tables.append(replay.measure(stack, args.replay_records, args.repeat, 5000)[0])
     print(
         f"\nkoda bench: cores={os.cpu_count()}, python {sys.version.split()[0]}, "
         f"{(time.monotonic() - started) / 60:.1f} min, load average (1/5/15 min) at start "
@@ -76,6 +83,8 @@ def main() -> None:
     for table in tables:
         print()
         print(table.render())
+    print()
+    print(goals_table(tables, args.runs if "w1" in args.only else None, args.quick).render())
 
 
 if __name__ == "__main__":

@@ -70,6 +70,8 @@ class Table:
     rows: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     footer: list[str] = field(default_factory=list)  # printed as is after the notes
+    # Per-repetition figures the goals section reads (tests/bench/goals.py), by name.
+    figures: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, *cells: str) -> None:
         self.rows.append(list(cells))

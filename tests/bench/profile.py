@@ -60,6 +60,50 @@ def top_frames(raw: Path, n: int = 25, own: bool = False) -> list[tuple[float, s
     return [(100.0 * c / max(1, total), f) for f, c in counts.most_common(n)]
 
 
+def spy_on(
+    targets: list[tuple[str, int]], out: Path, rate: int, gil: bool = False, threads: bool = False
+) -> list[subprocess.Popen[bytes]]:
+    """``py-spy record`` attached to each (name, pid), raw stacks into ``out/<name>.txt``;
+    returns once they have (about a second)."""
+    spies = []
+    for name, pid in targets:
+        argv = [pyspy(), "record", "--pid", str(pid), "--format", "raw", "--rate", str(rate)]
+        argv += ["--nonblocking", "-o", str(out / f"{name}.txt")]
+        argv += (["--gil"] if gil else []) + (["--threads"] if threads else [])
+        spies.append(
+            subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: S603
+        )
+    # py-spy gives no sign once it has attached: a second is its start-up, and a
+    # profile missing the load's first second loses nothing.
+    time.sleep(1)
+    return spies
+
+
+def stop_spies(spies: list[subprocess.Popen[bytes]]) -> None:
+    """SIGINT each py-spy (it writes its file then) and wait for it."""
+    for spy in spies:
+        spy.send_signal(2)
+    for spy in spies:
+        try:
+            spy.wait(30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+
+
+def print_profiles(out: Path, names: list[str]) -> None:
+    """Each recorded process's top frames, inclusive and self."""
+    for name in names:
+        raw = out / f"{name}.txt"
+        if not raw.exists():
+            continue
+        print(f"\n== {name}: top frames, inclusive % of samples ({raw})")
+        for pct, frame in top_frames(raw):
+            print(f"{pct:6.1f}  {frame[:150]}")
+        print(f"== {name}: top frames, self %")
+        for pct, frame in top_frames(raw, 15, own=True):
+            print(f"{pct:6.1f}  {frame[:150]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3000)
@@ -97,35 +141,11 @@ def main() -> None:
                 )
                 loader.publish(warm)
                 loader.wait_terminal(warm.run_ids, 120, "warm-up")
-            targets = [(w.worker_id, w.pid) for w in workers]
+            targets = [(str(w.worker_id), w.pid) for w in workers]
             if gw is not None:
                 assert gw.proc is not None
                 targets.append(("gateway", gw.proc.pid))
-            for name, pid in targets:
-                spies.append(
-                    subprocess.Popen(  # noqa: S603
-                        [
-                            pyspy(),
-                            "record",
-                            "--pid",
-                            str(pid),
-                            "--format",
-                            "raw",
-                            "--rate",
-                            str(args.rate),
-                            "--nonblocking",
-                            "-o",
-                            str(out / f"{name}.txt"),
-                        ]
-                        + (["--gil"] if args.gil else [])
-                        + (["--threads"] if args.threads else []),
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                )
-            # py-spy gives no sign once it has attached: a second is its start-up, and a
-            # profile missing the load's first second loses nothing.
-            time.sleep(1)
+            spies = spy_on(targets, out, args.rate, args.gil, args.threads)
             t0 = time.time()
             if gw is not None:
                 inputs = [demo_input(i, TOKENS) for i in range(args.runs)]
@@ -149,28 +169,13 @@ def main() -> None:
                     f"{res['runs_s']:.0f} runs/s, {res['chunks_s']:.0f} chunks/s"
                 )
         finally:
-            for spy in spies:
-                spy.send_signal(2)
-            for spy in spies:
-                try:
-                    spy.wait(30)
-                except subprocess.TimeoutExpired:
-                    spy.kill()
+            stop_spies(spies)
             for w in workers:
                 w.stop()
             if gw is not None:
                 gw.stop()
             loader.close()
-        for name, _pid in targets:
-            raw = out / f"{name}.txt"
-            if not raw.exists():
-                continue
-            print(f"\n== {name}: top frames, inclusive % of samples ({raw})")
-            for pct, frame in top_frames(raw):
-                print(f"{pct:6.1f}  {frame[:150]}")
-            print(f"== {name}: top frames, self %")
-            for pct, frame in top_frames(raw, 15, own=True):
-                print(f"{pct:6.1f}  {frame[:150]}")
+        print_profiles(out, [name for name, _ in targets])
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from koda_runtime.kafka import consumer_config, producer_config
 from koda_runtime.lifecycle.chunks import chunk_key
 from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.localstack import StackInfo
 from koda_runtime.schemas.records import RUN_CHUNK, chunk_value, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
@@ -211,13 +212,11 @@ def compare(before: Path, records: int, reps: int, batch: int) -> Table:
     return table
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--records", type=int, default=200_000)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=5000, help="records per sink transaction")
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    args = parser.parse_args()
+def measure(
+    stack: StackInfo, records: int, reps: int, batch: int
+) -> tuple[Table, dict[str, object]]:
+    """Fill a fresh topic, then ``reps`` times the raw consume and the replay; the table
+    and the figures (``--json``'s)."""
     folder = Path(tempfile.mkdtemp(prefix="koda-bench-replay-", dir="/tmp"))
     raw_rates: list[float] = []
     replay_rates: list[float] = []
@@ -226,15 +225,15 @@ def main() -> None:
     replay_cpu: list[float] = []
     loads = [os.getloadavg()[0]]
     try:
-        with services() as stack, namespace(stack, partitions=PARTITIONS) as settings:
+        with namespace(stack, partitions=PARTITIONS) as settings:
             t0 = time.perf_counter()
-            n = fill(settings, args.records)
+            n = fill(settings, records)
             fill_s = time.perf_counter() - t0
-            for _ in range(args.reps):
+            for _ in range(reps):
                 raw_s, raw_c = timed(lambda: raw_consume(settings, n))
                 path = folder / f"bench-{uuid7()}.duckdb"
                 replay_s, replay_c = timed(
-                    lambda: replay_into_duckdb(settings, n, args.batch, path)  # noqa: B023
+                    lambda: replay_into_duckdb(settings, n, batch, path)  # noqa: B023
                 )
                 path.unlink()
                 raw_rates.append(n / raw_s)
@@ -247,7 +246,7 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
     table = Table(
         f"replay into DuckDB vs raw consume: {n:,} run.chunk/1 records, {PARTITIONS} partitions,"
-        f" batch {args.batch}, cores={os.cpu_count()} (median [min-max] of {args.reps})",
+        f" batch {batch}, cores={os.cpu_count()} (median [min-max] of {reps})",
         ["measure", "value"],
     )
     table.add("raw confluent-kafka consume (records/s)", fmt(raw_rates))
@@ -260,17 +259,30 @@ def main() -> None:
     table.notes.append("each ratio is taken within one repetition; the replay includes decoding,")
     table.notes.append("upserts of chunks and outputs, and one transaction per batch")
     table.notes.append(load_note(loads))
+    table.figures = {"replay_ratio": ratios, "replay_load1": loads[1:]}
+    figures: dict[str, object] = {
+        "records": n,
+        "raw_records_s": raw_rates,
+        "replay_records_s": replay_rates,
+        "ratio": ratios,
+        "raw_cpu_us": raw_cpu,
+        "replay_cpu_us": replay_cpu,
+        "load_average": loads,
+    }
+    return table, figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=200_000)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=5000, help="records per sink transaction")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args()
+    with services() as stack:
+        table, figures = measure(stack, args.records, args.reps, args.batch)
     print(table.render())
     if args.json is not None:
-        figures = {
-            "records": n,
-            "raw_records_s": raw_rates,
-            "replay_records_s": replay_rates,
-            "ratio": ratios,
-            "raw_cpu_us": raw_cpu,
-            "replay_cpu_us": replay_cpu,
-            "load_average": loads,
-        }
         args.json.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
 
 

@@ -164,7 +164,10 @@ class Trial:
         return [c.pid for c in self.children]
 
     def _measured(self, loader: Loader, runs: int, users: int, timeout: float) -> dict[str, float]:
+        gen0 = time.process_time()  # the load generator: this process (POSTs or produces)
         out = self._measured_runs(loader, runs, users, timeout)
+        out["gen_cpu_ms"] = 1000 * (time.process_time() - gen0) / runs
+        out["load1"] = os.getloadavg()[0]
         out["cpu_ms"] = 1000 * (sum(cpu_seconds(p) for p in self._pids()) - self._cpu0) / runs
         if self.gateway is not None and self.gateway.proc is not None:
             out["gw_cpu_ms"] = 1000 * (cpu_seconds(self.gateway.proc.pid) - self._gw0) / runs
@@ -228,6 +231,7 @@ def run_w1(stack: StackInfo, args: argparse.Namespace) -> Table:
                 f"{res['runs_s']:.0f} runs/s {res['chunks_s']:.0f} chunks/s "
                 f"cpu {res['cpu_ms']:.1f} ms/run"
                 + (f" gateway cpu {res['gw_cpu_ms']:.1f} ms/run" if "gw_cpu_ms" in res else "")
+                + f" generator cpu {res['gen_cpu_ms']:.1f} ms/run load {res['load1']:.1f}"
                 + f" done={res['done']}/{runs} ({time.monotonic() - t:.0f} s)",
                 flush=True,
             )
@@ -241,7 +245,18 @@ def w1_table(
         f"W1 throughput: {args.runs} runs x {TOKENS} chunks x ~8 B, {args.users} users, "
         f"{PARTITIONS} partitions, {args.repeat} repetitions, cores={os.cpu_count()} "
         "(median [min-max])",
-        ["contender", "procs", "runs", "runs/s", "chunks/s", "POST/s", "CPU ms/run", "done"],
+        [
+            "contender",
+            "procs",
+            "runs",
+            "runs/s",
+            "chunks/s",
+            "POST/s",
+            "CPU ms/run",
+            "generator ms/run",
+            "load avg",
+            "done",
+        ],
     )
     for (kind, n), rs in results.items():
         table.add(
@@ -252,6 +267,8 @@ def w1_table(
             fmt([r["chunks_s"] for r in rs]),
             fmt([r["post_s"] for r in rs]) if "post_s" in rs[0] else "-",
             fmt([r["cpu_ms"] for r in rs], 1),
+            fmt([r["gen_cpu_ms"] for r in rs], 1),
+            fmt([r["load1"] for r in rs], 1),
             f"{min(r['done'] for r in rs):.0f}/{int(rs[0]['runs'])}",
         )
     # Ratios pair each repetition's figures (same round, same broker and database).
@@ -284,6 +301,12 @@ def w1_table(
                 ">= 0.95",
                 "yes" if med >= 0.95 else "NO",
             )
+    for other in ("ceiling", "quix"):
+        theirs = results.get((other, rp))
+        if base and theirs:
+            pairs = list(zip(base, theirs, strict=False))
+            table.figures[f"w1_worker_{other}"] = [a["runs_s"] / b["runs_s"] for a, b in pairs]
+            table.figures[f"w1_cpu_{other}"] = [a["cpu_ms"] / b["cpu_ms"] for a, b in pairs]
     e2e = results.get(("koda e2e", rp))
     if e2e and base:
         vals = [a["runs_s"] / b["runs_s"] for a, b in zip(e2e, base, strict=False)]
@@ -294,6 +317,11 @@ def w1_table(
     )
     table.notes.append(
         "runs/s and chunks/s: runs (chunk rows) / (first submission -> last finished_at)"
+    )
+    table.notes.append(
+        "generator ms/run: CPU of the load generator (this process: the aiohttp POSTs, or "
+        "the inserts and produces) per run, on the same 2 cores, not pinned; load avg: the "
+        "1-minute load average at the end of each trial"
     )
     if args.runs < 20_000:
         table.notes.append(
