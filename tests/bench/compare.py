@@ -1,7 +1,8 @@
 """Before/after: W1's koda figures for two source trees, repetitions interleaved.
 
 ``--before DIR`` is another checkout of koda (e.g. ``git worktree add /tmp/before
-<commit>``); its workers and gateway run from DIR with this virtualenv. Each
+<commit>``, then ``make install`` in it); its workers and gateway run from DIR with
+DIR's own ``.venv`` (this virtualenv would import this checkout's code there). Each
 repetition measures before and after back to back on the same broker and
 database, and the ratio pairs them.
 
@@ -53,6 +54,8 @@ def main() -> None:
     if args.bench == "w3":
         print(compare_w3(args.before.resolve(), args.levels, args.requests, args.repeat).render())
         return
+    if not (args.before / ".venv" / "bin" / "python").exists():
+        ap.error(f"--before {args.before} has no .venv: run `make install` in it first")
     after_root = tests.fixtures.processes.ROOT
     res: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
     with services() as stack:
