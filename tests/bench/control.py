@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from datetime import datetime
 import aiohttp
 
 from koda_runtime.localstack import StackInfo
+from tests.bench import ssewatch
 from tests.bench.common import (
     Loader,
     Table,
@@ -37,11 +39,10 @@ from tests.bench.common import (
     users_on_distinct_partitions,
     wait_group,
 )
+from tests.bench.ssewatch import TERMINAL
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 
 PARTITIONS = 256
-TERMINAL = {b"done", b"error", b"cancelled"}
-_EVENT = re.compile(rb"event: ?(\w+)")
 _STAMP = re.compile(rb'"content":"(\d+\.\d+) ')
 _STOPPED = re.compile(r"ts=(\S+ \S+) .*attempt stopped run_id=(\S+) by=(\w+)")
 
@@ -57,33 +58,21 @@ class Viewer:
 
 
 async def watch(session: aiohttp.ClientSession, run_id: str, user: str, v: Viewer) -> None:
-    buf = b""
-    async with session.get(
-        f"/v1/runs/{run_id}/events", headers={"Authorization": f"Bearer dev:{user}"}
-    ) as r:
-        if r.status != 200:
-            raise AssertionError(f"SSE {run_id}: HTTP {r.status}: {await r.text()}")
-        async for data in r.content.iter_any():
-            now = time.time()
-            buf += data
-            *frames, buf = buf.split(b"\n\n")
-            for frame in frames:
-                m = _EVENT.search(frame)
-                if m is None:
-                    continue
-                kind = m.group(1)
-                if kind == b"chunk":
-                    v.first_chunk.set()
-                    stamp = _STAMP.search(frame)
-                    if stamp is not None:
-                        v.lags.append((now, now - float(stamp.group(1))))
-                elif kind == b"reset" and v.reset_at is None:
-                    v.reset_at = now
-                elif kind in TERMINAL:
-                    if kind == b"cancelled":
-                        v.cancelled_at = now
-                    v.ended = True
-                    return
+    stream = ssewatch.events(session, run_id, user)
+    async with contextlib.aclosing(stream):
+        async for now, kind, frame in stream:
+            if kind == b"chunk":
+                v.first_chunk.set()
+                stamp = _STAMP.search(frame)
+                if stamp is not None:
+                    v.lags.append((now, now - float(stamp.group(1))))
+            elif kind == b"reset" and v.reset_at is None:
+                v.reset_at = now
+            elif kind in TERMINAL:
+                if kind == b"cancelled":
+                    v.cancelled_at = now
+                v.ended = True
+                return
 
 
 async def one_round(

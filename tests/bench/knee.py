@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from tests.bench import ssewatch
 from tests.bench.common import demo_input, percentile
+from tests.bench.ssewatch import TERMINAL
 
 SLOPE_LIMIT = 0.02  # s of lag per s of step: at most 2 % of the offered rate not kept up
 DRAIN_S = 15.0  # a run must end this long after its schedule, at the latest
-TERMINAL = {b"done", b"error", b"cancelled"}
-_EVENT = re.compile(rb"event: ?(\w+)")
 # Every token's yield stamp: a chunk record may carry several tokens (the worker may
 # coalesce the tokens of one batching window into one record).
 _STAMP = re.compile(rb"(\d{10}\.\d{6}) ")
@@ -65,28 +65,14 @@ class Seen:
 async def watch(session: aiohttp.ClientSession, run_id: str, user: str) -> Seen:
     """Read the run's events to its end; stamp each network read on arrival."""
     seen = Seen()
-    buf = b""
-    async with session.get(
-        f"/v1/runs/{run_id}/events", headers={"Authorization": f"Bearer dev:{user}"}
-    ) as r:
-        if r.status != 200:
-            raise AssertionError(f"SSE {run_id}: HTTP {r.status}: {await r.text()}")
-        async for data in r.content.iter_any():
-            now = time.time()
-            buf += data
-            *frames, buf = buf.split(b"\n\n")
-            for frame in frames:
-                m = _EVENT.search(frame)
-                if m is None:
-                    continue  # keep-alive comment or retry hint
-                kind = m.group(1)
-                if kind == b"chunk":
-                    for stamp in _STAMP.findall(frame):
-                        seen.chunks.append((now, float(stamp), len(seen.chunks) + 1))
-                elif kind == b"reconnect":
-                    seen.cut = True
-                elif kind in TERMINAL:
-                    seen.terminal = True
+    async for now, kind, frame in ssewatch.events(session, run_id, user):
+        if kind == b"chunk":
+            for stamp in _STAMP.findall(frame):
+                seen.chunks.append((now, float(stamp), len(seen.chunks) + 1))
+        elif kind == b"reconnect":
+            seen.cut = True
+        elif kind in TERMINAL:
+            seen.terminal = True
     return seen
 
 
