@@ -156,16 +156,18 @@ _LIST_ALL_RUNS = text(
     )
 )
 _RUN_BY_KEY = text("SELECT 1 FROM runs WHERE idempotency_key = :key")
-# The run is whole on the chunk topic (see the worker's mark, processors/sql.py); a row
-# the compactor holds is skipped, as there: the mark is an optimisation, never a wait.
+# The run is whole on the chunk topic (see the worker's mark, processors/sql.py). The
+# row is waited for, briefly: right after a submission the gateway's own
+# ``published_at`` flush (gateway/admission.py, ``PublishedMarks``) holds it for a few
+# milliseconds, and skipping it then left the mark unset and the cancelled event to be
+# produced again. A holder slower than ``MARK_LOCK_WAIT_MS`` (a frozen process) makes
+# the mark fail instead: the completeness pass sets it later.
+MARK_LOCK_WAIT_MS = 1000
+_MARK_LOCK_WAIT = text("SELECT set_config('lock_timeout', :wait, true)")
 _MARK_PUBLISHED = text(
     """
-    WITH free AS (
-        SELECT id FROM runs
-         WHERE id = :run_id AND finished_at IS NOT NULL AND published_seq IS NULL
-           FOR UPDATE SKIP LOCKED
-    )
-    UPDATE runs r SET published_seq = :seq FROM free WHERE r.id = free.id
+    UPDATE runs SET published_seq = :seq
+     WHERE id = :run_id AND finished_at IS NOT NULL AND published_seq IS NULL
     """
 )
 
@@ -338,6 +340,7 @@ class ControlStore:
         produces them again."""
         try:
             async with self.engine.begin() as conn:
+                await conn.execute(_MARK_LOCK_WAIT, {"wait": f"{MARK_LOCK_WAIT_MS}ms"})
                 await conn.execute(_MARK_PUBLISHED, {"run_id": run_id, "seq": seq})
         except SQLAlchemyError as exc:
             raise _db_error("marking a run published", exc) from exc

@@ -125,9 +125,14 @@ def post_run(
 
 
 def cancel(gw: GatewayProcess, user: str, run_id: str, reason: str | None = None) -> httpx.Response:
+    """The answer may wait for a frozen worker's row lock, which the server ends after
+    the session timeout (ARCHITECTURE.md, run control: "A frozen writer")."""
     body = None if reason is None else {"reason": reason}
     return httpx.post(
-        f"{gw.url}/v1/runs/{run_id}/cancel", json=body, headers=bearer(user), timeout=10
+        f"{gw.url}/v1/runs/{run_id}/cancel",
+        json=body,
+        headers=bearer(user),
+        timeout=gw.settings.session_timeout_s + 15,
     )
 
 

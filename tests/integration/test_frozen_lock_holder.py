@@ -15,8 +15,12 @@ import time
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda_runtime.db import async_engine
+from koda_runtime.errors import DatabaseError
+from koda_runtime.gateway.control_store import MARK_LOCK_WAIT_MS, ControlStore
+from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.processors.store import RunStore
 from koda_runtime.settings import Settings
 
@@ -51,3 +55,112 @@ async def test_a_lock_held_by_a_frozen_transaction_is_released(database: Setting
     finally:
         await frozen_engine.dispose()
         await successor_engine.dispose()
+
+
+async def _insert_run(engine: AsyncEngine, user: str, status: str) -> str:
+    run_id = uuid7()
+    finished = "now()" if status in ("done", "failed", "cancelled") else "NULL"
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO sessions (id, user_id) VALUES (:s, :u) ON CONFLICT DO NOTHING"),
+            {"s": f"s-{user}", "u": user},
+        )
+        await conn.execute(
+            text(
+                "INSERT INTO runs (id, session_id, user_id, idempotency_key, input, status,"
+                f" finished_at) VALUES (:id, :s, :u, :k, '{{}}', :status, {finished})"
+            ),
+            {"id": run_id, "s": f"s-{user}", "u": user, "k": f"k-{run_id}", "status": status},
+        )
+    return run_id
+
+
+async def _published_seq(engine: AsyncEngine, run_id: str) -> int | None:
+    async with engine.connect() as conn:
+        row = (
+            await conn.execute(text("SELECT published_seq FROM runs WHERE id = :r"), {"r": run_id})
+        ).one()
+    return None if row.published_seq is None else int(row.published_seq)
+
+
+async def _hold_row(
+    engine: AsyncEngine, run_id: str, seconds: float, started: asyncio.Event
+) -> None:
+    """What the gateway's ``published_at`` flush does to a run's row, held ``seconds``."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE runs SET published_at = now() WHERE id = :r"), {"r": run_id}
+        )
+        started.set()
+        await asyncio.sleep(seconds)
+
+
+async def test_a_cancelled_runs_published_mark_waits_out_a_short_row_lock(
+    database: Settings,
+) -> None:
+    """Found in CI: the mark skipped a row the gateway's own ``published_at`` flush held
+    for milliseconds, and the cancelled event was left to be produced again."""
+    engine = async_engine(database, pool_size=2)
+    try:
+        run_id = await _insert_run(engine, "mark-short", "cancelled")
+        started = asyncio.Event()
+        holder = asyncio.create_task(_hold_row(engine, run_id, 0.3, started))
+        await started.wait()
+        await ControlStore(engine).mark_published(run_id, 0)
+        await holder
+        assert await _published_seq(engine, run_id) == 0
+    finally:
+        await engine.dispose()
+
+
+async def test_a_published_mark_behind_a_long_row_lock_fails_and_stays_unset(
+    database: Settings,
+) -> None:
+    engine = async_engine(database, pool_size=2)
+    try:
+        run_id = await _insert_run(engine, "mark-long", "cancelled")
+        started = asyncio.Event()
+        holder = asyncio.create_task(
+            _hold_row(engine, run_id, MARK_LOCK_WAIT_MS / 1000 + 2, started)
+        )
+        await started.wait()
+        began = time.monotonic()
+        with pytest.raises(DatabaseError, match="marking a run published"):
+            await ControlStore(engine).mark_published(run_id, 0)
+        waited = time.monotonic() - began
+        assert MARK_LOCK_WAIT_MS / 1000 * 0.9 < waited < MARK_LOCK_WAIT_MS / 1000 + 1.5, waited
+        await holder
+        assert await _published_seq(engine, run_id) is None  # the completeness pass's to set
+    finally:
+        await engine.dispose()
+
+
+async def test_a_cancel_waits_for_a_frozen_writers_row_lock_at_most_the_session_timeout(
+    database: Settings,
+) -> None:
+    """Found in CI: a worker SIGSTOPped inside a group write keeps ``FOR SHARE`` on its
+    run's row, which the cancel's UPDATE needs (the lock is what serialises a cancel and
+    a finish). The server ends the frozen session after KODA_SESSION_TIMEOUT, and the
+    cancel then goes through; it is never refused and never waits longer."""
+    settings = database.with_(session_timeout_s=2.0)
+    engine = async_engine(settings, pool_size=1)
+    frozen_engine = async_engine(settings, pool_size=1)
+    try:
+        run_id = await _insert_run(engine, "cancel-frozen", "running")
+        frozen = await frozen_engine.connect()
+        transaction = await frozen.begin()
+        await frozen.execute(text("SELECT 1 FROM runs WHERE id = :r FOR SHARE"), {"r": run_id})
+        began = time.monotonic()
+        outcome = await asyncio.wait_for(
+            ControlStore(engine).cancel(run_id, "cancel-frozen", "frozen"), timeout=20
+        )
+        waited = time.monotonic() - began
+        assert outcome is not None and outcome.outcome == "requested"
+        assert 1.5 < waited < 10, f"the cancel waited {waited:.1f}s"
+        with pytest.raises(DBAPIError):
+            await frozen.execute(text("SELECT 1"))
+        await transaction.rollback()
+        await frozen.close()
+    finally:
+        await engine.dispose()
+        await frozen_engine.dispose()
