@@ -575,6 +575,10 @@ class ChaosSchedule:
     paused_at: datetime | None = None
 
 
+# A due minute is checked once it is this much older than the pause: the scheduler
+# fires a minute within its tick, and a pause just after the minute may beat it.
+SCHEDULE_GRACE_S = 20
+
 SCHEDULED_INPUT = {"text": "chaos tick", "demo": {"tokens": 3, "delay_ms": 20}}
 
 
@@ -627,7 +631,7 @@ def _check_schedules(f: Findings, rows: dict[str, Any], schedules: list[ChaosSch
                 f.schedule_violations += 1
                 f.violate(f"schedule {s.id} fired minute {minute:%H:%M} after its pause")
         due = s.first
-        while due <= s.paused_at - timedelta(seconds=20):
+        while due <= s.paused_at - timedelta(seconds=SCHEDULE_GRACE_S):
             f.schedule_minutes += 1
             if minutes[due] != 1:
                 f.schedule_violations += 1

@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 from random import Random
@@ -48,6 +48,7 @@ from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from tests.chaos import faults as fk
 from tests.chaos.checks import (
+    SCHEDULE_GRACE_S,
     ChaosSchedule,
     Findings,
     OffsetAuditor,
@@ -60,10 +61,13 @@ from tests.chaos.checks import (
 from tests.chaos.cluster import CommitMonitor, Pool, Postgres, Stack, proxied_stack
 from tests.chaos.load import (
     InjectedPoison,
+    LoopLag,
     PlannedRun,
     Viewer,
+    client_count,
     follow,
     inject_poison,
+    load_client,
     plan_runs,
     user_session,
 )
@@ -139,6 +143,7 @@ class Report:
     # Records on the runs topic (the group's final committed offsets, summed) and rows
     # in ``runs``: what the gateways and sweepers published beyond one record a run.
     runs_records: tuple[int, int] = (0, 0)
+    loop_lag: LoopLag = field(default_factory=LoopLag)
 
     @property
     def ok(self) -> bool:
@@ -241,6 +246,10 @@ class Report:
                 "runs-topic records / runs (republished or poison beyond one each)",
                 f"{self.runs_records[0]} / {self.runs_records[1]}",
             ),
+            (
+                "harness event loop: longest late wake-up / wake-ups over 1s late",
+                f"{_secs(self.loop_lag.longest_s)} / {self.loop_lag.late}",
+            ),
         ]
         handoffs = [x.handoff_s for x in self.faults if x.handoff_s is not None]
         med, mx = median_max(handoffs)
@@ -331,6 +340,7 @@ class Chaos:
         self.monitor = CommitMonitor(self.settings)
         self.auditor = OffsetAuditor(self.settings, self.db, self.monitor)
         self.stalls = StallWatch()
+        self.loop_lag = LoopLag()
         self.viewers: list[Viewer] = []
         self.viewer_tasks: list[asyncio.Task[None]] = []
         self.poison: list[InjectedPoison] = []
@@ -395,37 +405,52 @@ class Chaos:
             memory_fraction=cfg.memory_fraction,
         )
         deadline = time.monotonic() + cfg.run_deadline_s()
-        limits = httpx.Limits(max_connections=400, max_keepalive_connections=100)
-        timeout = httpx.Timeout(30.0, read=20.0)
         url = f"http://127.0.0.1:{self.pool.gateway_port}"
-        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
-            await self._set_budgets(client)
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [
+                await stack.enter_async_context(load_client(url))
+                for _ in range(client_count(len(self.plan)))
+            ]
+            await self._set_budgets(clients[0])
+            shard_of: dict[str, httpx.AsyncClient] = {}
 
             def accepted(run: PlannedRun) -> None:
                 if run.watch and run.run_id is not None:
                     v = Viewer(run.run_id, run.user)
                     self.viewers.append(v)
                     self.viewer_tasks.append(
-                        asyncio.create_task(self._view_later(client, v, deadline))
+                        asyncio.create_task(self._view_later(shard_of[run.user], v, deadline))
                     )
 
-            users = [
-                asyncio.create_task(
-                    user_session(
-                        client,
-                        runs,
-                        Random(self.rng.random()),
-                        cfg.window_s(),
-                        deadline,
-                        accepted,
+            users = []
+            for i, (user, runs) in enumerate(self.plan.items()):
+                shard_of[user] = clients[i % len(clients)]
+                users.append(
+                    asyncio.create_task(
+                        user_session(
+                            shard_of[user],
+                            runs,
+                            Random(self.rng.random()),
+                            cfg.window_s(),
+                            deadline,
+                            accepted,
+                        )
                     )
                 )
-                for runs in self.plan.values()
-            ]
             audits = asyncio.create_task(self._audit_loop())
+            lag = asyncio.create_task(self.loop_lag.watch(self.log))
             await self._fault_loop(users)
             await asyncio.gather(*users)
             if self.schedules:
+                # A due minute counts once it is 20 s older than the pause (the check's
+                # grace for the scheduler's tick): a short run whose users were done
+                # before the first minute came would check no schedule at all.
+                first = min(x.first for x in self.schedules)
+                counted = first + timedelta(seconds=SCHEDULE_GRACE_S + 5)
+                wait = (counted - datetime.now(UTC)).total_seconds()
+                if wait > 0:
+                    self.log(f"waiting {wait:.0f}s for the first schedule minute to count")
+                    await asyncio.sleep(wait)
                 await asyncio.to_thread(pause_schedules, self.db, self.schedules)
             self.log("all submitted; waiting for every run to end")
             await self._wait_terminal(deadline)
@@ -433,8 +458,11 @@ class Chaos:
             for t in self.viewer_tasks:
                 t.cancel()
             audits.cancel()
+            lag.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await audits
+            with contextlib.suppress(asyncio.CancelledError):
+                await lag
         return await asyncio.to_thread(self._verify)
 
     async def _set_budgets(self, client: httpx.AsyncClient) -> None:
@@ -604,7 +632,14 @@ class Chaos:
             if "exit code" in n or "not complete" in n or "not recovered" in n
         ]
         elapsed = time.monotonic() - self.started
-        return Report(self.cfg, findings, self.faults, elapsed, violations, self.plan, self.stalls)
+        report = Report(self.cfg, findings, self.faults, elapsed, violations, self.plan)
+        report.stalls = self.stalls
+        report.loop_lag = self.loop_lag
+        # Every partition's committed offset reached its end (checked above), so the
+        # offsets summed count every record the topic has held.
+        records = sum(max(0, c) for c in self.monitor.latest.values())
+        report.runs_records = (records, int(self.db.query("SELECT count(*) AS n FROM runs")[0].n))
+        return report
 
 
 def _parse_kinds(arg: str, brokers: int) -> tuple[str, ...]:

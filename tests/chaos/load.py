@@ -21,6 +21,13 @@
   ``failed`` with one dead letter each) and records written straight to the runs
   topic by an outside producer (garbage bytes, an unknown schema version, a null
   key), each of which must end up as a dead letter and nothing else.
+* The users share a few HTTP clients, :data:`USERS_PER_CLIENT` each. One client for
+  a thousand users and their viewers starved the harness itself: when the gateway
+  slowed, requests queued in httpcore's pool, which assigns them by scanning every
+  connection for every queued request, and the one event loop spent its time there
+  (py-spy: ``AsyncConnectionPool._assign_requests_to_connections``), so the fault
+  probes timed out against a gateway that answered in 41 ms. :class:`LoopLag` puts
+  the loop's own lateness in the table, so a harness that starves says so.
 """
 
 from __future__ import annotations
@@ -40,6 +47,43 @@ from koda_runtime.gateway.eventstream import TERMINAL_KINDS, EventParser
 from koda_runtime.kafka import producer_config
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS
+
+USERS_PER_CLIENT = 20
+CONNECTIONS_PER_CLIENT = 16
+
+
+def client_count(users: int) -> int:
+    return max(1, -(-users // USERS_PER_CLIENT))
+
+
+def load_client(url: str) -> httpx.AsyncClient:
+    """One shard's client: a small pool, so that queueing in it stays cheap."""
+    limits = httpx.Limits(
+        max_connections=CONNECTIONS_PER_CLIENT, max_keepalive_connections=CONNECTIONS_PER_CLIENT
+    )
+    return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(30.0, read=20.0))
+
+
+@dataclass
+class LoopLag:
+    """How late the harness's event loop wakes from a short sleep: a loop busy with its
+    own work makes probes time out and faults overrun, which is the harness failing,
+    not koda."""
+
+    every_s: float = 0.5
+    longest_s: float = 0.0
+    late: int = 0  # wake-ups more than a second late
+
+    async def watch(self, log: Any) -> None:
+        while True:
+            began = time.monotonic()
+            await asyncio.sleep(self.every_s)
+            lag = time.monotonic() - began - self.every_s
+            self.longest_s = max(self.longest_s, lag)
+            if lag > 1.0:
+                self.late += 1
+                if self.late <= 10 or self.late % 100 == 0:
+                    log(f"  harness event loop woke {lag:.1f}s late ({self.late} so far)")
 
 
 @dataclass
