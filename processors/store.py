@@ -26,6 +26,7 @@ from koda_runtime.lifecycle.handler import Usage
 from koda_runtime.lifecycle.ledger import LedgerCall
 from koda_runtime.lifecycle.states import ACTIVE, OPEN, RunStatus
 from koda_runtime.processors import sql
+from koda_runtime.schemas import ledger
 from koda_runtime.schemas.ledger import PricedCall, insert_calls
 
 T = TypeVar("T")
@@ -48,6 +49,7 @@ _OWNED = sql.for_driver(sql.OWNED)
 _INSERT_CHUNKS = sql.for_driver(sql.INSERT_CHUNKS)
 _INSERT_USAGE = sql.for_driver(sql.INSERT_USAGE)
 _TRANSITION = sql.for_driver(sql.TRANSITION)
+_INSERT_CALLS = sql.for_driver(ledger.INSERT_CALLS)
 
 Cursor = psycopg.AsyncCursor[Any]
 # What a statement queued in a pipeline gives once the pipeline has synced.
@@ -327,11 +329,11 @@ class RunStore:
         At most eight statements however many runs: the published marks (unfenced, see
         :class:`PublishedWrite`), the claims and their next seqs, the ownership check,
         the chunks, the usage and the ledger rows, and one transition statement for
-        every run entering ``streaming`` or a terminal status. They take four round
+        every run entering ``streaming`` or a terminal status. They take three round
         trips: the marks, the claims, their next seqs and the ownership check are sent
         together in pipeline mode (psycopg's, on the driver connection under the
-        SQLAlchemy one: the same transaction), then the chunks, the usage and the
-        transitions, then the ledger rows (through SQLAlchemy), then COMMIT. Per write: a
+        SQLAlchemy one: the same transaction), then the chunks, the usage, the
+        transitions and the ledger rows, then COMMIT. Per write: a
         :class:`Claim` for a claim (``→ running``, ``attempt + 1``; None if someone
         moved first or it is fenced out); the seqs inserted for a chunk batch (ON
         CONFLICT DO NOTHING; with ``first_output`` the run moves ``running →
@@ -358,8 +360,7 @@ class RunStore:
         async with self.engine.begin() as conn:
             # The group's statements go to psycopg directly, on the connection (and in
             # the transaction) of ``conn``, in pipeline mode: those that need nothing
-            # of each other's results share one round trip. ``conn`` itself stays usable
-            # between the pipelines (the ledger rows below are written through it).
+            # of each other's results share one round trip.
             raw = await _driver(conn)
             async with raw.pipeline():
                 if marks:
@@ -381,10 +382,11 @@ class RunStore:
                 inserting = await _insert_chunks(raw, mine)
                 pricing = await _insert_usage(raw, finishes)
                 moving = await _transition(raw, mine)
+                billing = await _insert_calls(raw, [c for w in mine for c in w.ledger])
             inserted = await inserting()
             costs = await pricing()
             await moving()
-            priced = await insert_calls(conn, [c for w in mine for c in w.ledger])
+            priced = await billing()
         out: list[GroupResult] = []
         for w in writes:
             if isinstance(w, ClaimWrite):
@@ -523,6 +525,19 @@ async def _owned(
             (parts[int(i) - 1], RunSteer(bool(cancel), reason, int(version)))
             for i, cancel, reason, version in await owned.fetchall()
         ]
+
+    return read
+
+
+async def _insert_calls(
+    raw: psycopg.AsyncConnection[Any], calls: Sequence[LedgerCall]
+) -> Read[list[PricedCall]]:
+    """Price and write the ledger rows of ``calls`` (schemas/ledger.py, the statement
+    every writer of the ledger uses); those written, priced."""
+    rows = await _send(raw, _INSERT_CALLS, ledger.calls_params(calls)) if calls else None
+
+    async def read() -> list[PricedCall]:
+        return ledger.priced_calls(await rows.fetchall()) if rows is not None else []
 
     return read
 

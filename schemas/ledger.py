@@ -89,21 +89,32 @@ async def insert_calls(conn: AsyncConnection, calls: Sequence[LedgerCall]) -> li
     and not returned: a redelivered or retried write counts once."""
     if not calls:
         return []
-    rows = await conn.execute(
-        _INSERT_CALLS,
-        {
-            "users": [c.user_id for c in calls],
-            "runs": [c.run_id for c in calls],
-            "attempts": [c.attempt for c in calls],
-            "idx": [c.call_index for c in calls],
-            "models": [c.usage.model for c in calls],
-            "kinds": [c.usage.kind for c in calls],
-            "pt": [c.usage.prompt_tokens for c in calls],
-            "ct": [c.usage.completion_tokens for c in calls],
-            "outcomes": [c.outcome.value for c in calls],
-            "est": [c.usage.estimated for c in calls],
-        },
-    )
+    return priced_calls(await conn.execute(INSERT_CALLS, calls_params(calls)))
+
+
+# The statement and its parameters, for a writer that sends it itself (the worker's
+# group write queues it in a psycopg pipeline, processors/store.py).
+INSERT_CALLS = _INSERT_CALLS
+
+
+def calls_params(calls: Sequence[LedgerCall]) -> dict[str, list[Any]]:
+    return {
+        "users": [c.user_id for c in calls],
+        "runs": [c.run_id for c in calls],
+        "attempts": [c.attempt for c in calls],
+        "idx": [c.call_index for c in calls],
+        "models": [c.usage.model for c in calls],
+        "kinds": [c.usage.kind for c in calls],
+        "pt": [c.usage.prompt_tokens for c in calls],
+        "ct": [c.usage.completion_tokens for c in calls],
+        "outcomes": [c.outcome.value for c in calls],
+        "est": [c.usage.estimated for c in calls],
+    }
+
+
+def priced_calls(rows: Any) -> list[PricedCall]:
+    """The rows :data:`INSERT_CALLS` returns (run_id, attempt, call_index, cost_usd,
+    price_id), as written."""
     return [
         PricedCall(r.run_id, int(r.attempt), int(r.call_index), r.cost_usd, r.price_id)
         for r in rows

@@ -112,6 +112,9 @@ def main() -> None:
     ap.add_argument("--through", choices=["topic", "gateway", "w3"], default="topic")
     ap.add_argument("--concurrency", type=int, default=64, help="POSTs in flight (gateway, w3)")
     ap.add_argument("--out", default="/tmp/koda-profile")
+    ap.add_argument(
+        "--ledger-off", action="store_true", help="KODA_COST_LEDGER=false: no ledger rows"
+    )
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
     ap.add_argument("--threads", action="store_true", help="keep thread ids in the stacks")
@@ -121,11 +124,14 @@ def main() -> None:
     with services() as stack, namespace(stack, partitions=PARTITIONS, chunk_batch_ms=20) as st:
         loader = Loader(st)
         w3 = args.through == "w3"
-        workers = [] if w3 else [WorkerProcess(st, f"w{i}").start() for i in range(args.workers)]
+        off = {"KODA_COST_LEDGER": "false"} if args.ledger_off else {}
+        workers = (
+            [] if w3 else [WorkerProcess(st, f"w{i}", off).start() for i in range(args.workers)]
+        )
         gw = None
         if args.through in ("gateway", "w3"):
             gw = GatewayProcess(
-                st, {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000"}
+                st, {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000", **off}
             ).start()
         spies: list[subprocess.Popen[bytes]] = []
         try:
