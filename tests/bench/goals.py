@@ -38,6 +38,14 @@ class Goal:
 
 
 GOALS = (
+    Goal(
+        "W1",
+        "koda e2e / the same with the ledger off, runs/s (ledger + budgets cost <= 5 %)",
+        "w1_ledger_overhead",
+        ">=",
+        0.95,
+        3,
+    ),
     Goal("W1", "koda worker / ceiling runs/s (2 procs)", "w1_worker_ceiling", ">=", 0.8),
     Goal("W1", "koda worker / Quix Streams runs/s (2 procs)", "w1_worker_quix", ">=", 1.1),
     Goal("W1", "koda worker / ceiling CPU per run", "w1_cpu_ceiling", "<=", 1.3),
