@@ -6,12 +6,15 @@ so one database can hold dev, prod and per-test namespaces side by side.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from koda_runtime.settings import Settings
+
+log = logging.getLogger("koda.db")
 
 
 def sqlalchemy_url(database_url: str) -> str:
@@ -22,7 +25,13 @@ def sqlalchemy_url(database_url: str) -> str:
     return database_url
 
 
-def _set_search_path(schema: str, idle_in_transaction_s: float | None = None) -> Any:
+# ``transaction_timeout`` (PostgreSQL 17 and later).
+TRANSACTION_TIMEOUT_SINCE = 170000
+
+
+def _set_search_path(
+    schema: str, idle_in_transaction_s: float | None = None, transaction_s: float | None = None
+) -> Any:
     def on_connect(dbapi_conn: Any, _record: Any) -> None:
         # Runs once per pooled connection; quote_ident via the server, not string pasting.
         cur = dbapi_conn.cursor()
@@ -32,10 +41,29 @@ def _set_search_path(schema: str, idle_in_transaction_s: float | None = None) ->
                 "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
                 (f"{int(idle_in_transaction_s * 1000)}ms",),
             )
+        if transaction_s is not None:
+            cur.execute("SELECT current_setting('server_version_num')::int")
+            version = int(cur.fetchone()[0])
+            if version >= TRANSACTION_TIMEOUT_SINCE:
+                cur.execute(
+                    "SELECT set_config('transaction_timeout', %s, false)",
+                    (f"{int(transaction_s * 1000)}ms",),
+                )
+            elif not _warned_old_server:
+                _warned_old_server.append(version)
+                log.warning(
+                    "event=no_transaction_timeout server_version_num=%d: a worker frozen "
+                    "inside a group write keeps its row locks until it wakes (PostgreSQL 17 "
+                    "ends such a session after KODA_SESSION_TIMEOUT)",
+                    version,
+                )
         cur.close()
         dbapi_conn.commit()
 
     return on_connect
+
+
+_warned_old_server: list[int] = []
 
 
 def sync_engine(settings: Settings, *, pool_size: int = 2) -> Engine:
@@ -46,7 +74,9 @@ def sync_engine(settings: Settings, *, pool_size: int = 2) -> Engine:
     return engine
 
 
-def async_engine(settings: Settings, *, pool_size: int = 10, pre_ping: bool = True) -> AsyncEngine:
+def async_engine(
+    settings: Settings, *, pool_size: int = 10, pre_ping: bool = True, pipelines: bool = False
+) -> AsyncEngine:
     """``pre_ping`` tests each pooled connection with a round trip before lending it.
 
     Every session is ended by PostgreSQL when it sits idle inside a transaction for
@@ -55,6 +85,15 @@ def async_engine(settings: Settings, *, pool_size: int = 10, pre_ping: bool = Tr
     its row locks for ever. The fenced writes take ``FOR SHARE`` on the partition's
     epoch row, so such a worker blocked its successor's epoch bump, and with it the
     successor's whole rebalance, until it woke up (82 s in a chaos run).
+
+    ``pipelines``: the engine's connections send statements in pipeline mode (the
+    worker's group write, processors/store.py). A session frozen after sending part of
+    a pipeline, before its Sync, is not idle in the server's eyes (it is ``active``,
+    waiting on ClientRead), so the idle timeout never ends it: a chaos run's frozen
+    worker held its successor's epoch bumps for over 90 s. Such engines also set
+    ``transaction_timeout`` to the same bound, which ends any transaction older than
+    that whatever the session is doing (PostgreSQL 17 and later; an older server is
+    logged once, ``event=no_transaction_timeout``).
     """
     engine = create_async_engine(
         sqlalchemy_url(settings.database_url),
@@ -64,7 +103,6 @@ def async_engine(settings: Settings, *, pool_size: int = 10, pre_ping: bool = Tr
         pool_timeout=30,
     )
     idle_s = max(1.0, settings.session_timeout_s)
-    event.listen(
-        engine.sync_engine, "connect", _set_search_path(settings.names.pg_schema(), idle_s)
-    )
+    on_connect = _set_search_path(settings.names.pg_schema(), idle_s, idle_s if pipelines else None)
+    event.listen(engine.sync_engine, "connect", on_connect)
     return engine

@@ -79,7 +79,9 @@ def build_worker(settings: Settings, datadir: str) -> Worker:
     # No pre-ping: it is a round trip on every checkout, i.e. every transaction. A connection
     # that died in the pool fails its statement, SQLAlchemy discards it, and the
     # chain retries the record in place, as after any database error.
-    engine = async_engine(settings, pool_size=settings.max_inflight + 2, pre_ping=False)
+    engine = async_engine(
+        settings, pool_size=settings.max_inflight + 2, pre_ping=False, pipelines=True
+    )
     store = RunStore(engine)
     handler = build_handler(settings, engine)
 

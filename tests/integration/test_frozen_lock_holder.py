@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -23,6 +24,7 @@ from koda_runtime.gateway.control_store import MARK_LOCK_WAIT_MS, ControlStore
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.processors.store import RunStore
 from koda_runtime.settings import Settings
+from tests.support import async_wait_until
 
 TOPIC = "frozen-lock-topic"
 
@@ -164,3 +166,63 @@ async def test_a_cancel_waits_for_a_frozen_writers_row_lock_at_most_the_session_
     finally:
         await engine.dispose()
         await frozen_engine.dispose()
+
+
+async def _frozen_mid_pipeline(engine: AsyncEngine, statement: bytes, *params: bytes) -> Any:
+    """A connection of ``engine`` that sent ``statement`` in pipeline mode and then
+    nothing more: no Sync, as a worker stopped inside its group write's pipeline."""
+    conn = await engine.connect()
+    raw = (await conn.get_raw_connection()).driver_connection
+    assert raw is not None
+    pg = raw.pgconn
+    pg.enter_pipeline_mode()
+    pg.send_query_params(statement, list(params))
+    pg.flush()
+    return conn, pg.backend_pid
+
+
+async def test_a_worker_frozen_inside_a_pipeline_cannot_hold_its_successor_back(
+    database: Settings,
+) -> None:
+    """Found by the 10,000-run chaos run: a worker SIGSTOPped between its pipeline's
+    statements and their Sync kept ``FOR SHARE`` on its epoch rows for over 90 s. Such
+    a session is ``active`` (waiting on ClientRead), not idle in a transaction, so the
+    idle timeout never ends it; ``transaction_timeout`` does."""
+    settings = database.with_(session_timeout_s=2.0)
+    topic = "frozen-pipeline-topic"
+    frozen_engine = async_engine(settings, pool_size=1, pipelines=True)
+    successor_engine = async_engine(settings, pool_size=1)
+    pid = None
+    try:
+        await RunStore(successor_engine).bump_epochs(topic, [0], "frozen")
+        conn, pid = await _frozen_mid_pipeline(
+            frozen_engine,
+            b"SELECT epoch FROM partition_epochs WHERE topic = $1 AND partition = 0 FOR SHARE",
+            topic.encode(),
+        )
+
+        async def waiting_for_input() -> bool:
+            async with successor_engine.connect() as probe:
+                row = (
+                    await probe.execute(
+                        text("SELECT state, wait_event FROM pg_stat_activity WHERE pid = :p"),
+                        {"p": pid},
+                    )
+                ).first()
+            return row is not None and (row.state, row.wait_event) == ("active", "ClientRead")
+
+        await async_wait_until(waiting_for_input, timeout=10, what="the frozen pipeline's lock")
+        started = time.monotonic()
+        epochs = await asyncio.wait_for(
+            RunStore(successor_engine).bump_epochs(topic, [0], "successor"), timeout=20
+        )
+        waited = time.monotonic() - started
+        assert epochs == {0: 2}
+        assert waited < 10, f"the bump waited {waited:.1f}s"
+        await conn.invalidate()
+    finally:
+        if pid is not None:  # failed: end the frozen session, or teardown waits on it
+            async with successor_engine.connect() as probe:
+                await probe.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        await frozen_engine.dispose()
+        await successor_engine.dispose()
