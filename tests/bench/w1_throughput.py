@@ -277,7 +277,8 @@ def w1_table(
     )
     rp = args.rival_procs
     base = results.get(("koda worker", rp))
-    for other, goal, cmp in (("ceiling", 0.7, ">="), ("naive", 5.0, ">="), ("quix", 1.0, ">")):
+    # The second round's targets (the same as tests/bench/goals.py); naive's is the first's.
+    for other, goal, cmp in (("ceiling", 0.8, ">="), ("naive", 5.0, ">="), ("quix", 1.1, ">=")):
         theirs = results.get((other, rp))
         if not base or not theirs:
             continue
