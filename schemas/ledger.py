@@ -32,7 +32,9 @@ GROUPS = ("user", "day", "model", "kind")
 USD_PLACES = Decimal("0.00000001")
 SHARE_PLACES = Decimal("0.0001")
 
-_INSERT_CALLS = text(
+# Public with its parameters (calls_params) for a writer that sends it itself: the
+# worker's group write queues it in a psycopg pipeline (processors/store.py).
+INSERT_CALLS = text(
     """
     WITH q AS (
         SELECT * FROM unnest(CAST(:users AS text[]), CAST(:runs AS text[]),
@@ -90,11 +92,6 @@ async def insert_calls(conn: AsyncConnection, calls: Sequence[LedgerCall]) -> li
     if not calls:
         return []
     return priced_calls(await conn.execute(INSERT_CALLS, calls_params(calls)))
-
-
-# The statement and its parameters, for a writer that sends it itself (the worker's
-# group write queues it in a psycopg pipeline, processors/store.py).
-INSERT_CALLS = _INSERT_CALLS
 
 
 def calls_params(calls: Sequence[LedgerCall]) -> dict[str, list[Any]]:
