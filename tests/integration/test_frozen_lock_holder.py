@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -29,31 +31,41 @@ from tests.support import async_wait_until
 TOPIC = "frozen-lock-topic"
 
 
+@asynccontextmanager
+async def frozen_in_transaction(
+    engine: AsyncEngine, statement: str, params: dict[str, Any]
+) -> AsyncIterator[None]:
+    """A connection of ``engine`` that ran ``statement`` in a transaction and then does
+    nothing more, as a worker frozen between a statement and its commit. On leaving,
+    the server must have ended that session: its next statement fails."""
+    frozen = await engine.connect()
+    transaction = await frozen.begin()
+    await frozen.execute(text(statement), params)
+    yield
+    with pytest.raises(DBAPIError):
+        await frozen.execute(text("SELECT 1"))
+    await transaction.rollback()
+    await frozen.close()
+
+
 async def test_a_lock_held_by_a_frozen_transaction_is_released(database: Settings) -> None:
     settings = database.with_(session_timeout_s=2.0)
     frozen_engine = async_engine(settings, pool_size=1)
     successor_engine = async_engine(settings, pool_size=1)
     try:
         await RunStore(successor_engine).bump_epochs(TOPIC, [0], "frozen")
-        frozen = await frozen_engine.connect()
-        transaction = await frozen.begin()
-        await frozen.execute(
-            text("SELECT epoch FROM partition_epochs WHERE topic = :t AND partition = 0 FOR SHARE"),
+        async with frozen_in_transaction(
+            frozen_engine,
+            "SELECT epoch FROM partition_epochs WHERE topic = :t AND partition = 0 FOR SHARE",
             {"t": TOPIC},
-        )
-        # The "worker" now does nothing more: frozen between its statement and commit.
-        started = time.monotonic()
-        epochs = await asyncio.wait_for(
-            RunStore(successor_engine).bump_epochs(TOPIC, [0], "successor"), timeout=20
-        )
-        waited = time.monotonic() - started
+        ):
+            started = time.monotonic()
+            epochs = await asyncio.wait_for(
+                RunStore(successor_engine).bump_epochs(TOPIC, [0], "successor"), timeout=20
+            )
+            waited = time.monotonic() - started
         assert epochs == {0: 2}
         assert 1.5 < waited < 10, f"the bump waited {waited:.1f}s"
-        # The frozen session was ended by the server: its next statement fails.
-        with pytest.raises(DBAPIError):
-            await frozen.execute(text("SELECT 1"))
-        await transaction.rollback()
-        await frozen.close()
     finally:
         await frozen_engine.dispose()
         await successor_engine.dispose()
@@ -149,20 +161,16 @@ async def test_a_cancel_waits_for_a_frozen_writers_row_lock_at_most_the_session_
     frozen_engine = async_engine(settings, pool_size=1)
     try:
         run_id = await _insert_run(engine, "cancel-frozen", "running")
-        frozen = await frozen_engine.connect()
-        transaction = await frozen.begin()
-        await frozen.execute(text("SELECT 1 FROM runs WHERE id = :r FOR SHARE"), {"r": run_id})
-        began = time.monotonic()
-        outcome = await asyncio.wait_for(
-            ControlStore(engine).cancel(run_id, "cancel-frozen", "frozen"), timeout=20
-        )
-        waited = time.monotonic() - began
+        async with frozen_in_transaction(
+            frozen_engine, "SELECT 1 FROM runs WHERE id = :r FOR SHARE", {"r": run_id}
+        ):
+            began = time.monotonic()
+            outcome = await asyncio.wait_for(
+                ControlStore(engine).cancel(run_id, "cancel-frozen", "frozen"), timeout=20
+            )
+            waited = time.monotonic() - began
         assert outcome is not None and outcome.outcome == "requested"
         assert 1.5 < waited < 10, f"the cancel waited {waited:.1f}s"
-        with pytest.raises(DBAPIError):
-            await frozen.execute(text("SELECT 1"))
-        await transaction.rollback()
-        await frozen.close()
     finally:
         await engine.dispose()
         await frozen_engine.dispose()
