@@ -61,6 +61,11 @@ GOALS = (
 )
 
 
+def target(figure: str) -> float:
+    """The target of the goal judged on ``figure`` (for a workload's own table)."""
+    return next(g.target for g in GOALS if g.figure == figure)
+
+
 def goals_table(tables: list[Table], w1_runs: int | None, quick: bool) -> Table:
     """Every goal with its measured figure and met / not met."""
     figures: dict[str, list[float]] = {}
