@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from tests.chaos.load import USERS_PER_CLIENT, LoopLag, client_count
+from tests.support import async_wait_until
+
+
+def _woke_late(lag: LoopLag) -> Callable[[], Awaitable[bool]]:
+    async def late() -> bool:
+        return lag.late > 0
+
+    return late
 
 
 async def test_a_blocked_loop_is_reported_late() -> None:
@@ -15,7 +24,7 @@ async def test_a_blocked_loop_is_reported_late() -> None:
     await asyncio.sleep(0.2)
     assert lag.late == 0
     time.sleep(1.3)  # the harness's loop busy with its own work
-    await asyncio.sleep(0.2)
+    await async_wait_until(_woke_late(lag), timeout=5, what="the watch to wake after the block")
     watch.cancel()
     assert lag.late == 1
     assert 1.0 < lag.longest_s < 2.0
