@@ -298,6 +298,12 @@ class Settings:
     max_inflight: int = knob(
         8, "KODA_MAX_INFLIGHT", "runs a worker executes at once", lo=1, hi=1024
     )
+    event_loop: str = knob(
+        "uvloop",
+        "KODA_EVENT_LOOP",
+        "the worker's event loop: uvloop (libuv, less CPU per run) or asyncio (the standard one)",
+        choices=("uvloop", "asyncio"),
+    )
     chain_high_water: int = knob(
         64,
         "KODA_CHAIN_HIGH_WATER",

@@ -19,6 +19,7 @@ worker starts.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -205,8 +206,32 @@ def _install_signals(app: KodaApp, rt: WorkerRuntime, intake: RunsIntake) -> Non
         await app.leave()
 
 
+def use_event_loop(name: str) -> str:
+    """Make ``name`` (``KODA_EVENT_LOOP``: uvloop or asyncio) the loop this process's
+    asyncio creates from now on; return the loop class's module, as the log shows it.
+
+    uvloop runs the selector, the transports and the ready queue in C (libuv): the
+    worker's hot path is many small awaits on Postgres and Kafka sockets, and it takes
+    about 12 % less CPU per run there (ARCHITECTURE.md, "The event loop").
+    """
+    if name == "uvloop":
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    else:
+        asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
+    loop = asyncio.new_event_loop()
+    try:
+        return type(loop).__module__.split(".")[0]
+    finally:
+        loop.close()
+
+
 def run_worker(settings: Settings) -> None:
     """Run a worker in the foreground until SIGTERM/SIGINT (drains, commits, exits 0)."""
+    # Before Faust or anything else creates the loop.
+    loop_kind = use_event_loop(settings.event_loop)
+    log.info("event=worker_event_loop loop=%s", loop_kind)
     with tempfile.TemporaryDirectory(prefix="koda-faust-") as datadir:
         worker = build_worker(settings, datadir)
         runner = faust.Worker(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from decimal import Decimal
 
+import pytest
 from sqlalchemy import text
 
 from koda_runtime.processors.handlers.demo import demo_tokens
@@ -20,11 +21,14 @@ from tests.fixtures.runs import committed_offsets, read_topic, wait_terminal
 from tests.support import wait_until
 
 
-def test_runs_reach_done_with_contiguous_chunks_and_events(env, submitter, workers) -> None:
-    w = workers.start("w1")
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_runs_reach_done_with_contiguous_chunks_and_events(env, submitter, workers, loop) -> None:
+    # KODA_EVENT_LOOP: the default (uvloop) and the standard loop both run the whole path.
+    w = workers.start("w1", KODA_EVENT_LOOP=loop)
     inputs = [{"text": f"hello {i}", "demo": {"tokens": 7, "delay_ms": 1}} for i in range(6)]
     ids = [submitter.submit(f"user-{i % 3}", inp) for i, inp in enumerate(inputs)]
     wait_terminal(submitter, ids, 60, w)
+    assert f"event=worker_event_loop loop={loop}" in w.log()
     assert set(submitter.statuses(ids).values()) == {"done"}
     for run_id, inp in zip(ids, inputs, strict=True):
         rows = submitter.messages(run_id)
