@@ -156,6 +156,52 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _listeners(ports: set[int]) -> set[int]:
+    """Pids listening on any of ``ports`` on this machine."""
+    import psutil
+
+    return {
+        c.pid
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports and c.pid
+    }
+
+
+class ServiceCpu:
+    """CPU seconds of the stack's brokers and of its PostgreSQL (postmaster and every
+    backend), found by the ports they listen on: what a workload cost the services."""
+
+    def __init__(self, stack: StackInfo) -> None:
+        import psutil
+        from sqlalchemy.engine import make_url
+
+        kafka_ports = {int(a.rpartition(":")[2]) for a in stack.kafka_bootstrap.split(",")}
+        pg_port = make_url(stack.database_url).port or 5432
+        self._psutil = psutil
+        self.brokers = sorted(_listeners(kafka_ports))
+        self.postmasters = sorted(_listeners({pg_port}))
+
+    def snapshot(self) -> dict[int, tuple[str, float]]:
+        """{pid: (service, CPU seconds so far)} of the processes running now."""
+        pg = set(self.postmasters)
+        for pid in self.postmasters:
+            try:
+                pg |= {c.pid for c in self._psutil.Process(pid).children(recursive=True)}
+            except self._psutil.Error:
+                continue
+        out = {p: ("kafka", cpu_seconds(p)) for p in self.brokers}
+        out.update({p: ("postgres", cpu_seconds(p)) for p in pg})
+        return out
+
+    def since(self, before: dict[int, tuple[str, float]]) -> dict[str, float]:
+        """CPU seconds per service since ``before`` (a process that ended meanwhile
+        counts what it used up to the earlier snapshot, i.e. nothing)."""
+        used = {"kafka": 0.0, "postgres": 0.0}
+        for pid, (kind, now) in self.snapshot().items():
+            used[kind] += max(0.0, now - before.get(pid, (kind, 0.0))[1])
+        return used
+
+
 def demo_input(i: int, tokens: int, delay_ms: int = 0, **extra: Any) -> dict[str, Any]:
     return {
         "text": f"run {i}",
