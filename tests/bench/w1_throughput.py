@@ -99,11 +99,19 @@ class Trial:
     """One contender's processes in one fresh namespace."""
 
     def __init__(
-        self, stack: StackInfo, kind: str, procs: int, *, max_inflight: int, budgets: bool = False
+        self,
+        stack: StackInfo,
+        kind: str,
+        procs: int,
+        *,
+        max_inflight: int,
+        budgets: bool = False,
+        worker_env: dict[str, str] | None = None,
     ) -> None:
         self.stack, self.kind, self.nprocs = stack, kind, procs
         self.max_inflight = max_inflight
         self.budgets = budgets
+        self.worker_env = dict(worker_env or {})  # extra KODA_* for koda's workers
         self.children: list[Any] = []
         self.gateway: GatewayProcess | None = None
 
@@ -119,7 +127,8 @@ class Trial:
             group = settings.names.group(settings.worker_group)
             off = {"KODA_COST_LEDGER": "false"} if self.kind == LEDGER_OFF else {}
             self.children = [
-                WorkerProcess(settings, f"w{i}", dict(off)).start() for i in range(self.nprocs)
+                WorkerProcess(settings, f"w{i}", self.worker_env | off).start()
+                for i in range(self.nprocs)
             ]
             if self.kind in ("koda e2e", LEDGER_OFF):
                 self.gateway = GatewayProcess(
