@@ -395,7 +395,11 @@ async def test_two_replicas_at_once_create_each_due_minute_exactly_once(harness:
         span = int((last - first).total_seconds() // 60) + 1
         assert sorted(minutes_of) == [first + timedelta(minutes=i) for i in range(span)]
     assert ra.fired + rb.fired == len(rows) >= 300
-    assert ra.fired > 0 and rb.fired > 0  # both did real work, neither waited on a lock
+    # Both read due schedules and worked on them at once. Which one creates a minute is a
+    # race: on a loaded machine one replica's inserts may come after the other has fired
+    # every row it read (conflicts for it, fired 0), which is the design working.
+    assert ra.schedules > 0 and rb.schedules > 0
+    assert ra.fired + ra.conflicts > 0 and rb.fired + rb.conflicts > 0
     # A losing insert keeps nothing: not even the new session it brought.
     users = [
         r.user_id
