@@ -122,6 +122,12 @@ class OffsetCommits:
 
     Commits are serialised: a periodic commit finishing after a revoke's would move the
     group's offset back.
+
+    A commit the broker refused (a coordinator moving, a broker restarting) is sent
+    again by the next flush, for the partitions still held: the commit cursor has
+    already moved past those offsets, so without it a partition that receives no
+    further record would keep its old committed offset until it is revoked, and its
+    next owner would read those records again (a chaos run's last check caught one).
     """
 
     def __init__(
@@ -135,6 +141,7 @@ class OffsetCommits:
         self._commit = commit
         self.interval_s = interval_s
         self.acked: dict[int, list[int]] = {}
+        self.unconfirmed: dict[int, int] = {}  # offsets whose commit failed, to send again
         self._lock = asyncio.Lock()
         self.task = BackgroundTask("offset-commits", self._every_interval)
 
@@ -144,21 +151,33 @@ class OffsetCommits:
     async def flush(self, partitions: list[int] | None = None) -> None:
         """Commit what the acks of ``partitions`` (default: all) allow, and wait."""
         async with self._lock:
+            wanted = set(self.acked) | set(self.unconfirmed)
             due: dict[int, int] = {}
-            for p in sorted(self.acked) if partitions is None else partitions:
+            for p in sorted(wanted) if partitions is None else partitions:
+                retry = self.unconfirmed.pop(p, None)
+                if retry is not None and self.cursors.holds(p):
+                    due[p] = retry
                 acked = self.acked.get(p)
                 if not acked:
                     continue
                 acked.sort()
                 offset = self.cursors.take_commit(p, acked)
                 if offset is not None:
-                    due[p] = offset
-            if due:
-                await self._commit(due)
+                    due[p] = offset  # past any retried offset: the cursor only moves on
+            if not due:
+                return
+            ok = False
+            try:
+                ok = await self._commit(due)
+            finally:
+                if not ok:
+                    for p, offset in due.items():
+                        self.unconfirmed[p] = max(offset, self.unconfirmed.get(p, offset))
 
     def forget(self, partitions: list[int]) -> None:
         for p in partitions:
             self.acked.pop(p, None)
+            self.unconfirmed.pop(p, None)
 
     async def _every_interval(self) -> None:
         while True:

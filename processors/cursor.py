@@ -211,6 +211,10 @@ class PartitionCursors:
         del acked[:taken]
         return cur.commit if cur.commit > start else None
 
+    def holds(self, partition: int) -> bool:
+        """True while ``partition`` has a cursor (this assignment's)."""
+        return partition in self._cursors
+
     def forget(self, partitions: Iterable[int]) -> None:
         """The partitions were revoked: the next assignment looks its base up again."""
         for p in partitions:
