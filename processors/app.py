@@ -171,8 +171,7 @@ class OffsetCommits:
                 ok = await self._commit(due)
             finally:
                 if not ok:
-                    for p, offset in due.items():
-                        self.unconfirmed[p] = max(offset, self.unconfirmed.get(p, offset))
+                    self.unconfirmed.update(due)  # each p's earlier entry was taken above
 
     def forget(self, partitions: list[int]) -> None:
         for p in partitions:
