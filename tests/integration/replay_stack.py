@@ -119,12 +119,14 @@ def populate(stack: Any) -> Iterator[Populated]:
         try:
             # The claim skips rows another transaction holds (SKIP LOCKED): a worker's
             # published mark for a run just ended may still hold one. Passes add up.
-            compacted = compactor.compact_once(older_than_s=0, batch=200).runs
-            deadline = time.monotonic() + 30
-            while compacted < len(p.wave_a) and time.monotonic() < deadline:
-                time.sleep(0.2)  # the next pass, as the compactor's own interval would
-                compacted += compactor.compact_once(older_than_s=0, batch=200).runs
-            assert compacted == len(p.wave_a)
+            compacted = [0]
+
+            def every_run_compacted() -> bool:
+                compacted[0] += compactor.compact_once(older_than_s=0, batch=200).runs
+                return compacted[0] >= len(p.wave_a)
+
+            wait_until(every_run_compacted, timeout=30, interval=0.2, what="first runs compacted")
+            assert compacted[0] == len(p.wave_a)
         finally:
             compactor.close()
         p.compacted = set(p.wave_a)
