@@ -22,9 +22,12 @@ import argparse
 import os
 import sys
 import time
+import traceback
+from collections.abc import Callable
 
+from koda_runtime.localstack import StackInfo
 from tests.bench import replay, w1_throughput, w2_latency, w3_gateway
-from tests.bench.common import services
+from tests.bench.common import Table, services
 from tests.bench.goals import goals_table
 
 
@@ -64,15 +67,23 @@ def main() -> None:
     tables = []
     started = time.monotonic()
     load0 = os.getloadavg()
+    workloads: dict[str, Callable[[StackInfo], Table]] = {
+        "w1": lambda stack: w1_throughput.run_w1(stack, args),
+        "w2": lambda stack: w2_latency.run_w2(stack, w2),
+        "w3": lambda stack: w3_gateway.run_w3(stack, w3),
+        "replay": lambda stack: replay.measure(stack, args.replay_records, args.repeat, 5000)[0],
+    }
+    failed: list[str] = []
     with services() as stack:
-        if "w1" in args.only:
-            tables.append(w1_throughput.run_w1(stack, args))
-        if "w2" in args.only:
-            tables.append(w2_latency.run_w2(stack, w2))
-        if "w3" in args.only:
-            tables.append(w3_gateway.run_w3(stack, w3))
-        if "replay" in args.only:
-            tables.append(replay.measure(stack, args.replay_records, args.repeat, 5000)[0])
+        for name, workload in workloads.items():
+            if name not in args.only:
+                continue
+            try:
+                tables.append(workload(stack))
+            except Exception:  # noqa: BLE001 - printed; the other workloads still report
+                traceback.print_exc()
+                failed.append(name)
+                print(f"\n{name} FAILED (traceback above); its goals are not measured", flush=True)
     print(
         f"\nkoda bench: cores={os.cpu_count()}, python {sys.version.split()[0]}, "
         f"{(time.monotonic() - started) / 60:.1f} min, load average (1/5/15 min) at start "
@@ -85,6 +96,9 @@ def main() -> None:
         print(table.render())
     print()
     print(goals_table(tables, args.runs if "w1" in args.only else None, args.quick).render())
+    if failed:
+        print(f"\nworkloads that failed: {', '.join(failed)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -223,6 +224,7 @@ def run_w1(stack: StackInfo, args: argparse.Namespace) -> Table:
     plan = contenders(args.workers, args.rival_procs, args.rivals, args.ledger_off)
     results: dict[tuple[str, int], list[dict[str, float]]] = defaultdict(list)
     timeout = max(600.0, args.runs / 5)
+    failed: list[str] = []
     for rep in range(args.repeat):
         # Every other repetition in reverse (ABBA): a contender is never always the one
         # that runs first, right after another's load.
@@ -231,10 +233,15 @@ def run_w1(stack: StackInfo, args: argparse.Namespace) -> Table:
             runs = (
                 args.runs if kind != "naive" else max(PARTITIONS, int(args.runs * args.naive_share))
             )
-            res = Trial(
-                stack, kind, n, max_inflight=args.max_inflight, budgets=args.ledger_off
-            ).measure(runs, args.users, timeout)
-            res["runs"] = runs
+            trial = Trial(stack, kind, n, max_inflight=args.max_inflight, budgets=args.ledger_off)
+            res = measure_trial(
+                partial(trial.measure, runs, args.users, timeout),
+                f"w1 rep {rep + 1}/{args.repeat} {kind} procs={n}",
+            )
+            if res is None:
+                failed.append(f"{kind} procs={n} in repetition {rep + 1}")
+                continue
+            res["runs"], res["rep"] = runs, rep
             results[(kind, n)].append(res)
             print(
                 f"  w1 rep {rep + 1}/{args.repeat} {kind:12} procs={n} runs={runs}: "
@@ -245,11 +252,35 @@ def run_w1(stack: StackInfo, args: argparse.Namespace) -> Table:
                 + f" done={res['done']}/{runs} ({time.monotonic() - t:.0f} s)",
                 flush=True,
             )
-    return w1_table(results, args)
+    return w1_table(results, args, failed)
+
+
+def measure_trial(trial: Callable[[], dict[str, float]], label: str) -> dict[str, float] | None:
+    """One trial's figures; a trial that fails is started once more in a fresh
+    namespace, and None after a second failure (the bench goes on without it: a trial
+    is its own namespace, so the others' figures stand)."""
+    for attempt in (1, 2):
+        try:
+            return trial()
+        except Exception as exc:  # noqa: BLE001 - reported, and the trial is run again
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            print(f"  {label}: FAILED (attempt {attempt} of 2): {first}", flush=True)
+    return None
+
+
+def paired(
+    a: list[dict[str, float]], b: list[dict[str, float]]
+) -> list[tuple[dict[str, float], dict[str, float]]]:
+    """The trials of ``a`` and ``b`` from the same repetition (a failed trial leaves its
+    repetition out of every ratio it is in)."""
+    theirs = {r["rep"]: r for r in b}
+    return [(r, theirs[r["rep"]]) for r in a if r["rep"] in theirs]
 
 
 def w1_table(
-    results: dict[tuple[str, int], list[dict[str, float]]], args: argparse.Namespace
+    results: dict[tuple[str, int], list[dict[str, float]]],
+    args: argparse.Namespace,
+    failed: list[str] | None = None,
 ) -> Table:
     table = Table(
         f"W1 throughput: {args.runs} runs x {TOKENS} chunks x ~8 B, {args.users} users, "
@@ -296,7 +327,9 @@ def w1_table(
         theirs = results.get((other, rp))
         if not base or not theirs:
             continue
-        vals = [a["runs_s"] / b["runs_s"] for a, b in zip(base, theirs, strict=False)]
+        vals = [a["runs_s"] / b["runs_s"] for a, b in paired(base, theirs)]
+        if not vals:
+            continue
         med = sorted(vals)[len(vals) // 2]
         met = med >= goal if cmp == ">=" else med > goal
         ratios.add(
@@ -308,7 +341,9 @@ def w1_table(
     for n in args.workers:
         on, off = results.get(("koda e2e", n)), results.get((LEDGER_OFF, n))
         if on and off:
-            vals = [a["runs_s"] / b["runs_s"] for a, b in zip(on, off, strict=False)]
+            vals = [a["runs_s"] / b["runs_s"] for a, b in paired(on, off)]
+            if not vals:
+                continue
             med = sorted(vals)[len(vals) // 2]
             if n == rp:
                 table.figures["w1_ledger_overhead"] = vals
@@ -322,13 +357,14 @@ def w1_table(
     for other in ("ceiling", "quix"):
         theirs = results.get((other, rp))
         if base and theirs:
-            pairs = list(zip(base, theirs, strict=False))
+            pairs = paired(base, theirs)
             table.figures[f"w1_worker_{other}"] = [a["runs_s"] / b["runs_s"] for a, b in pairs]
             table.figures[f"w1_cpu_{other}"] = [a["cpu_ms"] / b["cpu_ms"] for a, b in pairs]
     e2e = results.get(("koda e2e", rp))
     if e2e and base:
-        vals = [a["runs_s"] / b["runs_s"] for a, b in zip(e2e, base, strict=False)]
-        ratios.add(f"koda e2e / koda worker ({rp} procs)", fmt(vals, 2), "-", "-")
+        vals = [a["runs_s"] / b["runs_s"] for a, b in paired(e2e, base)]
+        if vals:
+            ratios.add(f"koda e2e / koda worker ({rp} procs)", fmt(vals, 2), "-", "-")
     table.notes.append(
         "CPU ms/run: user+system CPU of the contender's worker processes "
         "(not the gateway, broker or database) per run"
@@ -354,6 +390,8 @@ def w1_table(
     table.notes.append(
         "rivals do koda's rows and records with the same batching; see tests/bench/rivals.py"
     )
+    for what in failed or []:
+        table.notes.append(f"FAILED twice, left out of every ratio of its repetition: {what}")
     table.footer = ["", ratios.render()]
     return table
 
