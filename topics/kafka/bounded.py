@@ -145,15 +145,17 @@ class BoundedReader:
         except KafkaException as exc:
             raise self._fail("reading", exc) from exc
         records = []
+        is_open, ends = self.open, self.ends
+        nexts: dict[TP, int] = {}  # the next offset per partition, applied after the loop
         for msg in batch:
+            err = msg.error()
             tp = (msg.topic() or "", msg.partition() or 0)
             offset = msg.offset() or 0
-            err = msg.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
                     # Everything before the end was delivered ahead of this event.
-                    if tp in self.open:
-                        self._advance(tp, offset)
+                    if tp in is_open:
+                        nexts[tp] = max(nexts.get(tp, 0), offset)
                     continue
                 if err.fatal():
                     raise TopicError(f"reading {tp[0] or 'the topics'} failed: {err.str()}")
@@ -164,14 +166,15 @@ class BoundedReader:
                     err.str(),
                 )
                 continue
-            if tp not in self.open:
+            if tp not in is_open:
                 continue  # fetched before its partition reached the end
-            end = self._end(tp)
-            if end is not None and offset >= end:
+            if ends is not None and offset >= ends[tp]:
                 self._close(tp)
                 continue
             records.append(msg)
-            self._advance(tp, offset + 1)
+            nexts[tp] = offset + 1  # a partition's records come in offset order
+        for tp, offset in nexts.items():
+            self._advance(tp, offset)  # positions only move forward: max of the two
         return records
 
     def records(self, *, idle_timeout_s: float = TIMEOUT_S) -> Iterator[Message]:
