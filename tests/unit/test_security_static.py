@@ -41,6 +41,9 @@ ALLOWED = {
     ("topics/replay/sql.py", "SELECT count(*) FROM {table.name}"),
     ("topics/replay/sql.py", "INSERT INTO _dirty SELECT DISTINCT '{table.name}'"),
     ("topics/replay/sql.py", "SELECT {cols} FROM {table.name} WHERE day = ?"),
+    ("topics/replay/sql.py", "SELECT {cols} FROM {source} QUALIFY row_number()"),
+    # A chunk poll's checks, generated from the record spec (names, numbers, a regex).
+    ("topics/replay/sql.py", "json_transform(value, '{shape}') AS p FROM {poll}"),
     # The usage reports: the group key is one of four fixed expressions chosen by code
     # (schemas/ledger.py _KEYS), every value a bound parameter.
     ("schemas/ledger.py", "SELECT {key} AS k, {_FIGURES} FROM ledger {_WHERE}"),

@@ -7,7 +7,10 @@ from collections import Counter
 from datetime import UTC, date, datetime
 from typing import Any, Protocol
 
+import pyarrow as pa
+
 from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.arrow import arrow_schema
 
 
 class Message(Protocol):
@@ -29,6 +32,9 @@ class RowBatch:
         self.rows: dict[str, dict[tuple[Any, ...], tuple[Any, ...]]] = {
             x.name: {} for x in t.TABLES
         }
+        # chunks rows decoded by DuckDB (topics/replay/chunk_polls.py), one table per poll,
+        # in arrival order; the chunks rows in ``rows`` came after the last of them.
+        self.chunk_parts: list[pa.Table] = []
         self.chunk_runs: dict[str, date] = {}  # runs whose outputs row is rebuilt from chunks
         self.final_runs: set[str] = set()
         self.records = 0
@@ -41,17 +47,64 @@ class RowBatch:
         old = rows.get(key)
         rows[key] = row if old is None else table.merge(old, row)
 
+    def add_chunk_part(self, part: pa.Table, runs: dict[str, date], records: int) -> None:
+        """A poll's ``chunks`` rows as an Arrow table (with ``pos``, the order within
+        it), from ``records`` records, with the runs they touch and their days."""
+        rows = self.rows[t.CHUNKS.name]
+        if rows:  # earlier rows stay earlier: they become the part before this one
+            self.chunk_parts.append(chunk_rows_part(list(rows.values())))
+            rows.clear()
+        self.chunk_parts.append(part)
+        self.chunk_runs.update(runs)
+        self.records += records
+
+    def chunk_table(self) -> pa.Table:
+        """Every ``chunks`` row of the batch as one Arrow table, with ``part`` and
+        ``pos`` saying which came last for a key (the highest pair wins)."""
+        parts = list(self.chunk_parts)
+        rows = self.rows[t.CHUNKS.name]
+        if rows:
+            parts.append(chunk_rows_part(list(rows.values())))
+        return pa.concat_tables(
+            p.append_column("part", pa.array([i] * p.num_rows, pa.int32()))
+            for i, p in enumerate(parts)
+        )
+
+    def _fold_parts(self, table: t.Table) -> None:
+        """The Arrow parts merged into ``rows`` (for a sink that takes tuples)."""
+        if table is not t.CHUNKS or not self.chunk_parts:
+            return
+        merged: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        names = t.CHUNKS.names
+        for part in self.chunk_parts:
+            columns = [part[n].to_pylist() for n in names]
+            merged.update(((r[0], r[1]), r) for r in zip(*columns, strict=True))
+        merged.update(self.rows[table.name])
+        self.rows[table.name] = merged
+        self.chunk_parts = []
+
     def sorted_rows(self, table: t.Table) -> list[tuple[Any, ...]]:
         """The table's rows in key order (the lock order of concurrent replays)."""
+        self._fold_parts(table)
         rows = self.rows[table.name]
         return [rows[k] for k in sorted(rows)]
 
     def rows_of(self, table: t.Table) -> list[tuple[Any, ...]]:
         """The table's rows, one per key, in no particular order."""
+        self._fold_parts(table)
         return list(self.rows[table.name].values())
 
     def __len__(self) -> int:
         return self.records
+
+
+def chunk_rows_part(rows: list[tuple[Any, ...]]) -> pa.Table:
+    """``chunks`` rows (tuples, one per key) as a part: the table's columns and ``pos``."""
+    columns = list(zip(*rows, strict=True))
+    schema = arrow_schema(t.CHUNKS)
+    arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema, strict=True)]
+    arrays.append(pa.array(range(len(rows)), pa.int32()))
+    return pa.Table.from_arrays(arrays, schema=schema.append(pa.field("pos", pa.int32())))
 
 
 def run_day(run_id: str, fallback: date) -> date:

@@ -44,6 +44,7 @@ from koda_runtime.schemas.specs import Field
 from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
 from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.batch import Message, RowBatch, instant, run_day, uuid7_day
+from koda_runtime.topics.replay.chunk_polls import ChunkPolls, runs_and_days
 from koda_runtime.topics.replay.prices import PriceBook
 
 __all__ = ["REPLAYABLE", "RecordDecoder", "RowBatch", "run_day"]
@@ -67,11 +68,18 @@ class RecordDecoder:
 
     DAY_CACHE = 100_000  # run ids whose day is remembered (a run's records come together)
 
-    def __init__(self, names: Names, prices: PriceBook) -> None:
+    def __init__(self, names: Names, prices: PriceBook, *, arrow_chunks: bool = False) -> None:
+        """``arrow_chunks``: decode polls of chunk records in DuckDB into Arrow parts
+        (:mod:`~koda_runtime.topics.replay.chunk_polls`), for a sink that takes them."""
         self.bases = {names.topic(b): b for b in REPLAYABLE}
         self.chunk_topic = names.topic(RUN_CHUNKS)
         self.prices = prices
         self._days: dict[str, date] = {}
+        self.polls = ChunkPolls() if arrow_chunks else None
+
+    def close(self) -> None:
+        if self.polls is not None:
+            self.polls.close()
 
     def _day(self, run_id: str, ts_ms: int) -> date:
         """:func:`run_day`, remembered per run (the fallback is never remembered)."""
@@ -88,7 +96,13 @@ class RecordDecoder:
     def add_many(self, msgs: Sequence[Message], batch: RowBatch) -> None:
         """:meth:`add` for each of ``msgs`` in order, a poll's worth of chunk records at
         once where that gives the same rows (see :func:`chunk_columns`)."""
-        columns = chunk_columns(msgs) if self._all_chunks(msgs) else None
+        plain = self._all_chunks(msgs) and plain_chunk_poll(msgs)
+        if plain and self.polls is not None:
+            part = self.polls.decode(msgs)
+            if part is not None:
+                batch.add_chunk_part(part, runs_and_days(part), len(msgs))
+                return
+        columns = chunk_columns(msgs) if plain else None
         if columns is None:
             for msg in msgs:
                 self.add(msg, batch)
@@ -315,9 +329,9 @@ def chunk_columns(msgs: Sequence[Message]) -> tuple[list[Any], ...] | None:
     (or no) schema header first, a UTF-8 JSON object value whose fields keep the spec's
     rules, under its own ``<run_id>:<seq>`` key. None sends the records through the
     per-record path, which gives a bad record its reason."""
-    values = [m.value() for m in msgs]
-    if None in values or not _plain_chunk_headers([m.headers() for m in msgs]):
+    if not plain_chunk_poll(msgs):
         return None  # a tombstone, or a header the per-record path reads further
+    values = [m.value() for m in msgs]
     try:
         texts = [v.decode("utf-8") for v in values]  # type: ignore[union-attr]
         # json.loads(text) is _SCAN(text, 0) once leading whitespace is skipped; a text
@@ -347,6 +361,14 @@ def chunk_columns(msgs: Sequence[Message]) -> tuple[list[Any], ...] | None:
 
 # The scanner json.loads runs: (value, end) from an index, or StopIteration.
 _SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def plain_chunk_poll(msgs: Sequence[Message]) -> bool:
+    """No tombstone among ``msgs``, and every first header the current chunk schema
+    (or none): records the per-record path reads as chunks if their values allow."""
+    return not any(m.value() is None for m in msgs) and _plain_chunk_headers(
+        [m.headers() for m in msgs]
+    )
 
 
 def _plain_chunk_headers(headers: list[Any]) -> bool:

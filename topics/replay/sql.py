@@ -8,8 +8,11 @@ statements as its documented exceptions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+from koda_runtime.lifecycle.chunks import SEQ_WIDTH
+from koda_runtime.schemas import record_specs as spec
+from koda_runtime.schemas.specs import Field
 from koda_runtime.topics.replay.tables import Table
 
 
@@ -67,3 +70,86 @@ def day_rows(table: Table) -> str:
     cols = ", ".join(c for c in table.names if c != "day")
     key = ", ".join(table.key)
     return f"SELECT {cols} FROM {table.name} WHERE day = ? ORDER BY {key}"  # noqa: S608 - names
+
+
+def last_rows(table: Table, source: str, order: str) -> str:
+    """The rows of ``source``, the last of each key of ``table`` by ``order`` (a list
+    of ``source``'s columns, highest first)."""
+    cols = ", ".join(table.names)
+    key = ", ".join(table.key)
+    return (
+        f"SELECT {cols} FROM {source}"  # noqa: S608 - names
+        f" QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY {order}) = 1"
+    )
+
+
+_SQL_TYPES = {"string": "VARCHAR", "integer": "BIGINT"}
+
+
+INT32_MAX = 2**31 - 1
+LAST_YEAR_MS = 253_402_300_800_000  # 10000-01-01: Python's dates end before it
+UUID7 = "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-7[0-9a-fA-F]{3}-[89abAB][0-9a-fA-F]{3}-[0-9a-fA-F]{12}$"
+
+
+def _rules(f: Field) -> list[str]:
+    """SQL conditions for ``f``'s rules (Field.check's), on the parsed column ``p.<name>``."""
+    col = f"p.{f.name}"
+    out = [f"{col} IS NOT NULL"]
+    if f.min_length is not None:
+        out.append(f"length({col}) >= {f.min_length}")
+    if f.max_length is not None:
+        out.append(f"length({col}) <= {f.max_length}")
+    if f.minimum is not None:
+        out.append(f"{col} >= {f.minimum}")
+    if f.type == "integer":
+        out.append(f"{col} <= {INT32_MAX}")  # the tables' int columns
+    return out
+
+
+def _canonical(fields: Sequence[Field]) -> str:
+    """The SQL of what ``chunk_value`` writes for the parsed fields."""
+    parts = []
+    for i, f in enumerate(fields):
+        text = f"to_json(p.{f.name})::VARCHAR" if f.type == "string" else f"p.{f.name}::VARCHAR"
+        parts.append(f"'{'{' if i == 0 else ','}\"{f.name}\":' || {text}")
+    return " || ".join(parts) + " || '}'"
+
+
+def decode_chunk_poll(poll: str) -> str:
+    """A poll of chunk records (``key``, ``value``, ``pos`` in the relation
+    ``poll``) as ``chunks`` rows with ``pos`` and ``ok``: the rules of
+    topics/replay/chunk_polls.py, each field's generated from the record spec."""
+    fields = spec.RUN_CHUNK.fields
+    assert [f.name for f in fields] == ["run_id", "seq", "kind", "content", "attempt"]
+    assert all(f.type in _SQL_TYPES and f.checked for f in fields)
+    shape = "{" + ",".join(f'"{f.name}":"{_SQL_TYPES[f.type]}"' for f in fields) + "}"
+    rules = [r for f in fields for r in _rules(f)]
+    key = f"p.run_id || ':' || lpad(p.seq::VARCHAR, {SEQ_WIDTH}, '0')"
+    uuid_ms = "('0x' || substr(p.run_id, 1, 8) || substr(p.run_id, 10, 4))::BIGINT"
+    # Every interpolated part is a code constant: names, numbers, the spec's rules.
+    return f"""
+        WITH parsed AS (
+            SELECT pos, key, value, json_transform(value, '{shape}') AS p FROM {poll}
+        ), checked AS (
+            SELECT pos, p,
+                coalesce(
+                    {" AND ".join(rules)}
+                    AND p.seq < {10**SEQ_WIDTH}
+                    AND key = encode({key})
+                    AND value = {_canonical(fields)},
+                    false
+                ) AS ok,
+                CASE WHEN regexp_full_match(p.run_id, '{UUID7}') THEN {uuid_ms} END AS ms
+            FROM parsed
+        )
+        SELECT
+            p.run_id AS run_id,
+            p.seq::INTEGER AS seq,
+            epoch_ms(ms)::DATE AS day,
+            p.kind AS kind,
+            p.content AS content,
+            p.attempt::INTEGER AS attempt,
+            pos,
+            coalesce(ok AND ms < {LAST_YEAR_MS}, false) AS ok
+        FROM checked
+    """  # noqa: S608

@@ -25,6 +25,9 @@ class Sink(ABC):
     """A warehouse. ``display`` is its URL without a password, for messages and logs."""
 
     display: str
+    # Takes a batch's chunks rows as Arrow parts (RowBatch.chunk_table) without their
+    # becoming tuples: the decoder then decodes chunk polls in DuckDB.
+    arrow_chunks = False
 
     @abstractmethod
     def open(self) -> None:
@@ -66,16 +69,22 @@ class SqlSink(Sink):
             for table in t.TABLES:
                 if table is t.OUTPUTS:
                     continue
-                rows = batch.sorted_rows(table) if self.key_order else batch.rows_of(table)
-                if rows:
-                    self.upsert(table, rows)
-                    written[table.name] = len(rows)
+                n = self.upsert_batch(table, batch)
+                if n:
+                    written[table.name] = n
             outputs = batch.sorted_rows(t.OUTPUTS) + self._rebuilt_outputs(batch)
             outputs.sort(key=lambda row: row[0])
             if outputs:
                 self.upsert(t.OUTPUTS, outputs)
                 written[t.OUTPUTS.name] = len(outputs)
         return written
+
+    def upsert_batch(self, table: t.Table, batch: RowBatch) -> int:
+        """Upsert the batch's rows of ``table``; return how many (one per key)."""
+        rows = batch.sorted_rows(table) if self.key_order else batch.rows_of(table)
+        if rows:
+            self.upsert(table, rows)
+        return len(rows)
 
     def _rebuilt_outputs(self, batch: RowBatch) -> list[tuple[Any, ...]]:
         wanted = sorted(r for r in batch.chunk_runs if r not in batch.final_runs)

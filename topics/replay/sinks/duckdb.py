@@ -17,8 +17,9 @@ import duckdb
 from koda_runtime.lifecycle.chunks import TERMINAL_KINDS, ChunkKind
 from koda_runtime.topics.replay import sql
 from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.arrow import to_arrow
 from koda_runtime.topics.replay.errors import SinkError
-from koda_runtime.topics.replay.sinks.arrow import to_arrow
+from koda_runtime.topics.replay.rows import RowBatch
 from koda_runtime.topics.replay.sinks.base import SqlSink, output_row
 
 DUCKDB_TYPES = {
@@ -39,6 +40,10 @@ class DuckDBSink(SqlSink):
     """Tables in one DuckDB database file at ``path``."""
 
     key_order = False  # DuckDB lets one process write a file: no lock order to keep
+    arrow_chunks = True
+
+    # A batch's chunks rows, the last of each key (by part, then place in its part).
+    last_chunks_sql = sql.last_rows(t.CHUNKS, INCOMING, "part DESC, pos DESC")
 
     compacted_sql = (
         "SELECT run_id FROM outputs WHERE compacted AND run_id IN (SELECT unnest(?::VARCHAR[]))"
@@ -119,6 +124,21 @@ class DuckDBSink(SqlSink):
             if isinstance(exc, duckdb.Error):
                 raise SinkError(f"writing to {self.display} failed (rolled back): {exc}") from exc
             raise
+
+    def upsert_batch(self, table: t.Table, batch: RowBatch) -> int:
+        if table is not t.CHUNKS or not batch.chunk_parts:
+            return super().upsert_batch(table, batch)
+        self.conn.register(INCOMING, batch.chunk_table())
+        try:
+            last = self.conn.sql(self.last_chunks_sql).to_arrow_table()
+        finally:
+            self.conn.unregister(INCOMING)
+        self.conn.register(INCOMING, last)
+        try:
+            self.upsert_from(table, INCOMING)
+        finally:
+            self.conn.unregister(INCOMING)
+        return int(last.num_rows)
 
     def upsert(self, table: t.Table, rows: list[tuple[Any, ...]]) -> None:
         self.conn.register(INCOMING, to_arrow(table, rows))

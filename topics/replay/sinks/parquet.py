@@ -24,9 +24,9 @@ import pyarrow.parquet as pq
 
 from koda_runtime.topics.replay import sql
 from koda_runtime.topics.replay import tables as t
+from koda_runtime.topics.replay.arrow import arrow_schema
 from koda_runtime.topics.replay.errors import SinkError
 from koda_runtime.topics.replay.rows import RowBatch
-from koda_runtime.topics.replay.sinks.arrow import arrow_schema
 from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink
 
 STATE_FILE = "_state.duckdb"
