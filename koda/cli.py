@@ -205,7 +205,9 @@ def replay_command(
     ),
     follow: bool = typer.Option(False, "--follow", help="Keep reading new records until stopped."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Read and count; write nothing."),
-    batch: int = typer.Option(5000, "--batch", min=1, help="Records per sink transaction."),
+    batch: int | None = typer.Option(
+        None, "--batch", min=1, help="Records per sink transaction (default 20,000)."
+    ),
     max_rate: float | None = typer.Option(
         None, "--max-rate", min=1, help="At most this many records/s (spares the brokers)."
     ),
@@ -226,9 +228,9 @@ def replay_command(
         job=job,
         follow=follow,
         dry_run=dry_run,
-        batch_records=batch,
         max_rate=max_rate,
         save_offsets=save_offsets,
+        **({} if batch is None else {"batch_records": batch}),
     )
     with stop_on_signals() as stop:
         summary = run_replay(settings, options, progress=Progress(enabled=not quiet), stop=stop)

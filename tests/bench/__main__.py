@@ -26,6 +26,7 @@ import traceback
 from collections.abc import Callable
 
 from koda_runtime.localstack import StackInfo
+from koda_runtime.topics.replay.engine import BATCH_RECORDS
 from tests.bench import replay, w1_throughput, w2_latency, w3_gateway
 from tests.bench.common import Table, services
 from tests.bench.goals import goals_table
@@ -71,7 +72,9 @@ def main() -> None:
         "w1": lambda stack: w1_throughput.run_w1(stack, args),
         "w2": lambda stack: w2_latency.run_w2(stack, w2),
         "w3": lambda stack: w3_gateway.run_w3(stack, w3),
-        "replay": lambda stack: replay.measure(stack, args.replay_records, args.repeat, 5000)[0],
+        "replay": lambda stack: replay.measure(
+            stack, args.replay_records, args.repeat, BATCH_RECORDS
+        )[0],
     }
     failed: list[str] = []
     with services() as stack:

@@ -54,6 +54,7 @@ from koda_runtime.schemas.records import RUN_CHUNK, chunk_value, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
 from koda_runtime.topics.replay import ReplayOptions, run_replay
+from koda_runtime.topics.replay.engine import BATCH_RECORDS
 from tests.bench.common import Table, fmt, namespace, services
 from tests.fixtures.processes import ROOT, settings_env
 
@@ -276,7 +277,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=200_000)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=5000, help="records per sink transaction")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=BATCH_RECORDS,
+        help="records per sink transaction (default: koda replay's)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     with services() as stack:

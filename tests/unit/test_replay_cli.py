@@ -120,3 +120,28 @@ def test_a_job_name_must_be_a_name_part() -> None:
     assert code == 2 and "'Nightly Load' is not a valid name part" in err
     assert NAMES.replay_group("nightly") == "dev.koda.cli.replay.nightly"
     assert NAMES.replay_group("workers") != NAMES.group("workers")
+
+
+def test_the_batch_default_the_help_states_is_the_engines() -> None:
+    from koda_runtime.topics.replay.engine import BATCH_RECORDS, ReplayOptions
+
+    result = runner.invoke(cli.app, ["replay", "--help"], env=ENV | {"COLUMNS": "200"})
+    assert f"(default {BATCH_RECORDS:,})" in " ".join(result.stdout.split())
+    assert ReplayOptions().batch_records == BATCH_RECORDS
+    code, err = replay("--batch", "0")
+    assert code == 2 and "--batch" in err
+
+
+def test_a_poll_never_takes_more_than_the_batch_or_a_second_of_the_rate_cap() -> None:
+    from types import SimpleNamespace
+
+    from koda_runtime.topics.replay.engine import POLL_RECORDS, Replay, ReplayOptions
+
+    def size(batched: int, **opts: object) -> int:
+        return Replay._poll_size(SimpleNamespace(options=ReplayOptions(**opts)), batched)  # type: ignore[arg-type]
+
+    assert size(0) == POLL_RECORDS
+    assert size(0, batch_records=100) == 100
+    assert size(70, batch_records=100) == 30
+    assert size(100, batch_records=100) == 1
+    assert size(0, batch_records=100, max_rate=40.0) == 40

@@ -4,8 +4,10 @@
 Order per batch, and why: (1) the sink commits the batch's rows, (2) the job's group
 commits the next offsets. A crash after (1) and before (2) re-reads that batch on
 restart, which changes nothing (every write is an upsert on a natural key); the
-reverse order could lose rows. The sink is opened before Kafka is touched, so an
-unreachable sink fails at once, with nothing read.
+reverse order could lose rows. A batch is written on a thread of its own while the
+next is read (writer.py): one at a time, in order, and its offsets only after it. The
+sink is opened before Kafka is touched, so an unreachable sink fails at once, with
+nothing read.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from koda_runtime.settings import Settings
@@ -27,11 +30,15 @@ from koda_runtime.topics.replay.progress import Progress, ReplaySummary
 from koda_runtime.topics.replay.reader import Plan, open_reader, plan
 from koda_runtime.topics.replay.rows import RecordDecoder, RowBatch
 from koda_runtime.topics.replay.sinks import DEFAULT_URL, Sink, open_sink
+from koda_runtime.topics.replay.writer import BatchWriter
 
 log = logging.getLogger("koda.replay")
 
-POLL_RECORDS = 1000
+POLL_RECORDS = 5000  # a poll of chunk records is one DuckDB query (chunk_polls.py)
 POLL_TIMEOUT_S = 0.2
+# Records per sink transaction: each pays a commit and an outputs query over the run's
+# stored chunks, so fewer, larger ones replay faster (make bench-replay measures it).
+BATCH_RECORDS = 20_000
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,7 @@ class ReplayOptions:
     job: str | None = None
     follow: bool = False
     dry_run: bool = False
-    batch_records: int = 5000
+    batch_records: int = BATCH_RECORDS
     batch_seconds: float = 1.0
     max_rate: float | None = None
     save_offsets: Path | None = None
@@ -90,9 +97,12 @@ class Replay:
                 prices = load_prices(self.settings)
                 self.summary.prices_loaded = prices.loaded
             reader = open_reader(self.settings, self.options.job)
+            arrow = self.sink is not None and self.sink.arrow_chunks
+            decoder = RecordDecoder(names, prices, arrow_chunks=arrow)
             try:
-                self._loop(reader, RecordDecoder(names, prices))
+                self._loop(reader, decoder)
             finally:
+                decoder.close()
                 reader.close()
         finally:
             if self.sink is not None:
@@ -112,46 +122,61 @@ class Replay:
         committed = dict(planned.committed)  # the job's group commits every partition once
         batch, batch_born = RowBatch(), time.monotonic()
         started = time.monotonic()
-        while reader.open and not self.stop.is_set():
-            msgs = reader.poll(POLL_RECORDS, POLL_TIMEOUT_S)
-            decoder.add_many(msgs, batch)
-            summary.per_topic.update(msg.topic() or "" for msg in msgs)
-            positions.update(reader.positions)
-            summary.records = sum(summary.per_topic.values())
-            now = time.monotonic()
-            if not len(batch):
-                batch_born = now
-            if len(batch) >= opts.batch_records or (
-                len(batch) and (not reader.open or now - batch_born >= opts.batch_seconds)
-            ):
-                self._flush(batch, reader, committed)
-                batch, batch_born = RowBatch(), now
-            summary.seconds = now - started
-            self.progress.update(summary, self._lag(reader, planned, positions))
-            self._throttle(started)
-        summary.stopped = self.stop.is_set() and bool(reader.open) and not opts.follow
-        self._flush(batch, reader, committed)
+        with BatchWriter(self._write, partial(self._commit, reader, committed), self._done) as w:
+            while reader.open and not self.stop.is_set():
+                msgs = reader.poll(self._poll_size(len(batch)), POLL_TIMEOUT_S)
+                decoder.add_many(msgs, batch)
+                summary.per_topic.update(msg.topic() or "" for msg in msgs)
+                positions.update(reader.positions)
+                summary.records = sum(summary.per_topic.values())
+                now = time.monotonic()
+                if not len(batch):
+                    batch_born = now
+                if len(batch) >= opts.batch_records or (
+                    len(batch) and (not reader.open or now - batch_born >= opts.batch_seconds)
+                ):
+                    w.submit(batch, positions)  # written while the next one is read
+                    batch, batch_born = RowBatch(), now
+                summary.seconds = now - started
+                self.progress.update(summary, self._lag(reader, planned, positions))
+                self._throttle(started)
+            summary.stopped = self.stop.is_set() and bool(reader.open) and not opts.follow
+            w.submit(batch, positions)
+            w.finish()
         summary.seconds = time.monotonic() - started
         self.progress.update(summary, self._lag(reader, planned, positions), force=True)
 
-    def _flush(self, batch: RowBatch, reader: BoundedReader, committed: dict[TP, int]) -> None:
-        """Write the batch (one transaction), then commit the job's offsets."""
+    def _poll_size(self, batched: int) -> int:
+        """Records to ask for: what the batch still takes (a batch is never larger than
+        ``batch_records``), and at most a second's worth under ``max_rate``."""
+        opts = self.options
+        size = min(POLL_RECORDS, max(1, opts.batch_records - batched))
+        return size if opts.max_rate is None else min(size, max(1, int(opts.max_rate)))
+
+    def _write(self, batch: RowBatch) -> dict[str, int]:
+        """One batch in one sink transaction (on the writer's thread); rows per table."""
+        if self.sink is None:
+            written = {name: len(rows) for name, rows in batch.rows.items() if rows}
+            runs = set(batch.chunk_runs) | batch.final_runs
+            if runs:
+                written[t.OUTPUTS.name] = len(runs)
+            return written
+        return self.sink.write(batch)
+
+    def _done(self, batch: RowBatch, written: dict[str, int]) -> None:
         summary = self.summary
-        if len(batch):
-            if self.sink is None:
-                written = {name: len(rows) for name, rows in batch.rows.items() if rows}
-                runs = set(batch.chunk_runs) | batch.final_runs
-                if runs:
-                    written[t.OUTPUTS.name] = len(runs)
-            else:
-                written = self.sink.write(batch)
-            summary.rows.update(written)
-            summary.raw.update(batch.raw)
-            summary.tombstones += batch.tombstones
-            summary.batches += 1
+        summary.rows.update(written)
+        summary.raw.update(batch.raw)
+        summary.tombstones += batch.tombstones
+        summary.batches += 1
+
+    def _commit(
+        self, reader: BoundedReader, committed: dict[TP, int], positions: dict[TP, int]
+    ) -> None:
+        """Commit the job's offsets of a batch the sink has committed."""
         if self.options.job is None or self.sink is None:
             return
-        moved = {tp: o for tp, o in summary.positions.items() if committed.get(tp) != o}
+        moved = {tp: o for tp, o in positions.items() if committed.get(tp) != o}
         reader.commit(moved)
         committed.update(moved)
         log.debug("event=replay_committed job=%s partitions=%d", self.options.job, len(moved))
