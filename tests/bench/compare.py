@@ -30,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import tests.fixtures.processes
+from koda_runtime.topics.replay.engine import BATCH_RECORDS
 from tests.bench import replay, w3_gateway
 from tests.bench.common import Table, fmt, namespace, services
 from tests.bench.w1_throughput import Trial
@@ -44,7 +45,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--bench", choices=("w1", "replay", "w3"), default="w1")
-    ap.add_argument("--batch", type=int, default=5000, help="replay: records per transaction")
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=BATCH_RECORDS,
+        help="replay: records per transaction, for both trees (default: koda replay's)",
+    )
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 128], help="w3")
     ap.add_argument("--requests", type=int, default=1000, help="w3: POSTs per level")
     args = ap.parse_args()
