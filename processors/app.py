@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -45,6 +48,17 @@ from koda_runtime.topics.kafka.offsets import GroupOffsetReader
 log = logging.getLogger("koda.worker")
 
 COMMIT_INTERVAL_S = 1.0
+# How long a stopping worker waits for its runs consumer to leave the group after the
+# drain and the final commit. Past it the process ends anyway: its partitions move when
+# the broker expires the member (one session timeout), and their next owner reads from
+# the final commit.
+LEAVE_CLOSE_S = 5.0
+# How long a stopping worker waits for the records it produced to be delivered.
+PRODUCER_FLUSH_S = 3.0
+# Everything a stopping worker does after its drain (final commit, leaving the group,
+# flushing, the heartbeat tombstone, closing its clients) fits in this, or the process
+# ends anyway (see :func:`end_after`).
+STOP_AFTER_DRAIN_S = 15.0
 
 
 class PartitionFences:
@@ -364,6 +378,16 @@ class IdempotentProducer(faust_aiokafka.Producer):
     def _settings_extra(self) -> dict[str, Any]:
         return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
 
+    async def flush(self) -> None:
+        """Faust's flush on stop, bounded: with the broker away it would wait for good.
+        What it gives up is safe to lose: a run's records are acked only after their
+        deliveries, so the next owner meets an undelivered run again; heartbeats and
+        probes are rewritten by the next process."""
+        try:
+            await asyncio.wait_for(super().flush(), PRODUCER_FLUSH_S)
+        except TimeoutError:
+            log.warning("event=producer_flush_timeout waited_s=%.0f", PRODUCER_FLUSH_S)
+
 
 class KodaTransport(faust_aiokafka.Transport):
     Producer = IdempotentProducer
@@ -436,10 +460,13 @@ class KodaApp(faust.App):
         rt.chains.accepting = False
         try:
             await rt.on_revoked(rt.chains.held())
+            end_after(STOP_AFTER_DRAIN_S)
+            # A periodic commit still waiting for the broker gives way to the final one.
+            await rt.commits.task.stop()
             await rt.commits.flush()
         finally:
             await rt.commits.task.stop()
-            await self.intake.stop()
+            await self.intake.stop(LEAVE_CLOSE_S)
             await self.dispatcher.task.stop()
 
     async def on_stop(self) -> None:
@@ -454,6 +481,32 @@ class KodaApp(faust.App):
             await self.group_writer.close()
             # Last: a cancel arriving while the drain waits for runs must still reach them.
             await self.control.stop()
+
+
+def end_after(seconds: float) -> threading.Timer:
+    """End this process (exit status 0) if it is still running ``seconds`` from now.
+
+    Called once a stopping worker has drained: everything it owes is durable by then
+    (the runs' rows and, acked only after their deliveries, their records; the offsets
+    it could not commit are read again by the next owner, which skips what is done).
+    What is left is courtesy (leaving the group, a heartbeat tombstone) and each step
+    has its own bound, but with the broker or the database away those bounds add up
+    past an orchestrator's grace period, and a client's close can wait for its request
+    timeout: the deadline makes SIGTERM's end a promise."""
+
+    def end() -> None:
+        log.warning("event=stop_overdue waited_s=%.0f: ending the process", seconds)
+        for stream in (sys.stderr, sys.stdout):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001, S110 - ending regardless
+                pass
+        os._exit(0)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def faust_settings(settings: Settings, datadir: str) -> dict[str, Any]:

@@ -1,25 +1,33 @@
 """The broker is down while the gateway publishes: Postgres keeps the run, the
-sweeper republishes it once the broker is back, and a worker finishes it."""
+sweeper republishes it once the broker is back, and a worker finishes it. The broker
+is down while the worker commits or stops: neither waits for it."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from confluent_kafka import Producer
 
+from koda_runtime.kafka import producer_config
 from koda_runtime.localstack import StackInfo, down, kafka_node_start, kafka_node_stop, up
 from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUNS
+from koda_runtime.topics.kafka.intake import COMMIT_ANSWER_S, Fetched, RunsIntake
+from koda_runtime.topics.kafka.offsets import GroupOffsetReader
 from tests.fixtures.namespaces import make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter
-from tests.support import wait_until
+from tests.support import async_wait_until, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -88,4 +96,93 @@ def test_run_published_while_broker_down_is_swept_and_done(private_stack) -> Non
     finally:
         worker.stop()
         gateway.stop()
+        sub.close()
+
+
+async def test_a_commit_while_the_broker_is_down_is_answered_and_the_member_keeps_polling(
+    private_stack,
+) -> None:
+    """librdkafka holds a commit while the group has no coordinator. A synchronous one
+    held the member's polling thread with it: the member left the group past
+    max.poll.interval.ms, and every later call from the loop (a SIGTERM's final commit
+    among them) waited for good. The commit must come back not confirmed, in bounded
+    time, with the thread still serving calls; once the broker is back, it lands."""
+    state, info = private_stack
+    settings: Settings = make_settings(info)
+    apply_topics(settings)
+    topic = settings.names.topic(RUNS)
+    producer = Producer(producer_config(settings, "test"))
+    for p in range(settings.partitions):
+        producer.produce(topic, value=b"x", partition=p)
+    assert producer.flush(30) == 0
+    fetched: list[Fetched] = []
+
+    class Hooks:
+        async def assigned(self, partitions: list[int]) -> None:
+            pass
+
+        async def revoked(self, partitions: list[int]) -> None:
+            pass
+
+        async def lost(self, partitions: list[int]) -> None:
+            pass
+
+    async def all_read() -> bool:
+        return len(fetched) == settings.partitions
+
+    async def lands() -> bool:
+        return await intake.commit({1: 1})
+
+    group = settings.names.group("outage-commit")
+    intake = RunsIntake(settings, topic, group, deliver=fetched.extend, hooks=Hooks())
+    intake.start()
+    try:
+        await async_wait_until(all_read, timeout=60, what="all read")
+        assert await intake.commit({0: 1})  # the broker's answer reaches the loop
+
+        kafka_node_stop(state, 1)
+        started = time.monotonic()
+        answered = await asyncio.wait_for(intake.commit({1: 1}), COMMIT_ANSWER_S + 10)
+        assert answered is False
+        assert time.monotonic() - started < COMMIT_ANSWER_S + 5
+        # The thread still runs the loop's calls (it was stuck in the commit before).
+        positions = await asyncio.wait_for(intake.positions([0]), 5)
+        assert positions == {0: 1}
+
+        kafka_node_start(state, 1)
+        await async_wait_until(lands, timeout=90, what="the commit lands after the outage")
+        reader = GroupOffsetReader(settings, "test", topic, group)
+        try:
+            committed = await reader.run(reader.committed, [0, 1])
+        finally:
+            await reader.aclose()
+        assert committed == {0: 1, 1: 1}
+    finally:
+        kafka_node_start(state, 1)
+        await intake.stop(20)
+
+
+def test_a_worker_stops_on_sigterm_while_the_broker_is_down(private_stack) -> None:
+    """A worker whose last work is not yet committed when the broker goes away still
+    ends on SIGTERM (exit status 0), well within its orchestrator's grace period."""
+    state, info = private_stack
+    settings: Settings = make_settings(info)
+    upgrade(settings)
+    apply_topics(settings)
+    sub = Submitter(settings)
+    worker = WorkerProcess(settings, "w1").start()
+    try:
+        runs = [
+            sub.submit(f"outage-user-{i}", {"text": "t", "demo": {"tokens": 2, "delay_ms": 1}})
+            for i in range(4)
+        ]
+        wait_until(lambda: sub.all_terminal(runs), timeout=60, what="runs done")
+        kafka_node_stop(state, 1)
+        time.sleep(3)  # periodic commits are tried (and held by librdkafka) meanwhile
+        started = time.monotonic()
+        assert worker.stop(timeout=30.0) == 0
+        assert time.monotonic() - started < 25
+    finally:
+        worker.kill()
+        kafka_node_start(state, 1)
         sub.close()

@@ -26,6 +26,17 @@ is given a partition only once its old owner let it go. Records fetched before a
 callback are delivered to the loop before the callback's coroutine runs (both go
 through ``call_soon_threadsafe``, in order).
 
+Offset commits: a commit from the loop is handed to librdkafka asynchronously and its
+answer comes back through ``on_commit``, served by the polls; the loop waits for it at
+most :data:`COMMIT_ANSWER_S`. librdkafka holds a commit for as long as the group has no
+coordinator (a broker restarting, a network cut), and a synchronous one would hold the
+polling thread with it: past ``max.poll.interval.ms`` the member leaves the group, and
+every later call from the loop (the final commit of a SIGTERM among them) waits for
+good. Only inside a rebalance callback is a commit synchronous, because the partition
+must not move before it is done; a callback starting answers every commit still
+waiting with "not confirmed", and their offsets are sent again, after them: librdkafka
+sends a group's commits in the order they were made.
+
 Every record carries its partition's *assignment number* at the time it was fetched: a
 counter bumped each time the partition is assigned to this consumer, so the loop can
 tell a record of the current assignment from one of an earlier one.
@@ -40,12 +51,13 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from itertools import count
 from typing import Any, Protocol
 
-from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
 
 from koda_runtime.kafka import runs_consumer_config
 from koda_runtime.settings import Settings
@@ -61,10 +73,19 @@ RESTART_BACKOFF_MAX_S = 10.0
 ERROR_LOG_INTERVAL_S = 10.0
 # How often the thread looks for queued calls while a rebalance hook runs.
 HOOK_WAIT_S = 0.005
+# How long the loop waits for the broker's answer to an offset commit; past it the
+# commit counts as not confirmed and the next flush sends the offsets again.
+COMMIT_ANSWER_S = 5.0
 # librdkafka's statistics, read only for the group state (readiness of an idle member).
 STATS_INTERVAL_MS = 5_000
 
 Call = Callable[[Consumer], Any]
+Offsets = tuple[tuple[int, int], ...]
+
+
+class CommitAbandoned(Exception):
+    """A commit whose answer the loop stopped waiting for: a rebalance callback began
+    (the callback's own commit sends the offsets again) or the consumer closed."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +151,10 @@ class RunsIntake:
         # hook and the thread waits for it), read by the loop.
         self.generations: dict[int, int] = {}
         self._last_error_log = 0.0
+        # Thread-only: asynchronous commits waiting for ``on_commit``, by their offsets,
+        # and whether a rebalance callback is running (its commits are synchronous).
+        self._answers: dict[Offsets, deque[concurrent.futures.Future[Any]]] = {}
+        self._in_callback = False
         self._on_joined = on_joined
         self._subscribed_at: float | None = None
         # A member the group gives nothing is never called back (no assign of an empty
@@ -178,13 +203,24 @@ class RunsIntake:
         self._calls.put((fn, None))
 
     async def commit(self, offsets: dict[int, int]) -> bool:
-        """Commit ``offsets`` (partition → next offset to read) synchronously; False
-        (logged) if the broker refused, e.g. because the partition was taken away."""
+        """Commit ``offsets`` (partition → next offset to read) and wait for the broker's
+        answer; False (logged) if it refused (e.g. the partition was taken away), or did
+        not answer within :data:`COMMIT_ANSWER_S`. In a rebalance callback's hook the
+        commit is synchronous: it is done when this returns."""
         if not offsets:
             return True
         tps = [TopicPartition(self.topic, p, o) for p, o in sorted(offsets.items())]
         try:
-            result = await self._call(lambda c: c.commit(offsets=tps, asynchronous=False))
+            sent = await self._call(lambda c: self._send_commit(c, tps))
+            if isinstance(sent, concurrent.futures.Future):
+                result = await asyncio.wait_for(asyncio.wrap_future(sent), COMMIT_ANSWER_S)
+            else:
+                result = sent
+        except TimeoutError:
+            log.warning(
+                "event=commit_unanswered offsets=%s waited_s=%.0f", offsets, COMMIT_ANSWER_S
+            )
+            return False
         except Exception as exc:  # noqa: BLE001 - the work is durable; a later commit covers it
             log.warning("event=commit_failed offsets=%s error=%s", offsets, exc)
             return False
@@ -234,6 +270,54 @@ class RunsIntake:
 
     # --- the intake's thread --------------------------------------------------------
 
+    def _send_commit(
+        self, consumer: Consumer, tps: list[TopicPartition]
+    ) -> list[TopicPartition] | concurrent.futures.Future[Any]:
+        """In a rebalance callback: commit synchronously, the result. Elsewhere: hand the
+        commit to librdkafka, a future of its answer (see :meth:`_on_commit`)."""
+        if self._in_callback:
+            return consumer.commit(offsets=tps, asynchronous=False)
+        key = _offsets(tps)
+        answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        waiting = self._answers.setdefault(key, deque())
+        waiting.append(answer)
+        try:
+            consumer.commit(offsets=tps, asynchronous=True)
+        except Exception:
+            waiting.remove(answer)
+            if not waiting:
+                del self._answers[key]
+            raise
+        return answer
+
+    def _on_commit(self, err: Any, tps: list[TopicPartition]) -> None:
+        """librdkafka's answer to a commit (served by a poll): to the oldest commit of
+        the same offsets still waiting. Answers nobody waits for are dropped."""
+        key = _offsets(tps)
+        waiting = self._answers.get(key)
+        while waiting:
+            answer = waiting.popleft()
+            try:
+                if err is not None:
+                    answer.set_exception(KafkaException(err))
+                else:
+                    answer.set_result(tps)
+            except concurrent.futures.InvalidStateError:
+                continue  # the loop stopped waiting for this one
+            break
+        if waiting is not None and not waiting:
+            del self._answers[key]
+
+    def _abandon_commits(self, why: str) -> None:
+        """Answer every commit still waiting with :class:`CommitAbandoned`."""
+        answers, self._answers = self._answers, {}
+        for waiting in answers.values():
+            for answer in waiting:
+                try:
+                    answer.set_exception(CommitAbandoned(why))
+                except concurrent.futures.InvalidStateError:
+                    pass
+
     def _run(self) -> None:
         backoff = 0.5
         try:
@@ -274,6 +358,7 @@ class RunsIntake:
         consumer = Consumer(
             self._config
             | {"error_cb": self._on_error, "stats_cb": self._on_stats}
+            | {"on_commit": self._on_commit}
             | {"statistics.interval.ms": STATS_INTERVAL_MS}
         )
         self._consumer = consumer
@@ -322,6 +407,7 @@ class RunsIntake:
                 log.warning("event=intake_close_error error=%s", exc)
             self._consumer = None
             self.generations.clear()
+            self._abandon_commits("the runs consumer closed")
             self._run_calls(None)
 
     def _partitions(self, tps: list[TopicPartition]) -> list[int]:
@@ -402,11 +488,18 @@ class RunsIntake:
         async def call() -> None:
             await hook(partitions)
 
+        # No poll serves a commit's answer before the callback returns: the hook's
+        # commits are synchronous, and those still unanswered count as not confirmed
+        # (sent again: by the hook's own commit for what it lets go, by the next flush
+        # for the rest).
+        self._in_callback = True
+        self._abandon_commits("a rebalance began")
         coro: Coroutine[Any, Any, None] = call()
         try:
             future = asyncio.run_coroutine_threadsafe(coro, loop)
         except RuntimeError:
             coro.close()
+            self._in_callback = False
             return  # the loop is gone: the process is ending
         deadline = time.monotonic() + self._hook_timeout_s
         try:
@@ -421,6 +514,8 @@ class RunsIntake:
                         raise
         except Exception:  # noqa: BLE001 - librdkafka must get its callback back
             log.exception("event=rebalance_hook_failed partitions=%s", partitions)
+        finally:
+            self._in_callback = False
 
     def _signal_stopped(self) -> None:
         loop = self._loop
@@ -439,3 +534,7 @@ class RunsIntake:
             self._last_error_log = now
             text = err.str() if isinstance(err, KafkaError) else str(err)
             log.warning("event=intake_error topic=%s error=%s", self.topic, text)
+
+
+def _offsets(tps: list[TopicPartition]) -> Offsets:
+    return tuple(sorted((tp.partition, int(tp.offset)) for tp in tps))
