@@ -280,7 +280,9 @@ def run_w2(stack: StackInfo, args: argparse.Namespace) -> Table:
         f"sustainable: a run's lag behind the offered schedule (last token's receipt - "
         f"(POST + chunks x spacing)) climbs from run to run by at most "
         f"{knee.SLOPE_LIMIT * 1000:.0f} ms per s (least-squares slope on POST time over the "
-        f"hold window) and every run ends within {knee.DRAIN_S:.0f} s of its schedule"
+        f"hold window), the median lag of its first and last quarters is at most "
+        f"{knee.LAG_LIMIT_S * 1000:.0f} ms (every step starts drained), and every run ends "
+        f"within {knee.DRAIN_S:.0f} s of its schedule"
     )
     for i, r in enumerate(reps):
         table.notes.append(

@@ -7,8 +7,10 @@ from tests.bench.common import Table
 from tests.bench.goals import GOALS, goals_table
 
 
-def step_at(rate: float, slope: float, unfinished: int = 0) -> knee.Step:
-    return knee.Step(rate, slope, 0.0, 0.0, unfinished, 10, [0.01], [0.1], rate)
+def step_at(
+    rate: float, slope: float, unfinished: int = 0, lags_ms: tuple[float, float] = (0.0, 0.0)
+) -> knee.Step:
+    return knee.Step(rate, slope, *lags_ms, unfinished, 10, [0.01], [0.1], rate)
 
 
 def machine(capacity: float) -> tuple[list[float], object]:
@@ -42,7 +44,16 @@ def test_a_climbing_lag_or_an_unfinished_run_is_not_sustainable() -> None:
     assert step_at(100, knee.SLOPE_LIMIT).sustainable
     assert not step_at(100, knee.SLOPE_LIMIT * 1.01).sustainable
     assert not step_at(100, 0.0, unfinished=1).sustainable
-    assert step_at(100, -0.5).sustainable  # a lag that falls is a backlog draining
+    assert step_at(100, -0.5, lags_ms=(400, 200)).sustainable  # a warm-up's bump draining
+
+
+def test_a_step_far_behind_its_schedule_is_not_sustainable_even_as_it_drains() -> None:
+    limit = knee.LAG_LIMIT_S * 1000
+    assert step_at(100, 0.0, lags_ms=(limit, limit)).sustainable
+    # Seen at 6,000 chunks/s: from a drained start the warm-up built a 9 s backlog,
+    # which then fell; its negative slope made the step pass and the 80 % step overload.
+    assert not step_at(100, -0.16, lags_ms=(8_960, 6_496)).sustainable
+    assert not step_at(100, 0.0, lags_ms=(200, limit + 1)).sustainable
 
 
 def test_slope_is_the_least_squares_fit() -> None:
