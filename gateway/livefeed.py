@@ -20,7 +20,8 @@
   off (its queue freed at once); the stream then tells the client to reconnect, and it
   resumes from Postgres with Last-Event-ID. A slow viewer never blocks the others.
 * **Broker restarts.** librdkafka reconnects by itself and keeps the positions; a fatal
-  consumer error rebuilds the consumer at the positions already read. Records missed
+  consumer error, or no broker answering for 15 s, rebuilds the consumer at the
+  positions already read. Records missed
   in any such window are not lost to viewers: a skipped seq triggers a backfill from
   Postgres, and an idle stream re-reads Postgres every keep-alive interval.
 """
@@ -39,7 +40,7 @@ from koda_runtime.gateway.eventstream import TERMINAL_KINDS, event_frame
 from koda_runtime.lifecycle.chunks import split_chunk_key
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS
-from koda_runtime.topics.kafka.tail import TailEvents, TopicTail
+from koda_runtime.topics.kafka.tail import REBUILD_AFTER_S, TailEvents, TopicTail
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +127,17 @@ class Viewer:
 class LiveFeed:
     """Tails the chunk topic; :meth:`subscribe` returns a run's viewer.
 
-    ``config`` is merged over the tail's librdkafka configuration.
+    ``config`` is merged over the tail's librdkafka configuration; ``rebuild_after_s``
+    is how long no broker may answer before the tail rebuilds its consumer.
     """
 
-    def __init__(self, settings: Settings, *, config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        config: dict[str, Any] | None = None,
+        rebuild_after_s: float = REBUILD_AFTER_S,
+    ) -> None:
         self.topic = settings.names.topic(RUN_CHUNKS)
         self._viewers: dict[str, set[Viewer]] = {}
         self._tail: TopicTail[tuple[str, LiveEvent]] = TopicTail(
@@ -143,6 +151,7 @@ class LiveFeed:
             events=EVENTS,
             discovery_interval_s=settings.feed_discovery_interval_s,
             config=config,
+            rebuild_after_s=rebuild_after_s,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -163,6 +172,11 @@ class LiveFeed:
         """Cut every viewer, stop the tail and close its consumer."""
         self.close_all("shutdown")
         await self._tail.stop()
+
+    @property
+    def rebuilds(self) -> int:
+        """How many times the tail rebuilt its consumer (a fatal error, or no broker)."""
+        return self._tail.rebuilds
 
     @property
     def viewer_count(self) -> int:

@@ -19,6 +19,12 @@ between workers.
   restart and keeps the positions; a fatal consumer error rebuilds the consumer at
   the positions already read (backoff doubling to 10 s). A record is handed over
   once per tail.
+* **A client that lost every broker is rebuilt.** After a broker restart librdkafka can
+  be left with no broker it will talk to (a restarting node's first metadata answers
+  can list no brokers, and the client drops the ones it knew), so every metadata
+  request fails with ``_TRANSPORT`` while new clients connect at once. A failed
+  discovery is retried every second, and once none has succeeded for
+  ``rebuild_after_s`` (15 s by default) the consumer is rebuilt at its positions.
 * **Bounded.** librdkafka's pre-fetch queue is capped, and the thread stops fetching
   while ``MAX_PENDING_BATCHES`` batches wait for the loop: a busy loop pauses the
   tail, it does not grow memory.
@@ -53,6 +59,14 @@ MAX_PENDING_BATCHES = 16
 METADATA_TIMEOUT_S = 5.0
 ERROR_LOG_INTERVAL_S = 10.0
 RESTART_BACKOFF_MAX_S = 10.0
+# A tail whose metadata requests have all failed for this long rebuilds its consumer;
+# failed discoveries are retried every DISCOVERY_RETRY_S meanwhile.
+REBUILD_AFTER_S = 15.0
+DISCOVERY_RETRY_S = 1.0
+
+
+class ClientStalled(RuntimeError):
+    """The tail's consumer has reached no broker for ``rebuild_after_s``: rebuild it."""
 
 
 @dataclass(frozen=True)
@@ -136,8 +150,13 @@ class TopicTail(Generic[T]):
         discovery_interval_s: float,
         on_ready: Callable[[int], None] | None = None,
         config: dict[str, Any] | None = None,
+        rebuild_after_s: float = REBUILD_AFTER_S,
     ) -> None:
         self.topic = topic
+        self.rebuild_after_s = rebuild_after_s
+        # Consumers built after the first (a fatal error, or no broker reached for
+        # rebuild_after_s); read by tests and logged.
+        self.rebuilds = 0
         self.start_at = start
         self.discovery_interval_s = discovery_interval_s
         self._route = route
@@ -168,6 +187,8 @@ class TopicTail(Generic[T]):
         self._initialised = False
         self._announced = False
         self._last_error_log = 0.0
+        self._unreachable_since: float | None = None
+        self._reached = False  # the current consumer has answered a discovery
 
     # --- the event loop's side ----------------------------------------------------
 
@@ -207,15 +228,27 @@ class TopicTail(Generic[T]):
 
     def _run(self) -> None:
         backoff = 0.5
+        built = 0
         while not self._stopping.is_set():
             consumer: Consumer | None = None
             try:
                 consumer = Consumer(self._config)
+                if built:
+                    self.rebuilds += 1
+                built += 1
+                self._reached = False
                 self._consume(consumer)
-                backoff = 0.5
             except Exception as exc:  # noqa: BLE001 - the tail must outlive any error
                 self._count_error()
-                log.warning("event=%s topic=%s error=%s", self._events.restart, self.topic, exc)
+                if self._reached:
+                    backoff = 0.5  # this consumer worked for a while: a new outage
+                log.warning(
+                    "event=%s topic=%s rebuilds=%d error=%s",
+                    self._events.restart,
+                    self.topic,
+                    self.rebuilds,
+                    exc,
+                )
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
             finally:
@@ -232,9 +265,11 @@ class TopicTail(Generic[T]):
         while not self._stopping.is_set():
             now = time.monotonic()
             if now >= next_discovery:
-                interval = self.discovery_interval_s if self._assigned else 0.5
+                if self._discover(consumer):
+                    interval = self.discovery_interval_s if self._assigned else 0.5
+                else:
+                    interval = min(self.discovery_interval_s, DISCOVERY_RETRY_S)
                 next_discovery = now + interval
-                self._discover(consumer)
             msg = consumer.poll(POLL_S)
             if msg is None:
                 continue
@@ -250,22 +285,34 @@ class TopicTail(Generic[T]):
             if batch:
                 self._feed.hand_over(batch)
 
-    def _discover(self, consumer: Consumer) -> None:
+    def _discover(self, consumer: Consumer) -> bool:
+        """Assign partitions not assigned yet; False when no broker answered (and raise
+        :class:`ClientStalled` once none has for ``rebuild_after_s``)."""
         try:
             md = consumer.list_topics(self.topic, timeout=METADATA_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the broker may be away; try later
             self._on_error(exc)
-            return
+            now = time.monotonic()
+            if self._unreachable_since is None:
+                self._unreachable_since = now
+            elif now - self._unreachable_since >= self.rebuild_after_s:
+                self._unreachable_since = now  # the next consumer gets its own allowance
+                raise ClientStalled(
+                    f"no broker answered for {self.rebuild_after_s:.0f} s: {exc}"
+                ) from exc
+            return False
+        self._unreachable_since = None
+        self._reached = True
         topic = md.topics.get(self.topic)
         if topic is None or topic.error is not None or not topic.partitions:
             # The broker answered: whatever partitions appear later are new to us.
             self._initialised = True
             self._ready.set()
             self._log_error(f"topic {self.topic} is not available")
-            return
+            return True
         new = sorted(set(topic.partitions) - self._assigned)
         if not new:
-            return
+            return True
         assignment = [TopicPartition(self.topic, p, self._offset_for(consumer, p)) for p in new]
         consumer.incremental_assign(assignment)
         self._assigned.update(new)
@@ -278,6 +325,7 @@ class TopicTail(Generic[T]):
         if not self._announced:
             self._announced = True
             self._call_on_loop(self._on_ready, len(self._assigned))
+        return True
 
     def _call_on_loop(self, fn: Callable[[int], None] | None, arg: int) -> None:
         loop = self._loop
