@@ -74,6 +74,8 @@ RECOVERY_OF = {
 
 LATENCY_MS, JITTER_MS = 300, 100
 # PostgreSQL's line for a client gone while its transaction was open.
+# How long the reset fault waits for a worker with a run in flight before it resets one.
+BUSY_WAIT_S = 20.0
 OPEN_TXN_EOF = "unexpected EOF on client connection with an open transaction"
 
 
@@ -504,15 +506,21 @@ class Injector:
         """TCP resets on the victim's PostgreSQL connections while its group-commit
         transactions are open. The link is slowed first (100 ms a packet) so that its
         transactions stay open long enough to be cut; PostgreSQL logs each open one it
-        lost, which is the proof the reset hit a transaction. Tried up to five times."""
-        w = await self._victim()
+        lost, which is the proof the reset hit a transaction. Each attempt waits (up to
+        ``BUSY_WAIT_S``) for a worker with a run in flight and resets that one, since only a
+        worker that is writing has a transaction to lose; tried up to five times."""
+        w = await self._busy_victim()
         slot = self._slot(w)
         held = sorted(await self._held_by(w.name))
         fault = Fault(NET_PG_RESET, f"{w.name} ({slot})", time.time())
-        proxy = self.net.slots[slot].pg_proxy
         before = await asyncio.to_thread(self._open_txn_eofs)
         hit = 0
         for attempt in range(1, 6):
+            if attempt > 1:
+                w = await self._busy_victim()
+                slot = self._slot(w)
+                held = sorted(set(held) | set(await self._held_by(w.name)))
+            proxy = self.net.slots[slot].pg_proxy
             await asyncio.to_thread(self.net.latency, [proxy], 100, 0)
             await asyncio.sleep(1.0)
             await asyncio.to_thread(self.net.reset_peer, proxy)
@@ -534,6 +542,27 @@ class Injector:
         assert fault.back_at is not None
         fault.recover_s = await self._first_write_after(held, fault.back_at)
         return fault
+
+    async def _busy_victim(self) -> WorkerProcess:
+        """A live worker with a run in flight (``running`` under its id), waited for up to
+        ``BUSY_WAIT_S``; any victim (:meth:`_victim`) when none turns up in time."""
+        deadline = time.time() + BUSY_WAIT_S
+        while time.time() < deadline:
+            alive = {w.name: w for w in self.pool.alive()}
+            try:
+                rows = await asyncio.to_thread(
+                    self.db.query,
+                    "SELECT DISTINCT worker_id FROM runs WHERE status = 'running'"
+                    " AND worker_id = ANY(:ids)",
+                    ids=list(alive),
+                )
+            except Exception:  # noqa: BLE001 - a probe; Postgres may be the thing that is down
+                rows = []
+            busy = sorted(r.worker_id for r in rows)
+            if busy:
+                return alive[self.rng.choice(busy)]
+            await asyncio.sleep(0.2)
+        return await self._victim()
 
     async def gateway_feed_cut(self) -> Fault:
         """Every gateway-broker link cut for ``slow_s`` while viewers follow runs: the live
