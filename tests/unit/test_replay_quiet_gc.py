@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from koda_runtime.settings import AppEnv, Settings
+from koda_runtime.naming import AppEnv
+from koda_runtime.settings import Settings
 from koda_runtime.topics.replay.engine import Replay, ReplayOptions
 from koda_runtime.topics.replay.errors import SinkError
 from koda_runtime.topics.replay.quiet_gc import YOUNG_THRESHOLD, held_back
