@@ -13,7 +13,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
+from fastapi.routing import APIRoute
+from starlette.routing import BaseRoute
 
 from koda_runtime import metrics
 from koda_runtime.gateway.admin import router as admin_router
@@ -25,6 +27,7 @@ from koda_runtime.gateway.memories import router as memories_router
 from koda_runtime.gateway.routes import router
 from koda_runtime.gateway.schedules import router as schedules_router
 from koda_runtime.gateway.sse import router as sse_router
+from koda_runtime.gateway.submit import METHOD, PATH, SubmitShortcut
 from koda_runtime.gateway.usage import router as usage_router
 from koda_runtime.settings import Settings
 
@@ -75,6 +78,8 @@ def create_app(
     app.include_router(schedules_router)
     app.include_router(memories_router)
     install_console(app)
+    # Inside RequestMetrics (added after it, so outermost), which counts and logs it too.
+    app.add_middleware(SubmitShortcut, components=gw, route=_route_of(router, PATH, METHOD))
     app.add_middleware(RequestMetrics)
     return app
 
@@ -116,6 +121,14 @@ class RequestMetrics:
                     user_id,
                     (time.perf_counter() - started) * 1000,
                 )
+
+
+def _route_of(declared: APIRouter, path: str, method: str) -> BaseRoute:
+    """``declared``'s route for ``method path`` (included without a prefix)."""
+    for route in declared.routes:
+        if isinstance(route, APIRoute) and route.path == path and method in (route.methods or ()):
+            return route
+    raise LookupError(f"no {method} {path} route is declared")
 
 
 def _method(scope: Scope) -> str:

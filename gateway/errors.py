@@ -204,6 +204,14 @@ def _field_of(loc: tuple[Any, ...] | list[Any]) -> str | None:
     return ".".join(str(p) for p in parts) or None
 
 
+async def answer_error(request: Request, exc: Exception) -> JSONResponse:
+    """The answer the installed handlers give to a GatewayError or a domain error (the
+    request is named in the log line of a database outage)."""
+    if isinstance(exc, GatewayError):
+        return error_response(exc)
+    return await _on_domain_error(request, exc)
+
+
 async def _on_gateway_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GatewayError)
     return error_response(exc)

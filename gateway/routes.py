@@ -1,10 +1,7 @@
 """HTTP handlers: decode, call the admission service or the store, answer.
 
-``POST /v1/runs`` checks, in order: bearer token (401), per-user quota (429),
-content type (415), ``Idempotency-Key`` (400), size (413), UTF-8 and JSON (400),
-fields (422). Every refusal happens before anything is written and is counted
-in ``koda_admissions_rejected_total{reason}`` (reason = the error code; a
-Postgres outage, answered 503, counts as ``unavailable``).
+``POST /v1/runs`` is gateway/submit.py's: its checks, its admission, and the shortcut
+that serves it without FastAPI's routing layers.
 """
 
 from __future__ import annotations
@@ -15,22 +12,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response, Security
 from fastapi.responses import JSONResponse
-from starlette.requests import ClientDisconnect
 
 from koda_runtime import metrics
 from koda_runtime.errors import DatabaseError, KodaError
-from koda_runtime.gateway.auth import BEARER, authenticate_request
+from koda_runtime.gateway.auth import BEARER
 from koda_runtime.gateway.components import Components
 from koda_runtime.gateway.dependencies import Gateway, User
-from koda_runtime.gateway.errors import BadRequest, GatewayError, NotFound, RateLimited, http_error
-from koda_runtime.gateway.exceptions import Refused
-from koda_runtime.gateway.intake import (
-    check_content_type,
-    check_idempotency_key,
-    decode_json,
-    parse_run_request,
-    read_body,
-)
+from koda_runtime.gateway.errors import NotFound
 from koda_runtime.gateway.models import (
     Health,
     RunAccepted,
@@ -38,6 +26,7 @@ from koda_runtime.gateway.models import (
     RunSubmission,
     error_responses,
 )
+from koda_runtime.gateway.submit import accept
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +48,6 @@ _ERRORS = error_responses(
         503: "Postgres is unavailable; see Retry-After",
     }
 )
-
-
-def _events_url(run_id: str) -> str:
-    return f"/v1/runs/{run_id}/events"
 
 
 @router.post(
@@ -92,47 +77,8 @@ def _events_url(run_id: str) -> str:
     summary="Submit a run",
 )
 async def submit_run(request: Request, gw: Gateway) -> RunAccepted:
-    user_id: str | None = None
-    try:
-        user_id = authenticate_request(request, gw.auth)
-        decision = gw.limiter.take(user_id)
-        if not decision.allowed:
-            raise RateLimited(decision.retry_after_s)
-        check_content_type(request.headers.get("content-type"))
-        client_key = check_idempotency_key(request.headers.getlist("idempotency-key"))
-        try:
-            body = await read_body(
-                request.headers.get("content-length"),
-                request.stream(),
-                gw.settings.body_limit_bytes,
-            )
-        except ClientDisconnect:
-            raise BadRequest(
-                "the client disconnected before sending the whole body",
-                field="body",
-                code="client_disconnected",
-            ) from None
-        run_request = parse_run_request(decode_json(body))
-        run = await gw.admissions.submit(user_id, run_request, client_key)
-    except DatabaseError:
-        metrics.ADMISSIONS_REJECTED.labels(reason="unavailable").inc()
-        raise
-    except (GatewayError, Refused) as exc:
-        refusal = http_error(exc)
-        metrics.ADMISSIONS_REJECTED.labels(reason=refusal.code).inc()
-        log.info(
-            "event=admission_rejected user_id=%s reason=%s field=%s",
-            user_id or "-",
-            refusal.code,
-            refusal.field or "-",
-        )
-        raise
-    return RunAccepted(
-        run_id=run.run_id,
-        status=run.status,
-        events_url=_events_url(run.run_id),
-        merged=run.merged,
-    )
+    # Served by gateway/submit.py's shortcut in the app; declared here for OpenAPI.
+    return await accept(request, gw)
 
 
 @router.get(

@@ -1,0 +1,155 @@
+"""``POST /v1/runs``: the checks and the admission, and the ASGI shortcut that serves it.
+
+:func:`accept` is the endpoint's whole behaviour. It checks, in order: bearer token
+(401), per-user quota (429), content type (415), ``Idempotency-Key`` (400), size (413),
+UTF-8 and JSON (400), fields (422). Then it admits the run. Every refusal happens
+before anything is written and is counted in ``koda_admissions_rejected_total{reason}``
+(reason = the error code; a Postgres outage, answered 503, counts as ``unavailable``).
+
+**Why a shortcut.** Submissions are the gateway's hot path: at 32 concurrent clients,
+FastAPI's routing, dependency solving, response-model validation and the
+exception and exit-stack middlewares took about a third of the gateway's CPU per
+request (py-spy, ``tests.bench.profile --through w3``). Those layers add nothing to this
+endpoint, which takes no parameters and reads its body itself. :class:`SubmitShortcut`
+sits inside the request-metrics middleware, so the metrics and the access line stay
+the same. It answers ``POST /v1/runs`` itself with the same :func:`accept`. Errors are
+rendered by the gateway's own handlers, so the answers are the same byte for byte.
+Everything else goes to the app. The route stays declared on the app for OpenAPI, and
+it is served there when the shortcut is not installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute
+
+from koda_runtime import metrics
+from koda_runtime.errors import DatabaseError
+from koda_runtime.gateway.auth import authenticate_request
+from koda_runtime.gateway.components import Components
+from koda_runtime.gateway.errors import (
+    DOMAIN_ERRORS,
+    BadRequest,
+    GatewayError,
+    RateLimited,
+    answer_error,
+    http_error,
+)
+from koda_runtime.gateway.exceptions import Refused
+from koda_runtime.gateway.intake import (
+    check_content_type,
+    check_idempotency_key,
+    decode_json,
+    parse_run_request,
+    read_body,
+)
+from koda_runtime.gateway.models import RunAccepted
+
+log = logging.getLogger(__name__)
+
+PATH = "/v1/runs"
+METHOD = "POST"
+# The errors the gateway's handlers answer (4xx, 503); anything else is a 500.
+ANSWERED: tuple[type[Exception], ...] = (GatewayError, *DOMAIN_ERRORS)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def events_url(run_id: str) -> str:
+    """Where a run's output streams (``GET``, Server-Sent Events)."""
+    return f"/v1/runs/{run_id}/events"
+
+
+async def accept(request: Request, gw: Components) -> RunAccepted:
+    """Check and admit one submission; raises the refusal (a GatewayError or a domain
+    error, rendered by the gateway's error handlers) when it is not admitted."""
+    user_id: str | None = None
+    try:
+        user_id = authenticate_request(request, gw.auth)
+        decision = gw.limiter.take(user_id)
+        if not decision.allowed:
+            raise RateLimited(decision.retry_after_s)
+        check_content_type(request.headers.get("content-type"))
+        client_key = check_idempotency_key(request.headers.getlist("idempotency-key"))
+        try:
+            body = await read_body(
+                request.headers.get("content-length"),
+                request.stream(),
+                gw.settings.body_limit_bytes,
+            )
+        except ClientDisconnect:
+            raise BadRequest(
+                "the client disconnected before sending the whole body",
+                field="body",
+                code="client_disconnected",
+            ) from None
+        run_request = parse_run_request(decode_json(body))
+        run = await gw.admissions.submit(user_id, run_request, client_key)
+    except DatabaseError:
+        metrics.ADMISSIONS_REJECTED.labels(reason="unavailable").inc()
+        raise
+    except (GatewayError, Refused) as exc:
+        refusal = http_error(exc)
+        metrics.ADMISSIONS_REJECTED.labels(reason=refusal.code).inc()
+        log.info(
+            "event=admission_rejected user_id=%s reason=%s field=%s",
+            user_id or "-",
+            refusal.code,
+            refusal.field or "-",
+        )
+        raise
+    return RunAccepted(
+        run_id=run.run_id,
+        status=run.status,
+        events_url=events_url(run.run_id),
+        merged=run.merged,
+    )
+
+
+class SubmitShortcut:
+    """ASGI middleware: ``POST /v1/runs`` answered by :func:`accept`, the rest by ``app``.
+
+    ``components`` are the app's; ``route`` is the app's declared route for the
+    endpoint, put in the scope as routing would, so that the request metrics label
+    it ``/v1/runs``. An error no handler answers propagates, to become the 500 of the
+    app's outer error middleware, as it would from the route.
+    """
+
+    def __init__(self, app: ASGIApp, components: Components, route: BaseRoute) -> None:
+        self.app = app
+        self.components = components
+        self.route = route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != METHOD or _route_path(scope) != PATH:
+            await self.app(scope, receive, send)
+            return
+        scope["route"] = self.route
+        request = Request(scope, receive)
+        try:
+            accepted = await accept(request, self.components)
+        except ANSWERED as exc:
+            response: Response = await answer_error(request, exc)
+        else:
+            response = Response(
+                accepted.model_dump_json(), status_code=202, media_type="application/json"
+            )
+        await response(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path routing matches against: without the app's ``root_path``."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root) :]
+    return path
