@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psycopg
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from koda_runtime import metrics
@@ -211,8 +212,13 @@ def _settle(future: asyncio.Future[AdmittedRun], answer: AdmittedRun | BaseExcep
 
 
 def _lost_connection(exc: DatabaseError) -> bool:
-    """True when Postgres itself failed (connection, server), not one request's data."""
+    """True when Postgres itself failed (connection, server), not one request's data.
+
+    The batch's statements go to psycopg itself (its errors arrive unwrapped) and its
+    transaction through SQLAlchemy (wrapped in a DBAPIError)."""
     cause = exc.__cause__
+    if isinstance(cause, psycopg.Error):
+        return isinstance(cause, psycopg.OperationalError | psycopg.InterfaceError)
     return (
         not isinstance(cause, DBAPIError)
         or cause.connection_invalidated

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from koda_runtime.db import driver_connection, for_driver, send
 from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.exceptions import OverBudget, Refused, SessionNotOwned
 from koda_runtime.lifecycle.chunks import TERMINAL_KINDS
@@ -218,6 +220,12 @@ _RUNS_BY_KEY = text(
 # bind than the update itself.
 _MARK_PUBLISHED = text("UPDATE runs SET published_at = now() WHERE id = ANY(CAST(:ids AS text[]))")
 _DROP_SESSIONS = text("DELETE FROM sessions WHERE id = ANY(CAST(:sids AS text[]))")
+# admit_batch's statements as psycopg takes them (sent on the driver connection).
+_BATCH_SESSIONS_SQL = for_driver(_BATCH_SESSIONS)
+_SESSION_OWNERS_SQL = for_driver(_SESSION_OWNERS)
+_ADMIT_RUNS_SQL = for_driver(_ADMIT_RUNS)
+_RUNS_BY_KEY_SQL = for_driver(_RUNS_BY_KEY)
+_DROP_SESSIONS_SQL = for_driver(_DROP_SESSIONS)
 
 
 class RunStore:
@@ -264,7 +272,7 @@ class RunStore:
     async def admit_batch(
         self, batch: list[NewRun], *, budgets: bool = True
     ) -> list[AdmittedRun | Refused | None]:
-        """:meth:`admit` for many requests at once, in one transaction of six statements.
+        """:meth:`admit` for many requests at once, in one transaction of three round trips.
 
         The i-th answer is ``batch[i]``'s: its run (created, or the run its key already
         had), SessionNotOwned or OverBudget (nothing of it written), or None when its key
@@ -279,80 +287,22 @@ class RunStore:
         or refused keys read back, and the sessions created for requests that made no run
         deleted again. Rows are written in key order, so that two gateways' overlapping
         batches wait on each other in one order, never in a cycle.
+
+        The statements go to psycopg itself, on the connection (and in the transaction)
+        of the SQLAlchemy one, and those that need nothing of each other's answers share
+        a round trip in pipeline mode: the sessions, their owners and the budgets; then
+        the runs; then COMMIT. A batch with a replay or a refusal takes one more.
         """
         if not batch:
             return []
         answers: list[AdmittedRun | Refused | None] = [None] * len(batch)
         try:
             async with self.engine.begin() as conn:
-                await self._admit_batch(conn, batch, budgets, answers)
-        except SQLAlchemyError as exc:
+                raw = await driver_connection(conn)
+                await _admit_batch(raw, batch, budgets, answers)
+        except (SQLAlchemyError, psycopg.Error) as exc:
             raise DatabaseError(f"admitting runs failed: {type(exc).__name__}") from exc
         return answers
-
-    async def _admit_batch(
-        self,
-        conn: AsyncConnection,
-        batch: list[NewRun],
-        budgets: bool,
-        answers: list[AdmittedRun | Refused | None],
-    ) -> None:
-        owners = {r.session_id: r.user_id for r in sorted(batch, key=lambda r: r.session_id)}
-        made = {
-            row.id
-            for row in await conn.execute(
-                _BATCH_SESSIONS, {"sids": list(owners), "uids": list(owners.values())}
-            )
-        }
-        named = sorted({r.session_id for r in batch if not r.create_session})
-        if named:
-            rows = await conn.execute(_SESSION_OWNERS, {"sids": named})
-            owners.update({row.id: row.user_id for row in rows})
-        reads = await ledger.budgets_of(conn, sorted({r.user_id for r in batch})) if budgets else {}
-        now = datetime.now(UTC)
-        over = {user: e for user, b in reads.items() if (e := exceeded(b.state, now)) is not None}
-        insert: list[int] = []
-        for i, run in enumerate(batch):
-            if owners[run.session_id] != run.user_id:
-                answers[i] = SessionNotOwned(
-                    "session not found: omit session_id to start a new session"
-                )
-            elif run.user_id not in over:
-                insert.append(i)
-        insert.sort(key=lambda i: batch[i].idempotency_key)
-        rows = await conn.execute(_ADMIT_RUNS, _run_params([batch[i] for i in insert]))
-        created = {row.id: row for row in rows}
-        for i in insert:
-            run = batch[i]
-            if (row := created.get(run.run_id)) is not None:
-                read = reads.get(run.user_id)
-                soft = () if read is None else _unalerted(read)
-                answers[i] = AdmittedRun(
-                    run.run_id,
-                    run.user_id,
-                    run.session_id,
-                    row.status,
-                    row.created_at,
-                    True,
-                    soft_alerts=soft,
-                )
-        # A replay answers with its key's run, over budget or not.
-        again = sorted({r.idempotency_key for i, r in enumerate(batch) if answers[i] is None})
-        if again:
-            rows = await conn.execute(_RUNS_BY_KEY, {"keys": again})
-            found = {row.idempotency_key: row for row in rows}
-            for i, run in enumerate(batch):
-                if answers[i] is not None:
-                    continue
-                if (row := found.get(run.idempotency_key)) is not None:
-                    answers[i] = AdmittedRun(
-                        row.id, row.user_id, row.session_id, row.status, row.created_at, False
-                    )
-                elif run.user_id in over:
-                    answers[i] = OverBudget(run.user_id, over[run.user_id])
-        kept = {a.session_id for a in answers if isinstance(a, AdmittedRun) and a.created}
-        if lost := sorted(made - kept):
-            await conn.execute(_DROP_SESSIONS, {"sids": lost})
 
     async def admit_many(self, batch: list[NewRun]) -> list[AdmittedRun | None]:
         """Insert each run of ``batch`` unless its idempotency key exists, in one transaction.
@@ -619,6 +569,74 @@ class RunStore:
             raise DatabaseError(f"reading run events failed: {type(exc).__name__}") from exc
         events = [StoredEvent(int(r.seq), r.kind, r.content, int(r.attempt)) for r in rows]
         return (None if status is None else RunStatus(status)), events
+
+
+async def _admit_batch(
+    raw: psycopg.AsyncConnection[Any],
+    batch: list[NewRun],
+    budgets: bool,
+    answers: list[AdmittedRun | Refused | None],
+) -> None:
+    """:meth:`RunStore.admit_batch`'s statements, on the driver connection ``raw``."""
+    owners = {r.session_id: r.user_id for r in sorted(batch, key=lambda r: r.session_id)}
+    named = sorted({r.session_id for r in batch if not r.create_session})
+    users = sorted({r.user_id for r in batch}) if budgets else []
+    async with raw.pipeline():
+        making = await send(
+            raw, _BATCH_SESSIONS_SQL, {"sids": list(owners), "uids": list(owners.values())}
+        )
+        naming = await send(raw, _SESSION_OWNERS_SQL, {"sids": named}) if named else None
+        reading = await send(raw, ledger.BUDGETS_OF_DRIVER, {"users": users}) if users else None
+    made = {row.id for row in await making.fetchall()}
+    if naming is not None:
+        owners.update({row.id: row.user_id for row in await naming.fetchall()})
+    reads = ledger.budget_reads(await reading.fetchall()) if reading is not None else {}
+    now = datetime.now(UTC)
+    over = {user: e for user, b in reads.items() if (e := exceeded(b.state, now)) is not None}
+    insert: list[int] = []
+    for i, run in enumerate(batch):
+        if owners[run.session_id] != run.user_id:
+            answers[i] = SessionNotOwned(
+                "session not found: omit session_id to start a new session"
+            )
+        elif run.user_id not in over:
+            insert.append(i)
+    insert.sort(key=lambda i: batch[i].idempotency_key)
+    created: dict[str, Any] = {}
+    if insert:
+        rows = await send(raw, _ADMIT_RUNS_SQL, _run_params([batch[i] for i in insert]))
+        created = {row.id: row for row in await rows.fetchall()}
+    for i in insert:
+        run = batch[i]
+        if (row := created.get(run.run_id)) is not None:
+            read = reads.get(run.user_id)
+            soft = () if read is None else _unalerted(read)
+            answers[i] = AdmittedRun(
+                run.run_id,
+                run.user_id,
+                run.session_id,
+                row.status,
+                row.created_at,
+                True,
+                soft_alerts=soft,
+            )
+    # A replay answers with its key's run, over budget or not.
+    again = sorted({r.idempotency_key for i, r in enumerate(batch) if answers[i] is None})
+    if again:
+        rows = await send(raw, _RUNS_BY_KEY_SQL, {"keys": again})
+        found = {row.idempotency_key: row for row in await rows.fetchall()}
+        for i, run in enumerate(batch):
+            if answers[i] is not None:
+                continue
+            if (row := found.get(run.idempotency_key)) is not None:
+                answers[i] = AdmittedRun(
+                    row.id, row.user_id, row.session_id, row.status, row.created_at, False
+                )
+            elif run.user_id in over:
+                answers[i] = OverBudget(run.user_id, over[run.user_id])
+    kept = {a.session_id for a in answers if isinstance(a, AdmittedRun) and a.created}
+    if lost := sorted(made - kept):
+        await send(raw, _DROP_SESSIONS_SQL, {"sids": lost})
 
 
 def _run_params(ordered: list[NewRun]) -> dict[str, list[Any]]:

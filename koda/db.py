@@ -9,12 +9,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+import psycopg
+from psycopg.rows import namedtuple_row
+from sqlalchemy import Engine, TextClause, create_engine, event
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from koda_runtime.settings import Settings
 
 log = logging.getLogger("koda.db")
+
+Cursor = psycopg.AsyncCursor[Any]
+_DRIVER_DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]
 
 
 def sqlalchemy_url(database_url: str) -> str:
@@ -106,3 +112,29 @@ def async_engine(
     on_connect = _set_search_path(settings.names.pg_schema(), idle_s, idle_s if pipelines else None)
     event.listen(engine.sync_engine, "connect", on_connect)
     return engine
+
+
+# --- statements sent on the driver connection itself (pipeline mode) ---------------
+
+
+def for_driver(statement: TextClause) -> str:
+    """``statement`` as psycopg takes it (``%(name)s`` placeholders): for the
+    statements a store sends on the driver connection itself (pipeline mode)."""
+    return str(statement.compile(dialect=_DRIVER_DIALECT))
+
+
+async def driver_connection(conn: AsyncConnection) -> psycopg.AsyncConnection[Any]:
+    """The psycopg connection under ``conn``: the same session and transaction."""
+    fairy = await conn.get_raw_connection()
+    driver = fairy.driver_connection
+    if not isinstance(driver, psycopg.AsyncConnection):
+        raise TypeError(f"koda's stores need psycopg's async driver, not {type(driver)}")
+    return driver
+
+
+async def send(raw: psycopg.AsyncConnection[Any], query: str, params: dict[str, Any]) -> Cursor:
+    """Queue one statement on ``raw`` (in its pipeline, if one is open); its rows, as
+    named tuples, are read once the pipeline has synced (on leaving its block)."""
+    cur = raw.cursor(row_factory=namedtuple_row)
+    await cur.execute(query, params)
+    return cur

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sqlalchemy import TextClause, text
-from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy import text
 
 from koda_runtime.lifecycle.states import RunStatus, can_transition
 
@@ -29,15 +28,6 @@ def edges(targets: Iterable[RunStatus]) -> dict[str, list[str]]:
         if can_transition(src, dst)
     )
     return {"edge_from": [s for s, _ in pairs], "edge_to": [d for _, d in pairs]}
-
-
-_DRIVER = PGDialect_psycopg()  # type: ignore[no-untyped-call]
-
-
-def for_driver(statement: TextClause) -> str:
-    """``statement`` as psycopg takes it (``%(name)s`` placeholders): for the
-    statements the store sends on the driver connection itself (pipeline mode)."""
-    return str(statement.compile(dialect=_DRIVER))
 
 
 BUMP_EPOCHS = text(

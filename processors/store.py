@@ -17,9 +17,9 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg.rows import namedtuple_row
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from koda_runtime.db import driver_connection, for_driver, send
 from koda_runtime.errors import TransitionRejected
 from koda_runtime.lifecycle.chunks import Chunk, ChunkKind
 from koda_runtime.lifecycle.handler import Usage
@@ -42,16 +42,15 @@ class Fence:
 
 
 # The group's statements as psycopg takes them (sent on the driver connection).
-_MARK_PUBLISHED = sql.for_driver(sql.MARK_PUBLISHED)
-_CLAIM = sql.for_driver(sql.CLAIM)
-_NEXT_SEQS = sql.for_driver(sql.NEXT_SEQS)
-_OWNED = sql.for_driver(sql.OWNED)
-_INSERT_CHUNKS = sql.for_driver(sql.INSERT_CHUNKS)
-_INSERT_USAGE = sql.for_driver(sql.INSERT_USAGE)
-_TRANSITION = sql.for_driver(sql.TRANSITION)
-_INSERT_CALLS = sql.for_driver(ledger.INSERT_CALLS)
+_MARK_PUBLISHED = for_driver(sql.MARK_PUBLISHED)
+_CLAIM = for_driver(sql.CLAIM)
+_NEXT_SEQS = for_driver(sql.NEXT_SEQS)
+_OWNED = for_driver(sql.OWNED)
+_INSERT_CHUNKS = for_driver(sql.INSERT_CHUNKS)
+_INSERT_USAGE = for_driver(sql.INSERT_USAGE)
+_TRANSITION = for_driver(sql.TRANSITION)
+_INSERT_CALLS = for_driver(ledger.INSERT_CALLS)
 
-Cursor = psycopg.AsyncCursor[Any]
 # What a statement queued in a pipeline gives once the pipeline has synced.
 Read = Callable[[], Awaitable[T]]
 
@@ -361,7 +360,7 @@ class RunStore:
             # The group's statements go to psycopg directly, on the connection (and in
             # the transaction) of ``conn``, in pipeline mode: those that need nothing
             # of each other's results share one round trip.
-            raw = await _driver(conn)
+            raw = await driver_connection(conn)
             async with raw.pipeline():
                 if marks:
                     await _mark_published(raw, marks)
@@ -429,28 +428,11 @@ class RunStore:
             ]
 
 
-async def _driver(conn: AsyncConnection) -> psycopg.AsyncConnection[Any]:
-    """The psycopg connection under ``conn``: the same session and transaction."""
-    fairy = await conn.get_raw_connection()
-    driver = fairy.driver_connection
-    if not isinstance(driver, psycopg.AsyncConnection):
-        raise TypeError(f"the run store needs psycopg's async driver, not {type(driver)}")
-    return driver
-
-
-async def _send(raw: psycopg.AsyncConnection[Any], query: str, params: dict[str, Any]) -> Cursor:
-    """Queue one statement in ``raw``'s pipeline; its rows are read once the pipeline
-    has synced (on leaving its block)."""
-    cur = raw.cursor(row_factory=namedtuple_row)
-    await cur.execute(query, params)
-    return cur
-
-
 async def _mark_published(
     raw: psycopg.AsyncConnection[Any], marks: Sequence[PublishedWrite]
 ) -> None:
     ordered = sorted(marks, key=lambda w: w.run_id)  # one lock order for every writer
-    await _send(
+    await send(
         raw,
         _MARK_PUBLISHED,
         {"ids": [w.run_id for w in ordered], "seqs": [w.seq for w in ordered]},
@@ -466,7 +448,7 @@ async def _claim(
     share the pipeline; a statement under READ COMMITTED sees what the claim's row locks
     waited for, as when it was sent after the claim's answer."""
     ids = [w.run_id for w in claims]
-    claiming = await _send(
+    claiming = await send(
         raw,
         _CLAIM,
         {
@@ -479,7 +461,7 @@ async def _claim(
             **sql.edges([RunStatus.RUNNING]),
         },
     )
-    seqs = await _send(raw, _NEXT_SEQS, {"ids": ids, "chunk": ChunkKind.CHUNK.value})
+    seqs = await send(raw, _NEXT_SEQS, {"ids": ids, "chunk": ChunkKind.CHUNK.value})
 
     async def read() -> dict[str, Claim]:
         won = {r.id: r for r in await claiming.fetchall()}
@@ -508,7 +490,7 @@ async def _owned(
     raw: psycopg.AsyncConnection[Any], parts: Sequence[ChunkWrite | FinishWrite]
 ) -> Read[list[tuple[ChunkWrite | FinishWrite, RunSteer]]]:
     """The parts whose fences still own their runs, each with its run's steer."""
-    owned = await _send(
+    owned = await send(
         raw,
         _OWNED,
         {
@@ -534,7 +516,7 @@ async def _insert_calls(
 ) -> Read[list[PricedCall]]:
     """Price and write the ledger rows of ``calls`` (schemas/ledger.py, the statement
     every writer of the ledger uses); those written, priced."""
-    rows = await _send(raw, _INSERT_CALLS, ledger.calls_params(calls)) if calls else None
+    rows = await send(raw, _INSERT_CALLS, ledger.calls_params(calls)) if calls else None
 
     async def read() -> list[PricedCall]:
         return ledger.priced_calls(await rows.fetchall()) if rows is not None else []
@@ -550,7 +532,7 @@ async def _insert_chunks(
     chunks = [c for w in parts for c in w.chunks]
     rows = None
     if chunks:
-        rows = await _send(
+        rows = await send(
             raw,
             _INSERT_CHUNKS,
             {
@@ -579,7 +561,7 @@ async def _insert_usage(
     calls = [(w.run_id, i, u) for w in finishes for i, u in enumerate(w.usage)]
     rows = None
     if calls:
-        rows = await _send(
+        rows = await send(
             raw,
             _INSERT_USAGE,
             {
@@ -609,7 +591,7 @@ async def _transition(
     targets = [t for _, t in moves]
     moved = None
     if moves:
-        moved = await _send(
+        moved = await send(
             raw,
             _TRANSITION,
             {

@@ -16,7 +16,7 @@ reports), so the rules cannot drift apart:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -26,6 +26,7 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from koda_runtime.db import for_driver
 from koda_runtime.lifecycle.ledger import BudgetState, LedgerCall, Period
 
 GROUPS = ("user", "day", "model", "kind")
@@ -220,14 +221,23 @@ _BUDGETS_OF = text(
 )
 
 
+# The same read for the psycopg connection itself (a pipeline's statement): parameter
+# ``users``; its rows go to budget_reads.
+BUDGETS_OF_DRIVER = for_driver(_BUDGETS_OF)
+
+
+def budget_reads(rows: Iterable[Any]) -> dict[str, BudgetRead]:
+    """The rows of the budget read, by user (users without a budget left out)."""
+    return {r.user_id: read for r in rows if (read := _budget_of(r)) is not None}
+
+
 async def budgets_of(conn: AsyncConnection, users: list[str]) -> dict[str, BudgetRead]:
     """The budget read of :func:`insert_run` for many users in one statement: each of
     ``users`` that has a budget, with its current periods' spend and soft alerts.
     Not locked, as there: runs admitted concurrently all see the same spend."""
     if not users:
         return {}
-    rows = (await conn.execute(_BUDGETS_OF, {"users": users})).all()
-    return {r.user_id: read for r in rows if (read := _budget_of(r)) is not None}
+    return budget_reads((await conn.execute(_BUDGETS_OF, {"users": users})).all())
 
 
 _SPENT = text(
