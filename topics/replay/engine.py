@@ -35,7 +35,7 @@ from koda_runtime.topics.replay.writer import BatchWriter
 
 log = logging.getLogger("koda.replay")
 
-POLL_RECORDS = 5000  # a poll of chunk records is one DuckDB query (chunk_polls.py)
+POLL_RECORDS = 20000  # a poll of chunk records is one DuckDB query (chunk_polls.py)
 POLL_TIMEOUT_S = 0.2
 # Records per sink transaction: each pays a commit and an outputs query over the run's
 # stored chunks, so fewer, larger ones replay faster (make bench-replay measures it).
