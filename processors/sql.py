@@ -43,14 +43,14 @@ BUMP_EPOCHS = text(
 
 # The predecessor test rides along: almost always false, and asking it here saves every
 # run a second query and connection checkout.
-LOAD_RUN = text(
+LOAD_RUNS = text(
     """
     SELECT r.id, r.user_id, r.session_id, r.status, r.input, r.attempt, r.fence,
            r.published_seq,
            EXISTS (SELECT 1 FROM runs p WHERE p.user_id = r.user_id
                       AND p.status = ANY(:open)
                       AND (p.created_at, p.id) < (r.created_at, r.id)) AS older_unfinished
-      FROM runs r WHERE r.id = :id
+      FROM runs r WHERE r.id = ANY(CAST(:ids AS text[]))
     """
 )
 

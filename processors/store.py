@@ -26,6 +26,7 @@ from koda_runtime.lifecycle.handler import Usage
 from koda_runtime.lifecycle.ledger import LedgerCall
 from koda_runtime.lifecycle.states import ACTIVE, OPEN, RunStatus
 from koda_runtime.processors import sql
+from koda_runtime.processors.coalesce import CoalescedReads
 from koda_runtime.schemas import ledger
 from koda_runtime.schemas.ledger import PricedCall, insert_calls
 
@@ -42,6 +43,7 @@ class Fence:
 
 
 # The group's statements as psycopg takes them (sent on the driver connection).
+_LOAD_RUNS = for_driver(sql.LOAD_RUNS)
 _MARK_PUBLISHED = for_driver(sql.MARK_PUBLISHED)
 _CLAIM = for_driver(sql.CLAIM)
 _NEXT_SEQS = for_driver(sql.NEXT_SEQS)
@@ -248,6 +250,7 @@ class RunStore:
         # BEGIN and ROLLBACK round trips (two of a run's ~26 before this).
         self.reader = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.observer: SteerObserver | None = None
+        self._loads: CoalescedReads[RunRow] = CoalescedReads(self._load_runs)
 
     def _observe(self, write: ChunkWrite | FinishWrite, steer: RunSteer) -> None:
         if self.observer is not None and steer.changed_for(write):
@@ -267,21 +270,36 @@ class RunStore:
             return {int(p): int(e) for p, e in rows}
 
     async def load_run(self, run_id: str) -> RunRow | None:
+        """The run's row, or None when there is no such run.
+
+        The runs asked for while a read is in flight are read together by the next one
+        (processors/coalesce.py): a poll's runs cost a statement or two, not one each.
+        """
+        return await self._loads.get(run_id)
+
+    async def _load_runs(self, ids: list[str]) -> dict[str, RunRow]:
+        # An id Postgres text cannot hold (NUL, a lone surrogate: a record's run_id is
+        # any string) names no run; sent, it would fail the read of every other run.
+        ids = [i for i in ids if _storable(i)]
+        if not ids:
+            return {}
         async with self.reader.connect() as conn:
-            row = (await conn.execute(sql.LOAD_RUN, {"id": run_id, "open": _OPEN})).first()
-        if row is None:
-            return None
-        return RunRow(
-            row.id,
-            row.user_id,
-            row.session_id,
-            RunStatus(row.status),
-            row.input,
-            row.attempt,
-            row.fence,
-            bool(row.older_unfinished),
-            row.published_seq,
-        )
+            raw = await driver_connection(conn)
+            rows = await (await send(raw, _LOAD_RUNS, {"ids": ids, "open": _OPEN})).fetchall()
+        return {
+            row.id: RunRow(
+                row.id,
+                row.user_id,
+                row.session_id,
+                RunStatus(row.status),
+                row.input,
+                row.attempt,
+                row.fence,
+                bool(row.older_unfinished),
+                row.published_seq,
+            )
+            for row in rows
+        }
 
     async def unfinished_predecessors(self, run: RunRow, limit: int = 50) -> list[RunRow]:
         """The user's runs created before ``run`` that are not terminal, oldest first.
@@ -610,3 +628,14 @@ async def _transition(
             _all_moved(len(await moved.fetchall()), len(moves), targets)
 
     return read
+
+
+def _storable(text: str) -> bool:
+    """Whether Postgres text can hold ``text``: no NUL, and valid UTF-8 once encoded."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

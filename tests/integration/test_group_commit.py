@@ -569,3 +569,19 @@ async def test_a_batch_postgres_already_holds_is_still_produced_whole(
         await writer.close()
     assert sent == [chunk_value(run, c.seq, c.kind.value, c.content, 1) for c in committed]
     assert len(futures) == 3
+
+
+async def test_runs_loaded_together_share_one_read_and_an_unstorable_id_fails_none(
+    db: Stack,
+) -> None:
+    await db.store.bump_epochs(TOPIC, [0], "w1")
+    ids = [(await new_run(db, 0))[0] for _ in range(4)]
+    reads_before = db.store._loads.reads
+    # A record's run_id may be any string: NUL and a lone surrogate name no run, and
+    # sent to Postgres they would fail the read of every run beside them.
+    asked = [*ids, "no-such-run", "nul\x00id", "\ud800"]
+    rows = await asyncio.gather(*(db.store.load_run(i) for i in asked))
+    assert [r.id if r is not None else None for r in rows] == [*ids, None, None, None]
+    assert all(r.status is RunStatus.PENDING and r.input == {} for r in rows[:4] if r)
+    # Asked in one turn of the loop, before the reader ran: one read for all seven.
+    assert db.store._loads.reads - reads_before == 1
