@@ -21,12 +21,28 @@ from typing import Any
 from koda_runtime.settings import Settings
 
 PARTITIONER = "murmur2_random"
+# A client that has reached no broker of its last known metadata for this long goes back
+# to bootstrap.servers (KIP-899/1102; librdkafka's default is 300 s). After a restart of
+# the only broker, a client can be left knowing no broker it will use: in a chaos run two
+# workers' runs consumers went silent for minutes while new clients connected at once.
+REBOOTSTRAP_AFTER_MS = 10_000
+
+
+def common_config(settings: Settings) -> dict[str, Any]:
+    """What every librdkafka client of koda's is given: the brokers, TLS/SASL, and the
+    rebootstrap bound (:data:`REBOOTSTRAP_AFTER_MS`)."""
+    return {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "metadata.recovery.strategy": "rebootstrap",
+        "metadata.recovery.rebootstrap.trigger.ms": REBOOTSTRAP_AFTER_MS,
+        **settings.kafka_security.librdkafka(),
+    }
 
 
 def producer_config(settings: Settings, role: str) -> dict[str, Any]:
     """An idempotent librdkafka producer (acks=all) that partitions like Java."""
     return {
-        "bootstrap.servers": settings.kafka_bootstrap,
+        **common_config(settings),
         "client.id": settings.names.client_id(role, _instance(settings)),
         "enable.idempotence": True,
         "acks": "all",
@@ -36,19 +52,17 @@ def producer_config(settings: Settings, role: str) -> dict[str, Any]:
         "message.timeout.ms": int(settings.publish_timeout_s * 1000),
         "socket.keepalive.enable": True,
         "allow.auto.create.topics": False,
-        **settings.kafka_security.librdkafka(),
     }
 
 
 def consumer_config(settings: Settings, role: str, group: str | None) -> dict[str, Any]:
     """A librdkafka consumer; manual commits only (``enable.auto.commit`` off)."""
     conf: dict[str, Any] = {
-        "bootstrap.servers": settings.kafka_bootstrap,
+        **common_config(settings),
         "client.id": settings.names.client_id(role, _instance(settings)),
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "allow.auto.create.topics": False,
-        **settings.kafka_security.librdkafka(),
     }
     if group is not None:
         conf["group.id"] = group

@@ -16,6 +16,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from koda_runtime.errors import TopicError
+from koda_runtime.kafka import common_config
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import TopicSpec, catalogue
 
@@ -39,9 +40,8 @@ class Drift:
 
 def admin_client(settings: Settings) -> AdminClient:
     conf: dict[str, Any] = {
-        "bootstrap.servers": settings.kafka_bootstrap,
+        **common_config(settings),
         "client.id": settings.names.client_id("admin", settings.worker_id.lower()[:40] or "cli"),
-        **settings.kafka_security.librdkafka(),
     }
     return AdminClient(conf)
 

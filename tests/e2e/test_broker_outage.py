@@ -186,3 +186,70 @@ def test_a_worker_stops_on_sigterm_while_the_broker_is_down(private_stack) -> No
         worker.kill()
         kafka_node_start(state, 1)
         sub.close()
+
+
+async def test_a_member_that_reaches_no_broker_for_long_is_built_again_and_rejoins(
+    private_stack,
+) -> None:
+    """The runs consumer is rebuilt once librdkafka's statistics have shown no broker
+    connection up for ``rebuild_after_s`` (a chaos run left two workers' consumers
+    without a single connection attempt after a broker restart, for minutes). Provoked
+    here with the broker away: the member is closed and built again, and once the
+    broker is back it joins the group again and reads what is produced after."""
+    state, info = private_stack
+    settings: Settings = make_settings(info)
+    apply_topics(settings)
+    topic = settings.names.topic(RUNS)
+    producer = Producer(producer_config(settings, "test"))
+
+    def produce(value: bytes) -> None:
+        for p in range(settings.partitions):
+            producer.produce(topic, value=value, partition=p)
+        assert producer.flush(60) == 0
+
+    produce(b"before")
+    fetched: list[Fetched] = []
+    assigned: list[list[int]] = []
+
+    class Hooks:
+        async def assigned(self, partitions: list[int]) -> None:
+            assigned.append(partitions)
+
+        async def revoked(self, partitions: list[int]) -> None:
+            pass
+
+        async def lost(self, partitions: list[int]) -> None:
+            pass
+
+    async def read(value: bytes) -> bool:
+        return sum(1 for f in fetched if f.value == value) >= settings.partitions
+
+    async def rebuilt() -> bool:
+        return intake.rebuilds > 0
+
+    group = settings.names.group("outage-rebuild")
+    intake = RunsIntake(
+        settings,
+        topic,
+        group,
+        deliver=fetched.extend,
+        hooks=Hooks(),
+        config={"statistics.interval.ms": 200},
+        rebuild_after_s=1.0,
+    )
+    intake.start()
+    try:
+        await async_wait_until(lambda: read(b"before"), timeout=60, what="the first records")
+        joins = len([a for a in assigned if a])
+        # Ten statistics reports with the broker up: a member that reaches it is kept.
+        await asyncio.sleep(2.0)
+        assert intake.rebuilds == 0
+        kafka_node_stop(state, 1)
+        await async_wait_until(rebuilt, timeout=60, what="the member to be built again")
+        kafka_node_start(state, 1)
+        produce(b"after")
+        await async_wait_until(lambda: read(b"after"), timeout=120, what="records after it")
+        assert len([a for a in assigned if a]) > joins  # it joined the group again
+    finally:
+        kafka_node_start(state, 1)
+        await intake.stop(20)

@@ -76,11 +76,20 @@ HOOK_WAIT_S = 0.005
 # How long the loop waits for the broker's answer to an offset commit; past it the
 # commit counts as not confirmed and the next flush sends the offsets again.
 COMMIT_ANSWER_S = 5.0
-# librdkafka's statistics, read only for the group state (readiness of an idle member).
+# librdkafka's statistics: the group state (readiness of an idle member) and whether
+# any broker connection is up (a member that reaches none for long is rebuilt).
 STATS_INTERVAL_MS = 5_000
+# A member none of whose broker connections has been up for this long is closed and
+# built again (see RunsIntake): longer than the group's session timeout, so the group
+# has already let it go, and than a broker's usual restart.
+REBUILD_AFTER_S = 30.0
 
 Call = Callable[[Consumer], Any]
 Offsets = tuple[tuple[int, int], ...]
+
+
+class MemberStalled(RuntimeError):
+    """The runs consumer has had no broker connection up for ``rebuild_after_s``."""
 
 
 class CommitAbandoned(Exception):
@@ -118,6 +127,17 @@ class RunsIntake:
     ``deliver(batch)`` runs on the loop for every fetched batch; ``hooks`` follow the
     assignment. :meth:`commit`, :meth:`seek`, :meth:`pause`, :meth:`resume` and
     :meth:`position` are for the loop's side.
+
+    **A member that lost every broker is rebuilt.** After a restart of the only broker,
+    a chaos run left two workers' runs consumers without a single connection attempt
+    for minutes (librdkafka logged nothing more for them, and their commits waited for
+    a coordinator for ever) while every other client of the same processes reconnected
+    at once. librdkafka's statistics (every ``STATS_INTERVAL_MS``) name the brokers and
+    the state of each connection; once none has been up for ``rebuild_after_s`` the
+    member is closed (its partitions go through the revoke hook, as on any close) and
+    built again, to rejoin the group. The group had let it go long before (the session
+    timeout is shorter), so nothing is taken from a live member.
+    ``rebuilds`` counts them.
     """
 
     def __init__(
@@ -130,11 +150,19 @@ class RunsIntake:
         hooks: RebalanceHooks,
         on_joined: Callable[[], None] | None = None,
         config: dict[str, Any] | None = None,
+        rebuild_after_s: float = REBUILD_AFTER_S,
     ) -> None:
         self.topic = topic
+        self.rebuild_after_s = rebuild_after_s
+        self.rebuilds = 0
+        # Thread-only: consecutive statistics reports that showed no broker connection up
+        # (counted in reports, not in time: a thread held by a long rebalance hook serves
+        # no statistics, and must not mistake that for an outage).
+        self._unconnected_reports = 0
         self.group = group
         self.protocol = settings.group_protocol
         self._config = runs_consumer_config(settings, group) | (config or {})
+        self._stats_interval_ms = int(self._config.get("statistics.interval.ms", STATS_INTERVAL_MS))
         self._hooks = hooks
         self._hook_timeout_s = settings.rebalance_timeout_s + 30.0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -359,10 +387,11 @@ class RunsIntake:
             self._config
             | {"error_cb": self._on_error, "stats_cb": self._on_stats}
             | {"on_commit": self._on_commit}
-            | {"statistics.interval.ms": STATS_INTERVAL_MS}
+            | {"statistics.interval.ms": self._stats_interval_ms}
         )
         self._consumer = consumer
         self._subscribed_at = time.monotonic()
+        self._unconnected_reports = 0
         try:
             consumer.subscribe(
                 [self.topic],
@@ -378,6 +407,13 @@ class RunsIntake:
             )
             while not self._stopping.is_set():
                 self._run_calls(consumer)
+                unconnected_s = self._unconnected_reports * self._stats_interval_ms / 1000
+                if unconnected_s >= self.rebuild_after_s:
+                    self.rebuilds += 1
+                    raise MemberStalled(
+                        f"no broker connection up for {self.rebuild_after_s:.0f} s: "
+                        "closing the runs consumer to build it again"
+                    )
                 messages = consumer.consume(MAX_BATCH, POLL_S)
                 batch = []
                 for m in messages:
@@ -433,12 +469,14 @@ class RunsIntake:
             pass  # the loop closed under us: the owner is stopping
 
     def _on_stats(self, raw: str) -> None:
-        if self.joined.is_set() or self._subscribed_at is None:
-            return
         try:
-            state = json.loads(raw).get("cgrp", {}).get("state")
+            stats = json.loads(raw)
         except ValueError:
             return
+        self._unconnected_reports = 0 if broker_up(stats) else self._unconnected_reports + 1
+        if self.joined.is_set() or self._subscribed_at is None:
+            return
+        state = stats.get("cgrp", {}).get("state")
         if state == "up" and time.monotonic() - self._subscribed_at > self._joined_after_s:
             self._joined()
 
@@ -538,3 +576,14 @@ class RunsIntake:
 
 def _offsets(tps: list[TopicPartition]) -> Offsets:
     return tuple(sorted((tp.partition, int(tp.offset)) for tp in tps))
+
+
+def broker_up(stats: dict[str, Any]) -> bool:
+    """Whether librdkafka's statistics show a broker connection in state UP (the
+    client's internal pseudo-broker does not count)."""
+    return any(
+        isinstance(b, dict)
+        and b.get("state") == "UP"
+        and not str(b.get("name", "")).endswith("/internal")
+        for b in (stats.get("brokers") or {}).values()
+    )
