@@ -242,3 +242,32 @@ async def test_a_partition_paused_when_it_left_is_fetched_when_it_comes_back(
         assert not {f.partition for f in a.fetched} - set(back)
     finally:
         await first.stop()
+
+
+async def test_a_record_is_handed_over_when_it_arrives_not_when_the_poll_times_out(
+    kafka_topics: Settings,
+) -> None:
+    """A lone record on a quiet topic reaches the loop at once. A batch consume waits
+    out its whole timeout unless the batch fills, which held every run of a quiet
+    partition up to the poll timeout before it started; with a 30 s poll the gap is
+    plain."""
+    env = kafka_topics
+    group = env.names.group("intake-prompt")
+    rec = Recorder("a")
+    intake = RunsIntake(
+        env, env.names.topic(RUNS), group, deliver=rec.deliver, hooks=rec, poll_s=30.0
+    )
+    rec.intake = intake
+    intake.start()
+    try:
+        await until(lambda: len(rec.held) == env.partitions, timeout=60, what="a holds all")
+        producer = Producer(producer_config(env, "test"))
+        producer.produce(env.names.topic(RUNS), value=b"lone", partition=0)
+        assert producer.flush(30) == 0
+        sent = time.monotonic()
+        await until(
+            lambda: any(f.value == b"lone" for f in rec.fetched), timeout=25, what="the record"
+        )
+        assert time.monotonic() - sent < 25  # well inside the poll's 30 s
+    finally:
+        await intake.stop()

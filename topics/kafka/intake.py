@@ -65,6 +65,7 @@ from koda_runtime.topics.kafka.tail import LoopFeed
 
 log = logging.getLogger("koda.worker")
 
+# How long a poll waits for a first record; it returns at once when one is there.
 POLL_S = 0.1
 MAX_BATCH = 200
 # Batches handed to the loop and not yet taken: above this the thread waits.
@@ -151,8 +152,10 @@ class RunsIntake:
         on_joined: Callable[[], None] | None = None,
         config: dict[str, Any] | None = None,
         rebuild_after_s: float = REBUILD_AFTER_S,
+        poll_s: float = POLL_S,
     ) -> None:
         self.topic = topic
+        self.poll_s = poll_s
         self.rebuild_after_s = rebuild_after_s
         self.rebuilds = 0
         # Thread-only: consecutive statistics reports that showed no broker connection up
@@ -414,7 +417,12 @@ class RunsIntake:
                         f"no broker connection up for {self.rebuild_after_s:.0f} s: "
                         "closing the runs consumer to build it again"
                     )
-                messages = consumer.consume(MAX_BATCH, POLL_S)
+                # poll() returns at the first record; what else is queued is taken with
+                # it. consume(n, timeout) waits out its whole timeout unless n records
+                # arrive, which held every run of a quiet partition up to POLL_S before
+                # it started (half of a lone run's time to first chunk, measured).
+                first = consumer.poll(self.poll_s)
+                messages = [] if first is None else [first, *consumer.consume(MAX_BATCH - 1, 0)]
                 batch = []
                 for m in messages:
                     err = m.error()
