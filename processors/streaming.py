@@ -124,6 +124,11 @@ class ChunkBatcher:
     def full(self) -> bool:
         return len(self.pending) >= self.max_size
 
+    @property
+    def first_output_pending(self) -> bool:
+        """Whether the run's first output (``→ streaming``) waits in the batch."""
+        return first_output(self.streaming, self.pending)
+
     async def flush(self) -> None:
         calls = self.book.due() if self.book is not None else []
         if not self.pending and not calls:
@@ -213,7 +218,9 @@ async def stream(
                     first = False
                 batcher.add(ChunkKind.CHUNK, str(item))
                 tally.unreported_chunks += 1
-            if batcher.full or window_s == 0:
+            # A run's first output is written at once: the time to first token is the
+            # wait a user feels, and the window would add up to window_s to it.
+            if batcher.full or window_s == 0 or batcher.first_output_pending:
                 await batcher.flush()
                 deadline = None
             elif deadline is None:

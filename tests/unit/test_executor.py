@@ -240,6 +240,25 @@ async def test_a_call_no_output_follows_is_billed_alone_within_the_window() -> N
     assert list(w.store.ledger.values()) == [call]  # the cut had nothing left to bill
 
 
+async def test_a_runs_first_output_is_written_at_once_and_the_rest_waits_for_the_window() -> None:
+    more = asyncio.Event()
+    w = World(
+        ScriptedHandler(["a", more.wait, "b", "c", more.wait, "d"]),
+        chunk_batch_size=32,
+        chunk_batch_ms=60_000,
+    )
+    w.store.add("r1")
+    task = asyncio.create_task(w.run("r1"))
+    # Written while the handler waits, long before a minute's window ends.
+    await loop_until(lambda: w.store.kinds("r1") == ["chunk"])
+    assert w.store.runs["r1"].status is RunStatus.STREAMING
+    more.set()
+    await task
+    batches = [w_ for group in w.store.groups for w_ in group if isinstance(w_, ChunkWrite)]
+    assert [[c.content for c in b.chunks] for b in batches] == [["a"]]  # b-d: the finish's
+    assert w.store.kinds("r1") == ["chunk", "chunk", "chunk", "chunk", "done"]
+
+
 async def test_a_partition_lost_mid_run_fences_the_run_out() -> None:
     async def lose_the_partition() -> None:
         await loop_until(lambda: len(w.store.messages_of["r1"]) >= 2)
