@@ -24,6 +24,7 @@ never from user ids, run ids or free text.
                   koda_sse_events_total{source}, koda_sse_viewers_cut_total{reason},
                   koda_sse_backfills_total{reason}, koda_sse_queued_bytes,
                   koda_live_feed_records_total, koda_live_feed_errors_total,
+                  koda_kafka_clients_rebuilt_total{client} (gateway and worker),
                   koda_workers{state}, koda_workers_expected
     ledger        koda_ledger_calls_total{outcome,estimated} (worker),
                   koda_budget_soft_alerts_total{period}, koda_budget_exhausted_users (gateway)
@@ -81,6 +82,7 @@ __all__ = [
     "SSE_QUEUED_BYTES",
     "SSE_VIEWERS_CUT",
     "LIVE_FEED_ERRORS",
+    "KAFKA_CLIENTS_REBUILT",
     "LIVE_FEED_RECORDS",
     "CHUNK_RUNS_COMPACTED",
     "CHUNKS_REPUBLISHED",
@@ -309,6 +311,14 @@ LIVE_FEED_RECORDS = Counter(
 LIVE_FEED_ERRORS = Counter(
     "koda_live_feed_errors_total",
     "Errors the live feed's consumer reported (it keeps running and reconnects).",
+    registry=REGISTRY,
+)
+KAFKA_CLIENTS_REBUILT = Counter(
+    "koda_kafka_clients_rebuilt_total",
+    "Kafka consumers closed and built again at what they had read, by client: `runs` "
+    "(the worker's group member, after 30 s with no broker connection up) or a tail's "
+    "role (after a fatal error, or 15 s with no broker answering).",
+    ["client"],
     registry=REGISTRY,
 )
 WORKERS = Gauge(

@@ -227,6 +227,7 @@ async def test_a_member_that_reaches_no_broker_for_long_is_built_again_and_rejoi
     async def rebuilt() -> bool:
         return intake.rebuilds > 0
 
+    rebuilt_before = metrics_value("runs")
     group = settings.names.group("outage-rebuild")
     intake = RunsIntake(
         settings,
@@ -250,6 +251,14 @@ async def test_a_member_that_reaches_no_broker_for_long_is_built_again_and_rejoi
         produce(b"after")
         await async_wait_until(lambda: read(b"after"), timeout=120, what="records after it")
         assert len([a for a in assigned if a]) > joins  # it joined the group again
+        assert metrics_value("runs") - rebuilt_before == intake.rebuilds
     finally:
         kafka_node_start(state, 1)
         await intake.stop(20)
+
+
+def metrics_value(client: str) -> float:
+    """koda_kafka_clients_rebuilt_total{client} in this process."""
+    from koda_runtime import metrics
+
+    return metrics.KAFKA_CLIENTS_REBUILT.labels(client=client)._value.get()

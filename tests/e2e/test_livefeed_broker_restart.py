@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from koda_runtime import metrics
 from koda_runtime.gateway.livefeed import LiveEvent, LiveFeed
 from koda_runtime.localstack import down, kafka_node_start, kafka_node_stop, up
 from koda_runtime.topics.admin import apply_topics
@@ -45,6 +46,8 @@ async def test_live_feed_survives_a_broker_restart() -> None:
                 lambda: collect(viewer, got, 3), timeout=60, what="records after the restart"
             )
             assert sorted(e.seq for e in got) == [0, 1, 2]  # each once, none lost
+            counted = metrics.KAFKA_CLIENTS_REBUILT.labels(client="gateway-feed")._value.get()
+            assert counted >= feed.rebuilds
         finally:
             await feed.stop()
     finally:

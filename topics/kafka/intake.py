@@ -59,6 +59,7 @@ from typing import Any, Protocol
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
 
+from koda_runtime import metrics
 from koda_runtime.kafka import runs_consumer_config
 from koda_runtime.settings import Settings
 from koda_runtime.topics.kafka.tail import LoopFeed
@@ -413,6 +414,7 @@ class RunsIntake:
                 unconnected_s = self._unconnected_reports * self._stats_interval_ms / 1000
                 if unconnected_s >= self.rebuild_after_s:
                     self.rebuilds += 1
+                    metrics.KAFKA_CLIENTS_REBUILT.labels(client="runs").inc()
                     raise MemberStalled(
                         f"no broker connection up for {self.rebuild_after_s:.0f} s: "
                         "closing the runs consumer to build it again"

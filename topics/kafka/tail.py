@@ -45,6 +45,7 @@ from typing import Any, Generic, Literal, TypeVar
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
 from prometheus_client import Counter
 
+from koda_runtime import metrics
 from koda_runtime.kafka import consumer_config
 from koda_runtime.settings import Settings
 
@@ -153,6 +154,7 @@ class TopicTail(Generic[T]):
         rebuild_after_s: float = REBUILD_AFTER_S,
     ) -> None:
         self.topic = topic
+        self.role = role
         self.rebuild_after_s = rebuild_after_s
         # Consumers built after the first (a fatal error, or no broker reached for
         # rebuild_after_s); read by tests and logged.
@@ -235,6 +237,7 @@ class TopicTail(Generic[T]):
                 consumer = Consumer(self._config)
                 if built:
                     self.rebuilds += 1
+                    metrics.KAFKA_CLIENTS_REBUILT.labels(client=self.role).inc()
                 built += 1
                 self._reached = False
                 self._consume(consumer)
