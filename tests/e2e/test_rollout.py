@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import ConsumerGroupState, Producer
+from confluent_kafka.admin import AdminClient
 
 from koda_runtime.kafka import producer_config
 from koda_runtime.processors.handlers.demo import demo_tokens
@@ -169,6 +170,38 @@ class Traffic:
         return [r for ids in self.ids.values() for r in ids]
 
 
+def settled(env: Settings, members: int) -> None:
+    """Until the workers' group has been Stable with ``members`` members, each holding
+    partitions, at two checks a second apart.
+
+    A rolling deploy signals an old worker once the new one is in; "assigned partitions"
+    in the new worker's log can come before the group's last round (the old members
+    still rejoining). The previous release (aiokafka inside Faust) signalled during that
+    round commits in its revoke callback, which the broker refuses while the group
+    rebalances; it is then dropped from the group after the rebalance timeout and its
+    consumer's stop waits as long again: it exits 0, but only after a minute. Signalling
+    a settled group tests the handoff, not that release's slow stop.
+    """
+    admin = AdminClient({"bootstrap.servers": env.kafka_bootstrap})
+    group = env.names.group(env.worker_group)
+
+    def stable() -> bool:
+        desc = admin.describe_consumer_groups([group])[group].result(10)
+        return (
+            desc.state == ConsumerGroupState.STABLE
+            and len(desc.members) == members
+            and all(m.assignment.topic_partitions for m in desc.members)
+        )
+
+    def twice() -> bool:
+        if not stable():
+            return False
+        time.sleep(1.0)
+        return stable()
+
+    wait_until(twice, timeout=90, interval=0.5, what=f"group stable with {members} members")
+
+
 def test_old_and_new_workers_roll_without_error_or_loss(env: Settings, old_tree: Path) -> None:
     procs: list[WorkerProcess] = []
 
@@ -193,11 +226,13 @@ def test_old_and_new_workers_roll_without_error_or_loss(env: Settings, old_tree:
             more_runs(15)
             n1 = start(WorkerProcess(env, "new-1"))
             wait_until(lambda: assigned(n1), timeout=60, what="new-1 joined")
+            settled(env, 3)
             o1.signal(15)
             assert o1.proc is not None and o1.proc.wait(40) == 0, o1.log()[-3000:]
             n2 = start(WorkerProcess(env, "new-2"))
             wait_until(lambda: assigned(n2), timeout=60, what="new-2 joined")
             more_runs(10)
+            settled(env, 3)
             o2.signal(15)
             assert o2.proc is not None and o2.proc.wait(40) == 0, o2.log()[-3000:]
             more_runs(10)
