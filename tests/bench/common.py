@@ -33,6 +33,7 @@ from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from koda_runtime.topics.catalogue import RUNS, partition_for_key
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.runs import group_settled
 
 TERMINAL = ("done", "failed", "cancelled")
 
@@ -130,13 +131,8 @@ def wait_group(settings: Settings, group: str, members: int, timeout: float = 12
     last = "unknown"
     while time.monotonic() < deadline:
         try:
-            desc = admin.describe_consumer_groups([group])[group].result(10)
-            last = f"{desc.state} members={len(desc.members)}"
-            if (
-                "STABLE" in str(desc.state).upper()
-                and len(desc.members) == members
-                and all(m.assignment.topic_partitions for m in desc.members)
-            ):
+            settled, last = group_settled(admin, group, members)
+            if settled:
                 return
         except Exception as exc:  # noqa: BLE001 - the group may not exist yet
             last = repr(exc)

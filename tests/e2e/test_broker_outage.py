@@ -261,4 +261,7 @@ def metrics_value(client: str) -> float:
     """koda_kafka_clients_rebuilt_total{client} in this process."""
     from koda_runtime import metrics
 
-    return metrics.KAFKA_CLIENTS_REBUILT.labels(client=client)._value.get()
+    sample = metrics.REGISTRY.get_sample_value(
+        "koda_kafka_clients_rebuilt_total", {"client": client}
+    )
+    return sample or 0.0

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import ConsumerGroupState, Producer
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from koda_runtime.kafka import producer_config
@@ -41,7 +41,7 @@ from koda_runtime.schemas.records import RUN_REQUESTED, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ
 from tests.fixtures.processes import ROOT, WorkerProcess
-from tests.fixtures.runs import Submitter, read_topic
+from tests.fixtures.runs import Submitter, group_settled, read_topic
 from tests.support import wait_until
 
 RELEASES = ROOT / "deploy" / "releases.txt"
@@ -186,12 +186,7 @@ def settled(env: Settings, members: int) -> None:
     group = env.names.group(env.worker_group)
 
     def stable() -> bool:
-        desc = admin.describe_consumer_groups([group])[group].result(10)
-        return (
-            desc.state == ConsumerGroupState.STABLE
-            and len(desc.members) == members
-            and all(m.assignment.topic_partitions for m in desc.members)
-        )
+        return group_settled(admin, group, members)[0]
 
     def twice() -> bool:
         if not stable():
