@@ -243,7 +243,7 @@ async def test_a_member_that_reaches_no_broker_for_long_is_built_again_and_rejoi
         await async_wait_until(lambda: read(b"before"), timeout=60, what="the first records")
         joins = len([a for a in assigned if a])
         # Ten statistics reports with the broker up: a member that reaches it is kept.
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(2.0)  # no rebuild meanwhile: an absence can only be waited out
         assert intake.rebuilds == 0
         kafka_node_stop(state, 1)
         await async_wait_until(rebuilt, timeout=60, what="the member to be built again")

@@ -191,7 +191,7 @@ def settled(env: Settings, members: int) -> None:
     def twice() -> bool:
         if not stable():
             return False
-        time.sleep(1.0)
+        time.sleep(1.0)  # no round started since: an absence can only be waited out
         return stable()
 
     wait_until(twice, timeout=90, interval=0.5, what=f"group stable with {members} members")
