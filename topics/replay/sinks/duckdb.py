@@ -128,11 +128,16 @@ class DuckDBSink(SqlSink):
     def upsert_batch(self, table: t.Table, batch: RowBatch) -> int:
         if table is not t.CHUNKS or not batch.chunk_parts:
             return super().upsert_batch(table, batch)
-        self.conn.register(INCOMING, batch.chunk_table())
-        try:
-            last = self.conn.sql(self.last_chunks_sql).to_arrow_table()
-        finally:
-            self.conn.unregister(INCOMING)
+        incoming = batch.chunk_table()
+        last = incoming.drop_columns(["part", "pos"])
+        if last.group_by(list(t.CHUNKS.key)).aggregate([]).num_rows < incoming.num_rows:
+            # A key more than once (a chunk written again): one statement may not update
+            # a row twice, so only the last of each key goes in.
+            self.conn.register(INCOMING, incoming)
+            try:
+                last = self.conn.sql(self.last_chunks_sql).to_arrow_table()
+            finally:
+                self.conn.unregister(INCOMING)
         self.conn.register(INCOMING, last)
         try:
             self.upsert_from(table, INCOMING)
