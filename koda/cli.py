@@ -206,7 +206,7 @@ def replay_command(
     follow: bool = typer.Option(False, "--follow", help="Keep reading new records until stopped."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Read and count; write nothing."),
     batch: int | None = typer.Option(
-        None, "--batch", min=1, help="Records per sink transaction (default 20,000)."
+        None, "--batch", min=1, help="Records per sink transaction (default 40,000)."
     ),
     max_rate: float | None = typer.Option(
         None, "--max-rate", min=1, help="At most this many records/s (spares the brokers)."
