@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
+from collections.abc import Iterable
 from datetime import UTC, date, datetime
+from operator import methodcaller
 from typing import Any, Protocol
 
 import pyarrow as pa
@@ -23,6 +25,12 @@ class Message(Protocol):
     def value(self) -> bytes | None: ...
     def headers(self) -> Any: ...
     def timestamp(self) -> tuple[int, int]: ...
+
+
+def read_all(msgs: Iterable[Message], part: str) -> list[Any]:
+    """``m.<part>()`` of every message, read by map(): no Python frame per record (a
+    poll is up to 20,000 of them)."""
+    return list(map(methodcaller(part), msgs))
 
 
 class RowBatch:

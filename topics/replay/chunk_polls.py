@@ -33,7 +33,6 @@ and compares the rows. The SQL is :func:`~koda_runtime.topics.replay.sql.decode_
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import methodcaller
 from typing import Any
 
 import duckdb
@@ -43,11 +42,9 @@ import pyarrow.compute as pc
 from koda_runtime.topics.replay import sql
 from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.arrow import arrow_schema
-from koda_runtime.topics.replay.batch import Message
+from koda_runtime.topics.replay.batch import Message, read_all
 
 POLL = "koda_poll"
-# A poll's keys and values read by map() (no Python frame per record).
-_KEY, _VALUE = methodcaller("key"), methodcaller("value")
 
 
 class ChunkPolls:
@@ -67,8 +64,8 @@ class ChunkPolls:
         try:
             poll = pa.table(
                 {
-                    "key": pa.array(list(map(_KEY, msgs)), pa.binary()),
-                    "value": pa.array(list(map(_VALUE, msgs)), pa.string()),
+                    "key": pa.array(read_all(msgs, "key"), pa.binary()),
+                    "value": pa.array(read_all(msgs, "value"), pa.string()),
                     "pos": pa.array(range(len(msgs)), pa.int32()),
                 }
             )

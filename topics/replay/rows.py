@@ -19,7 +19,7 @@ import base64
 import json
 from collections.abc import Sequence
 from datetime import date
-from operator import itemgetter, methodcaller
+from operator import itemgetter
 from typing import Any
 
 from koda_runtime.errors import RecordError
@@ -44,7 +44,14 @@ from koda_runtime.schemas.records import (
 from koda_runtime.schemas.specs import Field
 from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
 from koda_runtime.topics.replay import tables as t
-from koda_runtime.topics.replay.batch import Message, RowBatch, instant, run_day, uuid7_day
+from koda_runtime.topics.replay.batch import (
+    Message,
+    RowBatch,
+    instant,
+    read_all,
+    run_day,
+    uuid7_day,
+)
 from koda_runtime.topics.replay.chunk_polls import ChunkPolls, runs_and_days
 from koda_runtime.topics.replay.prices import PriceBook
 
@@ -127,7 +134,7 @@ class RecordDecoder:
         batch.records += len(msgs)
 
     def _all_chunks(self, msgs: Sequence[Message]) -> bool:
-        return bool(msgs) and list(map(_TOPIC, msgs)).count(self.chunk_topic) == len(msgs)
+        return bool(msgs) and read_all(msgs, "topic").count(self.chunk_topic) == len(msgs)
 
     def add(self, msg: Message, batch: RowBatch) -> None:
         batch.records += 1
@@ -368,11 +375,7 @@ _SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 def plain_chunk_poll(msgs: Sequence[Message]) -> bool:
     """No tombstone among ``msgs``, and every first header the current chunk schema
     (or none): records the per-record path reads as chunks if their values allow."""
-    return None not in list(map(_VALUE, msgs)) and _plain_chunk_headers(list(map(_HEADERS, msgs)))
-
-
-# A poll's fields read by map(), with no Python frame per record: a poll is 20,000.
-_VALUE, _HEADERS, _TOPIC = methodcaller("value"), methodcaller("headers"), methodcaller("topic")
+    return None not in read_all(msgs, "value") and _plain_chunk_headers(read_all(msgs, "headers"))
 
 
 def _plain_chunk_headers(headers: list[Any]) -> bool:
