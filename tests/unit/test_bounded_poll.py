@@ -54,7 +54,7 @@ def eof(tp: TP, offset: int) -> Message:
     )
 
 
-def offsets(msgs: list[Message]) -> list[tuple[TP, int]]:
+def offsets(msgs: list[Message]) -> list[tuple[object, object]]:
     return [((m.topic(), m.partition()), m.offset()) for m in msgs]
 
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import repeat
 from operator import is_not
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
@@ -189,8 +189,10 @@ class BoundedReader:
         # is_not, not ==: a KafkaError compared with None raises.
         if not batch or any(map(is_not, map(Message.error, batch), repeat(None))):
             return False  # an error or a partition's end among them
+        # Without an error a message has its topic, partition and offset; a partition's
+        # records come in offset order, so the dict keeps each partition's last one.
         tps = zip(map(Message.topic, batch), map(Message.partition, batch), strict=True)
-        last = dict(zip(tps, map(Message.offset, batch), strict=True))  # offset order
+        last = cast("dict[TP, int]", dict(zip(tps, map(Message.offset, batch), strict=True)))
         ends = self.ends
         if not all(
             tp in self.open and (ends is None or offset < ends[tp]) for tp, offset in last.items()
