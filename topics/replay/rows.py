@@ -110,7 +110,7 @@ class RecordDecoder:
             if part is not None:
                 batch.add_chunk_part(part, runs_and_days(part), len(msgs))
                 return
-        columns = chunk_columns(msgs) if plain else None
+        columns = _plain_poll_columns(msgs) if plain else None
         if columns is None:
             for msg in msgs:
                 self.add(msg, batch)
@@ -340,9 +340,14 @@ def chunk_columns(msgs: Sequence[Message]) -> tuple[list[Any], ...] | None:
     per-record path, which gives a bad record its reason."""
     if not plain_chunk_poll(msgs):
         return None  # a tombstone, or a header the per-record path reads further
-    values = [m.value() for m in msgs]
+    return _plain_poll_columns(msgs)
+
+
+def _plain_poll_columns(msgs: Sequence[Message]) -> tuple[list[Any], ...] | None:
+    """:func:`chunk_columns` of a poll that :func:`plain_chunk_poll` has passed."""
+    values = read_all(msgs, "value")
     try:
-        texts = [v.decode("utf-8") for v in values]  # type: ignore[union-attr]
+        texts = [v.decode("utf-8") for v in values]  # no tombstone: plain_chunk_poll passed
         # json.loads(text) is _SCAN(text, 0) once leading whitespace is skipped; a text
         # that is not exactly one JSON value without surrounding whitespace is refused.
         objs, ends = zip(*[_SCAN(text, 0) for text in texts], strict=True)
