@@ -75,6 +75,9 @@ __all__ = [
     "RUNS_CANCEL_REQUESTS",
     "RUNS_MERGED",
     "RUNS_IN_FLIGHT",
+    "RUNS_WAITING",
+    "PARTITION_QUEUE_AGE_SECONDS",
+    "INTAKE_PAUSED_PARTITIONS",
     "RUN_DURATION_SECONDS",
     "SSE_BACKFILLS",
     "SSE_CONNECTIONS",
@@ -142,6 +145,26 @@ QUEUE_AGE_SECONDS = Histogram(
 RUNS_IN_FLIGHT = Gauge(
     "koda_runs_in_flight",
     "Runs this process is executing right now.",
+    registry=REGISTRY,
+)
+RUNS_WAITING = Gauge(
+    "koda_runs_waiting",
+    "Records of this worker not started yet, by what they wait for: user_order (a run of "
+    "the same user is ahead), worker_full (a slot of KODA_MAX_INFLIGHT), model_cap (a "
+    "model call slot of KODA_MODEL_CONCURRENCY; the run is still pending).",
+    ["reason"],
+    registry=REGISTRY,
+)
+PARTITION_QUEUE_AGE_SECONDS = Gauge(
+    "koda_partition_queue_age_seconds",
+    "Age of the oldest record of a held runs partition that has not started (0: none).",
+    ["partition"],
+    registry=REGISTRY,
+)
+INTAKE_PAUSED_PARTITIONS = Gauge(
+    "koda_intake_paused_partitions",
+    "Runs partitions whose fetching this worker paused: their backlog reached "
+    "KODA_CHAIN_HIGH_WATER, or the worker's reached KODA_MAX_BACKLOG.",
     registry=REGISTRY,
 )
 RETRIES = Counter(

@@ -296,7 +296,33 @@ class Settings:
         0, "KODA_WORKER_PORT", "the worker's health and /metrics port (0: none)", lo=0, hi=65535
     )
     max_inflight: int = knob(
-        8, "KODA_MAX_INFLIGHT", "runs a worker executes at once", lo=1, hi=1024
+        256,
+        "KODA_MAX_INFLIGHT",
+        "runs a worker executes at once, of any users and partitions",
+        lo=1,
+        hi=4096,
+    )
+    max_backlog: int = knob(
+        0,
+        "KODA_MAX_BACKLOG",
+        "records a worker holds not yet started before it pauses fetching (0: 4 x "
+        "KODA_MAX_INFLIGHT)",
+        lo=0,
+        hi=1_000_000,
+    )
+    db_pool: int = knob(
+        8,
+        "KODA_DB_POOL",
+        "a worker's Postgres connections (group writes and reads; runs hold none)",
+        lo=2,
+        hi=256,
+    )
+    model_concurrency: int = knob(
+        0,
+        "KODA_MODEL_CONCURRENCY",
+        "model calls a worker makes at once per model (0: no cap but KODA_MAX_INFLIGHT)",
+        lo=0,
+        hi=4096,
     )
     event_loop: str = knob(
         "uvloop",

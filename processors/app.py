@@ -48,6 +48,8 @@ from koda_runtime.topics.kafka.offsets import GroupOffsetReader
 log = logging.getLogger("koda.worker")
 
 COMMIT_INTERVAL_S = 1.0
+# How often the per-partition queue ages are measured for /metrics.
+GAUGES_INTERVAL_S = 2.0
 # How long a stopping worker waits for its runs consumer to leave the group after the
 # drain and the final commit. Past it the process ends anyway: its partitions move when
 # the broker expires the member (one session timeout), and their next owner reads from
@@ -226,13 +228,19 @@ class WorkerRuntime:
         self.commits = commits
         self.membership = membership
         self.runs_topic = fences.runs_topic
+        self.gauges = BackgroundTask("queue-gauges", self._gauges_every)
+
+    async def _gauges_every(self) -> None:
+        while True:
+            self.chains.refresh_metrics()
+            await asyncio.sleep(GAUGES_INTERVAL_S)
 
     @property
     def assigned(self) -> set[int]:
         return self.fences.assigned
 
     def held(self) -> list[int]:
-        """The runs partitions this worker holds: fenced (assigned) or with a chain
+        """The runs partitions this worker holds: fenced (assigned) or with chains
         (draining)."""
         return sorted(set(self.fences.fences) | set(self.chains.held()))
 
@@ -360,7 +368,8 @@ class Dispatcher:
             return
         if not self.current(item):
             return  # the assignment changed while the cursor looked its base up
-        if rt.chains.dispatch(item, item.partition, item.offset):
+        created = item.created or None  # no timestamp: the queue age counts from now
+        if rt.chains.dispatch(item, item.partition, item.offset, item.key, created):
             rt.cursors.advance(item.partition, item.offset)
 
     async def _admit(self, item: Fetched) -> bool:
@@ -451,6 +460,7 @@ class KodaApp(faust.App):
         await self.prepare_group()
         self.dispatcher.task.start()
         self.runtime.commits.task.start()
+        self.runtime.gauges.start()
         self.intake.start()
 
     async def leave(self) -> None:
@@ -466,6 +476,7 @@ class KodaApp(faust.App):
             await rt.commits.flush()
         finally:
             await rt.commits.task.stop()
+            await rt.gauges.stop()
             await self.intake.stop(LEAVE_CLOSE_S)
             await self.dispatcher.task.stop()
 

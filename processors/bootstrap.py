@@ -80,9 +80,10 @@ def build_worker(settings: Settings, datadir: str) -> Worker:
     # No pre-ping: it is a round trip on every checkout, i.e. every transaction. A connection
     # that died in the pool fails its statement, SQLAlchemy discards it, and the
     # chain retries the record in place, as after any database error.
-    engine = async_engine(
-        settings, pool_size=settings.max_inflight + 2, pre_ping=False, pipelines=True
-    )
+    # Runs hold no connection while they stream: the pool serves the group writes (one
+    # group at a time), the coalesced run reads, fences, failure counts and the handler's
+    # own reads, so it is sized for those, not for runs in flight.
+    engine = async_engine(settings, pool_size=settings.db_pool, pre_ping=False, pipelines=True)
     store = RunStore(engine)
     handler = build_handler(settings, engine)
 
@@ -120,6 +121,7 @@ def build_worker(settings: Settings, datadir: str) -> Worker:
         is_fenced=lambda exc: isinstance(exc, FencedOut),
         high_water=settings.chain_high_water,
         low_water=max(1, settings.chain_high_water // 4),
+        max_backlog=settings.max_backlog or 4 * settings.max_inflight,
     )
     membership = GroupMembership(stuck_after_s=settings.rebalance_timeout_s)
     runtime = WorkerRuntime(settings, fences, chains, cursors, commits, membership)

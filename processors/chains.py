@@ -1,15 +1,28 @@
-"""One sequential chain per held partition, a worker-wide bound on runs in flight.
+"""One sequential chain per user key inside each held partition; a worker-wide bound on
+runs in flight.
 
-* The dispatcher never blocks: it appends to the partition's chain and pauses
-  fetching from a partition whose backlog reaches ``high_water`` (resumed below
-  ``low_water``), so memory stays bounded and one busy partition never stalls
-  the others.
-* A chain takes a slot of the worker-wide semaphore only while a run executes,
-  so a partition blocked on a long run does not hold slots for its backlog.
-* Acks happen strictly in offset order per partition (Faust commits up to the
-  first gap, and acking past a failed record would skip it).
-* ``drain`` (revoke, shutdown) stops starting work, waits for running work up to
-  a ceiling, cancels the rest and never acks it.
+The runs topic is keyed by user, so one partition interleaves many users. Per-user
+order needs only that one *user's* records run one at a time, in offset order: records
+of other users on the same partition run beside it. So every (partition, key) has its
+own chain, made when a record of that key arrives and gone once its queue is empty.
+
+* The dispatcher never blocks: it appends to the key's chain. Fetching pauses for a
+  partition whose records not yet started reach ``high_water`` (resumed at
+  ``low_water``), and for every held partition while the worker holds ``max_backlog``
+  records not yet started (resumed at half of it): memory stays bounded whatever
+  arrives, and one busy partition never stalls the others.
+* A chain takes a slot of the worker-wide semaphore only while a run executes, so a
+  user blocked on a long run holds no slot for the records queued behind it.
+* Acks happen in whatever order records end; the partition cursors commit only up to
+  the lowest offset not yet acked (processors/cursor.py), so the committed offset of
+  a partition is always its low-water mark: everything below it has ended.
+* ``drain`` (revoke, shutdown) stops starting work on the partitions it is given,
+  waits for their running work up to a ceiling, cancels the rest and never acks it.
+* A fenced-out record closes its whole partition: none of its chains acks again.
+
+Records waiting, by reason (``koda_runs_waiting{reason}``): ``user_order`` (behind a
+record of the same user), ``worker_full`` (first of its user, waiting for a slot);
+the executor counts ``model_cap`` itself.
 """
 
 from __future__ import annotations
@@ -17,16 +30,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from koda_runtime.lifecycle.handler import CancelToken
-from koda_runtime.metrics import RUNS_IN_FLIGHT
+from koda_runtime.metrics import (
+    INTAKE_PAUSED_PARTITIONS,
+    PARTITION_QUEUE_AGE_SECONDS,
+    RUNS_IN_FLIGHT,
+    RUNS_WAITING,
+)
 
 log = logging.getLogger("koda.worker")
 
-T = TypeVar("T")  # the Faust event (opaque here)
+T = TypeVar("T")  # the fetched record (opaque here)
 
 INFRA_RETRY_MAX_S = 10.0
 
@@ -36,23 +56,41 @@ class Item(Generic[T]):
     event: T
     partition: int
     offset: int
+    created: float  # when the record was written (unix seconds), for the queue age
 
 
 @dataclass
 class Chain:
-    """The sequential queue of one partition."""
+    """The sequential queue of one user key in one partition (records not started)."""
+
+    key: bytes | None
+    queue: deque[Item[Any]] = field(default_factory=deque)
+    task: asyncio.Task[None] | None = None
+    running: bool = False
+    started: bool = False  # its head record has started (and may be retrying)
+
+
+@dataclass
+class PartitionChains:
+    """The chains of one held partition."""
 
     partition: int
-    queue: asyncio.Queue[Item[Any] | None] = field(default_factory=asyncio.Queue)
-    task: asyncio.Task[None] | None = None
-    closed: bool = False
+    chains: dict[bytes | None, Chain] = field(default_factory=dict)
+    closed: bool = False  # fenced out or past the drain: nothing of it is acked again
+    stopping: bool = False  # draining: no new record starts
     paused: bool = False
+    waiting: int = 0  # records queued, not started
+    running: int = 0
     cancel: CancelToken = field(default_factory=CancelToken)
-    running: bool = False
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def oldest_waiting(self) -> float | None:
+        heads = [c.queue[0].created for c in self.chains.values() if c.queue]
+        return min(heads) if heads else None
 
 
 class ChainSet:
-    """The chains of every partition this worker holds."""
+    """The key chains of every partition this worker holds."""
 
     def __init__(
         self,
@@ -65,11 +103,13 @@ class ChainSet:
         is_fenced: Callable[[BaseException], bool],
         high_water: int = 64,
         low_water: int = 16,
+        max_backlog: int | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.slots = asyncio.Semaphore(max_inflight)
         self.max_inflight = max_inflight
         self.in_flight = 0
-        self.chains: dict[int, Chain] = {}
+        self.parts: dict[int, PartitionChains] = {}
         self.accepting = True
         self._process = process
         self._ack = ack
@@ -78,104 +118,221 @@ class ChainSet:
         self._is_fenced = is_fenced
         self.high_water = high_water
         self.low_water = low_water
+        self.max_backlog = max_backlog if max_backlog is not None else 4 * max_inflight
+        self.backlog_low = self.max_backlog // 2
+        self.full = False  # the worker-wide backlog paused every partition
+        self.not_started = 0
+        self.slot_waiters = 0
+        self._clock = clock
 
-    def dispatch(self, event: Any, partition: int, offset: int) -> bool:
-        """Queue ``event`` on its partition's chain; False if it was refused (not acked)."""
+    # --- arrival ------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        event: Any,
+        partition: int,
+        offset: int,
+        key: bytes | None = None,
+        created: float | None = None,
+    ) -> bool:
+        """Queue ``event`` on its key's chain; False if it was refused (not acked)."""
         if not self.accepting:
             return False
-        chain = self.chains.get(partition)
-        if chain is None:
-            chain = Chain(partition)
-            chain.task = asyncio.create_task(self._run(chain), name=f"chain-{partition}")
-            self.chains[partition] = chain
-        if chain.closed:
+        part = self.parts.get(partition)
+        if part is None:
+            part = self.parts[partition] = PartitionChains(partition)
+        if part.closed or part.stopping:
             return False
-        chain.queue.put_nowait(Item(event, partition, offset))
-        if chain.queue.qsize() >= self.high_water:
-            # Repeated on purpose: Faust's own buffer pressure may have resumed it.
-            chain.paused = True
-            self._flow(self._pause, partition)
+        chain = part.chains.get(key)
+        if chain is None:
+            chain = part.chains[key] = Chain(key)
+        when = self._clock() if created is None else created
+        chain.queue.append(Item(event, partition, offset, when))
+        part.waiting += 1
+        self.not_started += 1
+        if chain.task is None:
+            chain.task = asyncio.create_task(self._run(part, chain), name=f"chain-{partition}")
+            part.tasks.add(chain.task)
+        if part.waiting >= self.high_water:
+            # Repeated on purpose: a pause that reached the consumer after its assignment
+            # changed was dropped there.
+            self._set_paused(part, True)
+        if not self.full and self.not_started >= self.max_backlog:
+            self.full = True
+            for p in self.parts.values():
+                self._set_paused(p, True)
+        self._gauges()
         return True
 
-    def _flow(self, fn: Callable[[int], None], partition: int) -> None:
+    # --- flow control -------------------------------------------------------------
+
+    def _set_paused(self, part: PartitionChains, paused: bool) -> None:
+        was = part.paused
+        part.paused = paused
+        if paused != was:
+            INTAKE_PAUSED_PARTITIONS.inc() if paused else INTAKE_PAUSED_PARTITIONS.dec()
         # Flow control is an optimisation: a failure must never stop dispatching.
         try:
-            fn(partition)
+            (self._pause if paused else self._resume)(part.partition)
         except Exception:  # noqa: BLE001
-            log.exception("flow control failed partition=%d", partition)
+            log.exception("flow control failed partition=%d", part.partition)
 
-    async def _run(self, chain: Chain) -> None:
-        while True:
-            item = await chain.queue.get()
-            if item is None or chain.closed:
-                return
-            if chain.paused and chain.queue.qsize() <= self.low_water:
-                chain.paused = False
-                self._flow(self._resume, chain.partition)
-            delay = 0.2
-            failures = 0
-            while not chain.closed:
-                async with self.slots:
-                    self.in_flight += 1
+    def _started_one(self, part: PartitionChains) -> None:
+        part.waiting -= 1
+        self.not_started -= 1
+        if self.full and self.not_started <= self.backlog_low:
+            self.full = False
+            for p in self.parts.values():
+                if p.paused and p.waiting <= self.low_water:
+                    self._set_paused(p, False)
+        elif part.paused and not self.full and part.waiting <= self.low_water:
+            self._set_paused(part, False)
+
+    def _gauges(self) -> None:
+        RUNS_WAITING.labels(reason="worker_full").set(self.slot_waiters)
+        RUNS_WAITING.labels(reason="user_order").set(self.not_started - self.slot_waiters)
+
+    def queue_ages(self) -> dict[int, float]:
+        """Per held partition: the age of its oldest record not yet started (0: none)."""
+        now = self._clock()
+        ages = {}
+        for p, part in self.parts.items():
+            oldest = part.oldest_waiting()
+            ages[p] = 0.0 if oldest is None else max(0.0, now - oldest)
+        return ages
+
+    def refresh_metrics(self) -> None:
+        """The per-partition queue-age gauge (call every few seconds)."""
+        ages = self.queue_ages()
+        for p, age in ages.items():
+            PARTITION_QUEUE_AGE_SECONDS.labels(partition=str(p)).set(age)
+        self._gauges()
+
+    # --- one chain ----------------------------------------------------------------
+
+    async def _run(self, part: PartitionChains, chain: Chain) -> None:
+        try:
+            while chain.queue and not part.closed and not part.stopping:
+                if not await self._one(part, chain):
+                    return
+        finally:
+            chain.task = None
+            if part.chains.get(chain.key) is chain and not chain.queue:
+                del part.chains[chain.key]
+            part.tasks.discard(asyncio.current_task())
+
+    async def _one(self, part: PartitionChains, chain: Chain) -> bool:
+        """Run the head of ``chain`` until it may be acked; False: the chain must stop."""
+        item = chain.queue[0]
+        delay = 0.2
+        failures = 0
+        first = True
+        while not part.closed:
+            waiter = first  # a retry waiting for a slot again is not a record waiting
+            self.slot_waiters += waiter
+            self._gauges()
+            try:
+                await self.slots.acquire()
+            finally:
+                self.slot_waiters -= waiter
+            try:
+                if part.closed or (part.stopping and first):
+                    return False
+                if first:
+                    first = False
+                    chain.queue.popleft()
+                    chain.started = True
+                    self._started_one(part)
+                self.in_flight += 1
+                part.running += 1
+                chain.running = True
+                RUNS_IN_FLIGHT.set(self.in_flight)
+                self._gauges()
+                try:
+                    await self._process(item.event, item.partition, part.cancel)
+                except asyncio.CancelledError:
+                    return False  # cut off at the ceiling: never acked
+                except Exception as exc:  # noqa: BLE001 - the chain must survive
+                    if self._is_fenced(exc):
+                        log.warning("partition lost partition=%d: %s", part.partition, exc)
+                        part.closed = True
+                        return False
+                    # The traceback once per record; then one line per retry, so a
+                    # database or broker outage reads clearly and the log stays small.
+                    failures += 1
+                    log.warning(
+                        "record failed, will retry in ~%.1fs partition=%d offset=%d "
+                        "failures=%d error=%s: %s",
+                        delay,
+                        item.partition,
+                        item.offset,
+                        failures,
+                        type(exc).__name__,
+                        str(exc).splitlines()[0][:300] if str(exc) else "",
+                        exc_info=failures == 1,
+                    )
+                else:
+                    if not part.closed:
+                        self._ack(item.event)
+                    chain.started = False
+                    return True
+                finally:
+                    chain.running = False
+                    part.running -= 1
+                    self.in_flight -= 1
                     RUNS_IN_FLIGHT.set(self.in_flight)
-                    chain.running = True
-                    try:
-                        await self._process(item.event, item.partition, chain.cancel)
-                    except asyncio.CancelledError:
-                        return  # cut off at the ceiling: never acked
-                    except Exception as exc:  # noqa: BLE001 - the chain must survive
-                        if self._is_fenced(exc):
-                            log.warning("partition lost partition=%d: %s", chain.partition, exc)
-                            chain.closed = True
-                            return
-                        # The traceback once per record; then one line per retry, so a
-                        # database or broker outage reads clearly and the log stays small.
-                        failures += 1
-                        log.warning(
-                            "record failed, will retry in ~%.1fs partition=%d offset=%d "
-                            "failures=%d error=%s: %s",
-                            delay,
-                            item.partition,
-                            item.offset,
-                            failures,
-                            type(exc).__name__,
-                            str(exc).splitlines()[0][:300] if str(exc) else "",
-                            exc_info=failures == 1,
-                        )
-                    else:
-                        if not chain.closed:
-                            self._ack(item.event)
-                        break
-                    finally:
-                        chain.running = False
-                        self.in_flight -= 1
-                        RUNS_IN_FLIGHT.set(self.in_flight)
-                # Infrastructure trouble (database, broker): retry the same record,
-                # in place, so the partition keeps its order; bounded backoff.
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))  # noqa: S311
-                delay = min(INFRA_RETRY_MAX_S, delay * 2)
+            finally:
+                self.slots.release()
+            # Infrastructure trouble (database, broker): retry the same record, in
+            # place, so the user's order holds; only this user's chain waits.
+            await asyncio.sleep(delay * (0.5 + random.random() / 2))  # noqa: S311
+            delay = min(INFRA_RETRY_MAX_S, delay * 2)
+        return False
+
+    # --- handoff ------------------------------------------------------------------
 
     async def drain(self, partitions: Iterable[int], ceiling_s: float) -> dict[str, Any]:
-        """Stop the chains of ``partitions``; wait for running runs up to ``ceiling_s``.
+        """Stop the chains of ``partitions``; wait for their running runs up to
+        ``ceiling_s``.
 
-        Queued records are dropped unacked (the next owner reads them again).
-        Returns counts for logs and metrics.
+        Queued records are dropped unacked (the next owner reads them again from the
+        committed low-water mark). Returns counts for logs and metrics.
         """
-        doomed = [self.chains.pop(p) for p in list(partitions) if p in self.chains]
-        for chain in doomed:
-            while not chain.queue.empty():
-                chain.queue.get_nowait()
-            chain.queue.put_nowait(None)
-        tasks = [c.task for c in doomed if c.task is not None]
-        running = sum(1 for c in doomed if c.running)
+        doomed = [self.parts.pop(p) for p in list(partitions) if p in self.parts]
+        running = 0
+        for part in doomed:
+            part.stopping = True
+            running += part.running
+            for chain in part.chains.values():
+                dropped = len(chain.queue)
+                chain.queue.clear()
+                part.waiting -= dropped
+                self.not_started -= dropped
+            if part.paused:
+                part.paused = False
+                INTAKE_PAUSED_PARTITIONS.dec()
+            try:
+                PARTITION_QUEUE_AGE_SECONDS.remove(str(part.partition))
+            except KeyError:
+                pass  # never measured
+            for chain in part.chains.values():
+                if not chain.started and chain.task is not None:
+                    chain.task.cancel()  # waiting for a slot: nothing of it ran
+        if self.full and self.not_started <= self.backlog_low:
+            self.full = False
+            for p in self.parts.values():
+                if p.paused and p.waiting <= self.low_water:
+                    self._set_paused(p, False)
+        self._gauges()
+        tasks = [t for part in doomed for t in part.tasks]
         pending: set[asyncio.Task[None]] = set()
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=ceiling_s)
-        for chain in doomed:
-            chain.closed = True  # late completions never ack
-        for chain in doomed:
-            if chain.task in pending:
-                chain.cancel.cancel("handoff ceiling")
+        for part in doomed:
+            part.closed = True  # late completions never ack
+        for part in doomed:
+            if any(t in pending for t in part.tasks):
+                part.cancel.cancel("handoff ceiling")
         for task in pending:
             task.cancel()
         if pending:
@@ -183,4 +340,8 @@ class ChainSet:
         return {"partitions": len(doomed), "running": running, "cut_off": len(pending)}
 
     def held(self) -> list[int]:
-        return sorted(self.chains)
+        return sorted(self.parts)
+
+    def running_in(self, partition: int) -> int:
+        part = self.parts.get(partition)
+        return 0 if part is None else part.running

@@ -15,9 +15,11 @@ group writer) and to Kafka through a :class:`~koda_runtime.processors.ports.RunO
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,7 @@ from koda_runtime.metrics import (
     RETRIES,
     RUN_DURATION_SECONDS,
     RUNS,
+    RUNS_WAITING,
 )
 from koda_runtime.processors.billing import Billing
 from koda_runtime.processors.control import ControlBoard, RunControl
@@ -122,6 +125,38 @@ def _model_of(handler: Handler) -> str:
     return str(getattr(handler, "model", handler.name))
 
 
+class ModelSlots:
+    """The worker's cap on runs calling the model at once (``KODA_MODEL_CONCURRENCY``,
+    the provider's quota; 0: none but ``KODA_MAX_INFLIGHT``).
+
+    A run takes its slot before its claim and keeps it through its attempts, so a run
+    waiting here is still ``pending`` in Postgres and counted in
+    ``koda_runs_waiting{reason="model_cap"}``; the cluster's figure is workers x cap.
+    """
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.waiting = 0
+        self._sem = asyncio.Semaphore(cap) if cap > 0 else None
+
+    @contextlib.asynccontextmanager
+    async def hold(self) -> AsyncIterator[None]:
+        if self._sem is None:
+            yield
+            return
+        self.waiting += 1
+        RUNS_WAITING.labels(reason="model_cap").set(self.waiting)
+        try:
+            await self._sem.acquire()
+        finally:
+            self.waiting -= 1
+            RUNS_WAITING.labels(reason="model_cap").set(self.waiting)
+        try:
+            yield
+        finally:
+            self._sem.release()
+
+
 class RunExecutor:
     """Runs records through the lifecycle; one instance per worker process."""
 
@@ -139,6 +174,7 @@ class RunExecutor:
         self.board = ControlBoard()
         store.observer = self.board.observe
         self.billing = Billing(settings.cost_ledger, store, emitter, _model_of(handler))
+        self.model_slots = ModelSlots(settings.model_concurrency)
 
     async def process(self, record: Record, fence: Fence, cancel: CancelToken) -> None:
         """Do the record's work; return when it may be acked."""
@@ -166,11 +202,12 @@ class RunExecutor:
         await self._execute(record, run, fence)
 
     async def _execute(self, trigger: Trigger, run: RunRow, fence: Fence) -> None:
-        control = self.board.open(run.id)
-        try:
-            await self._attempts(trigger, run, fence, control)
-        finally:
-            self.board.close(run.id)
+        async with self.model_slots.hold():
+            control = self.board.open(run.id)
+            try:
+                await self._attempts(trigger, run, fence, control)
+            finally:
+                self.board.close(run.id)
 
     async def _attempts(
         self, trigger: Trigger, run: RunRow, fence: Fence, control: RunControl

@@ -57,7 +57,14 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Any, Protocol
 
-from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import (
+    OFFSET_INVALID,
+    TIMESTAMP_NOT_AVAILABLE,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
 
 from koda_runtime import metrics
 from koda_runtime.kafka import runs_consumer_config
@@ -111,6 +118,8 @@ class Fetched:
     value: bytes | None
     headers: Any
     generation: int
+    # When the record was written (unix seconds; 0.0 when the broker gave no timestamp).
+    created: float = 0.0
 
 
 class RebalanceHooks(Protocol):
@@ -441,6 +450,7 @@ class RunsIntake:
                             m.value(),
                             m.headers(),
                             self.generations.get(partition, 0),
+                            _created(m),
                         )
                     )
                 if batch:
@@ -582,6 +592,12 @@ class RunsIntake:
             self._last_error_log = now
             text = err.str() if isinstance(err, KafkaError) else str(err)
             log.warning("event=intake_error topic=%s error=%s", self.topic, text)
+
+
+def _created(m: Any) -> float:
+    """A message's timestamp in unix seconds, 0.0 when it has none."""
+    kind, ms = m.timestamp()
+    return ms / 1000.0 if kind != TIMESTAMP_NOT_AVAILABLE and ms > 0 else 0.0
 
 
 def _offsets(tps: list[TopicPartition]) -> Offsets:

@@ -1,0 +1,272 @@
+"""Users never wait for strangers, against the real broker and real workers.
+
+Records of different users on one runs partition run side by side; one user's runs run
+one after another in offset order; a partition's committed offset never passes a run
+that has not ended, through a kill -9 and a SIGTERM of a worker holding hundreds of
+runs of many users.
+
+Order is read from Postgres: ``started_at`` is a run's first claim and ``finished_at``
+its end, both written by the database's clock, so for a user's runs in submission
+order ``finished_at(r[k-1]) <= started_at(r[k])`` is the rule, whoever ran them.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
+
+from koda_runtime.schemas.records import decode_run_requested
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS, partition_for_key
+from tests.fixtures.processes import WorkerPool
+from tests.fixtures.runs import (
+    Submitter,
+    committed_offsets,
+    group_settled,
+    read_topic,
+    wait_terminal,
+)
+from tests.support import wait_until
+
+TERMINAL = ("done", "failed", "cancelled")
+TERMINAL_KINDS = ("done", "error", "cancelled")
+
+
+@pytest.fixture
+def workers(env: Settings) -> Iterator[WorkerPool]:
+    """The plugin's pool, killed at the end: some tests leave a worker mid-run."""
+    with WorkerPool(env, kill_at_end=True) as pool:
+        yield pool
+
+
+def settle(env: Settings, members: int) -> None:
+    admin = AdminClient({"bootstrap.servers": env.kafka_bootstrap})
+    group = env.names.group(env.worker_group)
+
+    def settled() -> bool:
+        try:
+            return group_settled(admin, group, members)[0]
+        except KafkaException:
+            return False  # the coordinator is still loading the group
+
+    wait_until(
+        settled,
+        timeout=60,
+        what=f"{members} workers holding partitions",
+    )
+
+
+def users_on_one_partition(env: Settings, prefix: str, count: int) -> list[str]:
+    """``count`` users whose runs all go to one partition."""
+    target = partition_for_key(f"{prefix}-0".encode(), env.partitions)
+    found, i = [], 0
+    while len(found) < count:
+        user = f"{prefix}-{i}"
+        if partition_for_key(user.encode(), env.partitions) == target:
+            found.append(user)
+        i += 1
+    return found
+
+
+def rows(sub: Submitter, ids: list[str]) -> dict[str, object]:
+    got = sub.query(
+        "SELECT id, user_id, status, attempt, created_at, started_at, first_chunk_at,"
+        " finished_at FROM runs WHERE id = ANY(:ids)",
+        ids=ids,
+    )
+    return {r.id: r for r in got}
+
+
+def order_violations(sub: Submitter, by_user: dict[str, list[str]]) -> list[str]:
+    """Each user's runs (in submission order) must start in that order, each after the
+    one before it ended."""
+    found = []
+    every = [r for ids in by_user.values() for r in ids]
+    table = rows(sub, every)
+    for user, ids in by_user.items():
+        for before, after in zip(ids, ids[1:], strict=False):
+            a, b = table[before], table[after]
+            if a.finished_at is None or b.started_at is None or a.finished_at > b.started_at:
+                found.append(
+                    f"{user}: {after} started {b.started_at} before {before} ended {a.finished_at}"
+                )
+    return found
+
+
+def seconds(a: object, b: object) -> float:
+    return (b - a).total_seconds()  # type: ignore[operator]
+
+
+def test_a_short_run_never_waits_behind_another_users_long_run(env, submitter, workers) -> None:
+    workers.start("a")
+    settle(env, 1)
+    slow, quick = users_on_one_partition(env, "lane", 2)
+    long_run = submitter.submit(
+        slow, {"text": "a minute", "demo": {"tokens": 60, "delay_ms": 1000}}
+    )
+    wait_until(
+        lambda: rows(submitter, [long_run])[long_run].status == "streaming",
+        timeout=30,
+        what="the long run streaming",
+    )
+    short_run = submitter.submit(quick, {"text": "short", "demo": {"tokens": 3, "delay_ms": 10}})
+    wait_terminal(submitter, [short_run], 30.0)
+    got = rows(submitter, [long_run, short_run])
+    b = got[short_run]
+    waited = seconds(b.created_at, b.first_chunk_at)
+    print(f"short run's first chunk {waited * 1000:.0f} ms after its submission")
+    assert got[long_run].status == "streaming"  # still a minute to go: nobody waited for it
+    assert b.status == "done"
+    assert waited < 1.0, waited
+
+
+def test_200_users_each_start_at_once_on_two_workers(env, submitter, workers) -> None:
+    workers.start("a")
+    workers.start("b")
+    settle(env, 2)
+    inp = {"text": "five seconds", "demo": {"tokens": 10, "delay_ms": 500}}
+    ids = [submitter.submit(f"crowd-{i}", inp) for i in range(200)]
+    wait_terminal(submitter, ids, 90.0)
+    got = list(rows(submitter, ids).values())
+    waits = sorted(seconds(r.created_at, r.started_at) for r in got)
+    first = sorted(seconds(r.created_at, r.first_chunk_at) for r in got)
+    span = seconds(min(r.created_at for r in got), max(r.finished_at for r in got))
+    print(
+        f"200 runs on 8 partitions: queue wait p50 {waits[100]:.3f} s max {waits[-1]:.3f} s;"
+        f" first chunk p50 {first[100]:.3f} s p99 {first[197]:.3f} s; last done after {span:.1f} s"
+    )
+    assert {r.status for r in got} == {"done"}
+    assert waits[-1] < 1.0, waits[-10:]
+    assert span < 10.0, span
+
+
+def test_one_users_ten_runs_keep_their_order_among_a_hundred_others(
+    env, submitter, workers
+) -> None:
+    workers.start("a")
+    workers.start("b")
+    settle(env, 2)
+    inp = {"text": "some words", "demo": {"tokens": 4, "delay_ms": 100}}
+    by_user: dict[str, list[str]] = defaultdict(list)
+    for k in range(10):
+        by_user["ten"].append(submitter.submit("ten", {**inp, "text": f"turn {k}"}))
+    partition = partition_for_key(b"ten", env.partitions)
+    others = [f"other-{i}" for i in range(100)]
+    for u in others:
+        by_user[u].append(submitter.submit(u, inp))
+    for k in range(10, 13):  # and some more behind the crowd
+        by_user["ten"].append(submitter.submit("ten", {**inp, "text": f"turn {k}"}))
+    every = [r for ids in by_user.values() for r in ids]
+    wait_terminal(submitter, every, 90.0)
+    sharing = [u for u in others if partition_for_key(u.encode(), env.partitions) == partition]
+    assert len(sharing) >= 5  # the ten runs' partition was shared
+    assert order_violations(submitter, by_user) == []
+    table = rows(submitter, every)
+    starts = [table[r].started_at for r in by_user["ten"]]
+    assert starts == sorted(starts)
+    # The crowd on the same partition did not wait for the ten: some of them started
+    # before the user's last run did.
+    last = table[by_user["ten"][-1]].started_at
+    assert any(table[by_user[u][0]].started_at < last for u in sharing)
+
+
+@dataclass
+class CommitWatch:
+    """Samples, every 0.2 s, the group's committed offsets and then the runs that have
+    ended; a committed offset must never lie past a record whose run had not ended."""
+
+    env: Settings
+    sub: Submitter
+    samples: list[tuple[dict[int, int], set[str]]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        group = self.env.names.group(self.env.worker_group)
+        topic = self.env.names.topic(RUNS)
+        while not self.stop.wait(0.2):
+            offsets = committed_offsets(self.env, group, topic)
+            ended = {
+                r.id
+                for r in self.sub.query(
+                    "SELECT id FROM runs WHERE status = ANY(:t)", t=list(TERMINAL)
+                )
+            }
+            self.samples.append((offsets, ended))
+
+    def violations(self) -> list[str]:
+        by_offset: dict[tuple[int, int], str] = {}
+        for msg in read_topic(self.env, self.env.names.topic(RUNS)):
+            req = decode_run_requested(msg.key(), msg.value(), msg.headers())
+            by_offset[(msg.partition(), msg.offset())] = req.run_id
+        found = []
+        for offsets, ended in self.samples:
+            for (p, o), run_id in by_offset.items():
+                if o < offsets.get(p, -1) and run_id not in ended:
+                    found.append(f"partition {p} committed {offsets[p]} past offset {o} ({run_id})")
+        return found
+
+
+def many_users_in_flight(env: Settings, sub: Submitter) -> dict[str, list[str]]:
+    """800 runs of 400 users (2 each, about 4 s apiece), submitted at once: each worker
+    has about 200 users' runs streaming at the same time."""
+    inp = {"text": "four seconds", "demo": {"tokens": 10, "delay_ms": 400}}
+    by_user: dict[str, list[str]] = defaultdict(list)
+    users = [f"many-{i}" for i in range(400)]
+    for k in range(2):
+        for u in users:
+            by_user[u].append(sub.submit(u, {**inp, "text": f"{u} turn {k}"}))
+    return by_user
+
+
+@pytest.mark.parametrize("how", ["kill", "sigterm"])
+def test_a_worker_stopped_with_hundreds_of_runs_in_flight_loses_none(
+    env, submitter, workers, how
+) -> None:
+    a = workers.start("a")
+    b = workers.start("b")
+    settle(env, 2)
+    watch = CommitWatch(env, submitter)
+    sampler = threading.Thread(target=watch.run, daemon=True)
+    sampler.start()
+    by_user = many_users_in_flight(env, submitter)
+    every = [r for ids in by_user.values() for r in ids]
+
+    def on_a() -> int:
+        return len(
+            submitter.query(
+                "SELECT id FROM runs WHERE worker_id = 'a' AND status = 'streaming'"
+                " AND id = ANY(:ids)",
+                ids=every,
+            )
+        )
+
+    wait_until(lambda: on_a() >= 150, timeout=60, what="a streaming many runs")
+    held = on_a()
+    if how == "kill":
+        a.kill()
+    else:
+        a.signal(signal.SIGTERM)
+        assert a.proc is not None and a.proc.wait(60) == 0, a.log()[-3000:]
+    wait_terminal(submitter, every, 120.0, b)
+    time.sleep(1.5)  # the last commits of the survivor, sampled
+    watch.stop.set()
+    sampler.join(10)
+    print(f"{how}: a held {held} runs streaming; {len(watch.samples)} commit samples")
+    table = rows(submitter, every)
+    assert {r.status for r in table.values()} == {"done"}
+    assert order_violations(submitter, by_user) == []
+    assert watch.violations() == []
+    assert len(watch.samples) > 10
+    # Each run ended once: one terminal message, its last, and its answer whole.
+    for run_id in every:
+        kinds = [m.kind for m in submitter.messages(run_id)]
+        assert kinds.count("done") == 1 and kinds[-1] == "done", (run_id, kinds)
+        assert sum(k in TERMINAL_KINDS for k in kinds) == 1, (run_id, kinds)
