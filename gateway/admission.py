@@ -121,6 +121,9 @@ class AdmissionQueue:
     with the batch's created runs, in arrival order, after the commit and before the
     next transaction starts, so records enqueued there keep admission order.
 
+    ``max_active`` is the cap on a user's runs not yet ended (0: none), applied by
+    :meth:`RunStore.admit_batch` under per-user locks.
+
     Each request gets its own answer: its run, its own refusal, or DatabaseError when
     the transaction failed (then nothing of the batch was written). A batch that fails
     on one request's data (not a lost connection) is tried again one request at a
@@ -133,11 +136,13 @@ class AdmissionQueue:
         committed: Committed,
         *,
         budgets: bool = True,
+        max_active: int = 0,
         max_batch: int = ADMIT_BATCH,
     ) -> None:
         self.store = store
         self.committed = committed
         self.budgets = budgets
+        self.max_active = max_active
         self.max_batch = max_batch
         self._queue: deque[_Waiting] = deque()
         self._flusher: asyncio.Task[None] | None = None
@@ -173,7 +178,9 @@ class AdmissionQueue:
     async def _admit(self, batch: list[_Waiting]) -> None:
         metrics.ADMISSION_BATCH_RUNS.observe(len(batch))
         try:
-            answers = await self.store.admit_batch([w.run for w in batch], budgets=self.budgets)
+            answers = await self.store.admit_batch(
+                [w.run for w in batch], budgets=self.budgets, max_active=self.max_active
+            )
         except DatabaseError as exc:
             if len(batch) == 1 or _lost_connection(exc):
                 for w in batch:
@@ -241,6 +248,7 @@ class Admissions:
         merge_window_s: float = 30.0,
         names: Names | None = None,
         budgets: bool = True,
+        max_active: int = 0,
     ) -> None:
         self.control = control
         self.merge_window_s = merge_window_s
@@ -253,7 +261,10 @@ class Admissions:
         self.publish_wait_s = publish_wait_s
         self._deliveries: dict[str, asyncio.Future[Delivery]] = {}
         self._marks = PublishedMarks(store)
-        self.queue = AdmissionQueue(store, self._publish_all, budgets=budgets)
+        self.max_active = max_active
+        self.queue = AdmissionQueue(
+            store, self._publish_all, budgets=budgets, max_active=max_active
+        )
 
     async def submit(
         self, user_id: str, request: RunRequest, client_key: str | None
@@ -261,15 +272,18 @@ class Admissions:
         """Persist the run for this key (or find the existing one) and publish a new one.
 
         Raises SessionNotOwned when the session belongs to another user, OverBudget when
-        the user has spent a budget, DatabaseError when Postgres fails. Nothing is
-        written in any of these cases.
+        the user has spent a budget, TooManyActiveRuns when the user already has
+        ``max_active`` runs not yet ended (0: no cap), DatabaseError when Postgres fails.
+        Nothing is written in any of these cases; a replay of an existing key is never
+        refused.
 
         Into a session whose latest run is running or streaming and younger than
         ``merge_window_s``, the message is merged into that run instead (the answer
         names that run, ``merged``); the worker executing it is signalled to start
-        over on the merged input. A merge is not a new run, so no budget refuses it:
-        like a run already running, it may take the user past the budget. A run that
-        has had ``max_claims`` claims takes no more merges (its rerun would be given up).
+        over on the merged input. A merge is not a new run, so neither a budget nor the
+        cap on active runs refuses it: like a run already running, it may take the user
+        past the budget. A run that has had ``max_claims`` claims takes no more merges
+        (its rerun would be given up).
         """
         key = idempotency_key_for(user_id, request, client_key)
         if request.session_id is not None and self.control is not None:

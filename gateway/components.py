@@ -143,6 +143,7 @@ def build_components(
             max_claims=claim_bound(settings.max_attempts),
             names=settings.names,
             budgets=settings.cost_ledger,
+            max_active=settings.max_active_runs_per_user,
         ),
         sweeper=Sweeper(
             store, pub, after_s=settings.sweep_after_s, interval_s=settings.sweep_interval_s

@@ -13,10 +13,12 @@ of domain errors (gateway/exceptions.py) to them.
     │   ├── InvalidField           422 a field of the body is missing or wrong
     │   ├── PaymentRequired        402 over a budget; names the budget, spend and reset
     │   ├── RateLimited            429 over the per-user quota; carries Retry-After
+    │   ├── ActiveRunsCapped       429 the user has KODA_MAX_ACTIVE_RUNS_PER_USER runs not
+    │   │                              yet ended; names the cap; carries Retry-After
     │   └── Unavailable            503 Postgres could not answer; carries Retry-After
     └── (domain errors)            see gateway/exceptions.py; :func:`http_error` maps
-                                   DatabaseError to 503, SessionNotOwned to 404 and
-                                   OverBudget to 402
+                                   DatabaseError to 503, SessionNotOwned to 404,
+                                   OverBudget to 402 and TooManyActiveRuns to 429
 
 Every error body is ``{"error": {"code", "message", "field"}}``; ``field`` names
 the body field or header at fault, or is null. Errors raised by FastAPI itself
@@ -35,7 +37,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from koda_runtime.errors import DatabaseError, KodaError
-from koda_runtime.gateway.exceptions import OverBudget, SessionNotOwned
+from koda_runtime.gateway.exceptions import OverBudget, SessionNotOwned, TooManyActiveRuns
 from koda_runtime.schemas.ledger import money
 
 log = logging.getLogger(__name__)
@@ -133,6 +135,40 @@ class RateLimited(GatewayError):
         self.retry_after_s = retry_after_s
 
 
+# Retry-After of a refusal for too many active runs. When a slot frees is not known (a
+# run ends when its handler does): a few seconds lets a client that retries resume soon
+# after one of its runs ends without asking many times a second meanwhile.
+ACTIVE_RUNS_RETRY_AFTER_S = 5
+ACTIVE_RUNS_SETTING = "KODA_MAX_ACTIVE_RUNS_PER_USER"
+
+
+class ActiveRunsCapped(GatewayError):
+    """A new run of a user who has the most runs not yet ended a user may have: the
+    body's ``error.active_runs`` names the setting, its value and the runs active."""
+
+    status = 429
+    code = "too_many_active_runs"
+
+    def __init__(self, cap: int, active: int) -> None:
+        super().__init__(
+            f"{active} of your runs are active (pending, running or streaming) and "
+            f"{ACTIVE_RUNS_SETTING}={cap} allows no more: retry after "
+            f"{ACTIVE_RUNS_RETRY_AFTER_S} s, or once one of them has ended",
+            headers={"Retry-After": str(ACTIVE_RUNS_RETRY_AFTER_S)},
+        )
+        self.cap = cap
+        self.active = active
+
+    def body(self) -> dict[str, Any]:
+        out = super().body()
+        out["error"]["active_runs"] = {
+            "setting": ACTIVE_RUNS_SETTING,
+            "cap": self.cap,
+            "active": self.active,
+        }
+        return out
+
+
 class Unavailable(GatewayError):
     status = 503
     code = "unavailable"
@@ -156,7 +192,12 @@ def payment_required(exc: OverBudget) -> PaymentRequired:
     )
 
 
-DOMAIN_ERRORS: tuple[type[KodaError], ...] = (DatabaseError, SessionNotOwned, OverBudget)
+DOMAIN_ERRORS: tuple[type[KodaError], ...] = (
+    DatabaseError,
+    SessionNotOwned,
+    OverBudget,
+    TooManyActiveRuns,
+)
 
 
 def http_error(exc: KodaError) -> GatewayError:
@@ -172,6 +213,8 @@ def http_error(exc: KodaError) -> GatewayError:
         return NotFound(str(exc), field="session_id")
     if isinstance(exc, OverBudget):
         return payment_required(exc)
+    if isinstance(exc, TooManyActiveRuns):
+        return ActiveRunsCapped(exc.cap, exc.active)
     raise TypeError(f"no HTTP answer is defined for {type(exc).__name__}")
 
 

@@ -5,7 +5,8 @@
     ├── Refused                the request is well formed but cannot be done; nothing
     │   │                      was written
     │   ├── SessionNotOwned    the session id names another user's session
-    │   └── OverBudget         a new run would break a spent budget (``over`` says which)
+    │   ├── OverBudget         a new run would break a spent budget (``over`` says which)
+    │   └── TooManyActiveRuns  the user has the most runs not yet ended that a user may have
     └── PublishError           the broker refused or did not acknowledge a record (the
                                sweeper publishes the run again later)
 
@@ -37,3 +38,13 @@ class OverBudget(Refused):
 
 class PublishError(KodaError):
     """The broker refused or did not acknowledge a record within its delivery timeout."""
+
+
+class TooManyActiveRuns(Refused):
+    """A new run refused: the user already has ``active`` runs not yet ended (pending,
+    running or streaming) and may have at most ``cap``. Nothing was written."""
+
+    def __init__(self, user_id: str, cap: int, active: int) -> None:
+        super().__init__(f"user {user_id} has {active} active runs (at most {cap})")
+        self.cap = cap
+        self.active = active

@@ -44,7 +44,9 @@ _ERRORS = error_responses(
         413: "Body larger than the limit",
         415: "Body is not application/json",
         422: "A field is missing or invalid",
-        429: "Over the per-user quota; see Retry-After",
+        429: "Over the per-user quota (`rate_limited`), or the user has "
+        "KODA_MAX_ACTIVE_RUNS_PER_USER runs not yet ended (`too_many_active_runs`, naming "
+        "the cap); see Retry-After",
         503: "Postgres is unavailable; see Retry-After",
     }
 )

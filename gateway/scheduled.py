@@ -8,6 +8,13 @@ arbiter, so any number of schedulers firing the same minute create one run, and 
 the one that created it publishes it (keyed by user, like the gateway).
 :func:`fire_many` does the same for a scheduler's batch with :meth:`RunStore.admit_many`,
 the same statement for many rows in one transaction.
+
+The cap on a user's active runs (KODA_MAX_ACTIVE_RUNS_PER_USER) refuses ``run-now``, a
+person's request answered 429 like ``POST /v1/runs``, but never the scheduler's fires:
+the scheduler advances ``next_fire_at`` past every minute it fired, so a refused fire
+would be lost. A cron fire is bounded by its schedule's own policies instead (one
+minute at most, ``overlap`` skip by default, ``daily_cap``), and its runs count toward
+the owner's cap for everything else the owner submits.
 """
 
 from __future__ import annotations
@@ -358,15 +365,17 @@ async def fire(
     partitions: int,
     key: str | None = None,
     budgets: bool = True,
+    max_active: int = 0,
 ) -> Fired:
     """Create the run of ``schedule`` for ``minute`` (once, whoever else tries) and publish it.
 
-    ``key`` defaults to :func:`fire_key`. Raises DatabaseError when Postgres fails and
-    OverBudget when the owner's budget is spent (then nothing was written); a failed
+    ``key`` defaults to :func:`fire_key`. Raises DatabaseError when Postgres fails,
+    OverBudget when the owner's budget is spent and TooManyActiveRuns when the owner has
+    ``max_active`` runs not yet ended (0: no cap); then nothing was written. A failed
     publish leaves the run pending for the sweeper.
     """
     new = scheduled_run(schedule, minute, partitions=partitions, key=key)
-    run = await store.admit(new, budgets=budgets)
+    run = await store.admit(new, budgets=budgets, max_active=max_active)
     if not run.created:
         return Fired(run, None)
     return Fired(run, publish_scheduled(publisher, run, new))

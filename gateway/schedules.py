@@ -74,6 +74,8 @@ _ERRORS = error_responses(
         415: "Body is not application/json",
         402: "run-now: the owner's budget is spent (names the budget, spend and reset)",
         422: "A field is missing or invalid",
+        429: "run-now: the owner has KODA_MAX_ACTIVE_RUNS_PER_USER runs not yet ended; "
+        "see Retry-After",
         503: "Postgres is unavailable; see Retry-After",
     }
 )
@@ -384,6 +386,7 @@ async def run_schedule_now(row: Owned, gw: Gateway) -> ScheduledRun:
         partitions=gw.settings.partitions,
         key=f"sched:{row.id}:now:{uuid7()}",
         budgets=gw.settings.cost_ledger,
+        max_active=gw.settings.max_active_runs_per_user,
     )
     if fired.delivery is not None:
         # As POST /v1/runs: wait briefly for the ack; a slow or failed publish is the

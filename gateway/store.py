@@ -6,6 +6,14 @@ transaction is rolled back (so a replay writes nothing, not even a session) and
 the existing run is read back. Postgres's unique index serialises concurrent
 requests with one key: the losers wait for the winner's commit, then see its row.
 There is no check-then-insert anywhere.
+
+The cap on a user's active runs (``max_active``, KODA_MAX_ACTIVE_RUNS_PER_USER) is the
+one count admission makes, and it is made under a lock: the transaction first takes a
+per-user advisory transaction lock (``_LOCK_USERS``), then counts the user's runs not
+yet ended in a statement of its own, so that the count sees every run committed by the
+previous holder. Two gateways, or two requests, admitting runs of one user take turns
+from the lock to their commit, and none can pass the cap. Replays are answered before
+the cap is applied: a request whose key has a run gets that run, never a refusal.
 """
 
 from __future__ import annotations
@@ -23,7 +31,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda_runtime.db import driver_connection, for_driver, send
 from koda_runtime.errors import DatabaseError
-from koda_runtime.gateway.exceptions import OverBudget, Refused, SessionNotOwned
+from koda_runtime.gateway.exceptions import (
+    OverBudget,
+    Refused,
+    SessionNotOwned,
+    TooManyActiveRuns,
+)
 from koda_runtime.lifecycle.chunks import TERMINAL_KINDS
 from koda_runtime.lifecycle.ledger import Period, exceeded, soft_crossed
 from koda_runtime.lifecycle.states import RunStatus
@@ -216,6 +229,30 @@ _RUNS_BY_KEY = text(
      WHERE idempotency_key = ANY(CAST(:keys AS text[]))
     """
 )
+# The cap on active runs. The lock comes first in its transaction, users in the order of
+# their lock keys, so two transactions locking overlapping users never wait in a cycle;
+# the key is the schema's and the user's (namespaces of one database do not share it).
+# Postgres evaluates the volatile lock after the ORDER BY.
+_LOCK_USERS = text(
+    """
+    SELECT pg_advisory_xact_lock(k.key)
+      FROM (SELECT DISTINCT hashtextextended(current_schema() || '/active-runs/' || u, 0) AS key
+              FROM unnest(CAST(:users AS text[])) AS u) AS k
+     ORDER BY k.key
+    """
+)
+# A statement of its own, after the lock: under READ COMMITTED its snapshot is taken
+# once the lock is held. The statuses are those of OPEN (koda/lifecycle/states.py), and
+# ``ix_runs_open_user_id`` (migration 0010) holds only those runs, with this very
+# predicate (tests/unit/test_gateway_active_cap.py holds the three to one another).
+_ACTIVE_RUNS = text(
+    """
+    SELECT user_id, count(*) AS n FROM runs
+     WHERE user_id = ANY(CAST(:users AS text[]))
+       AND status IN ('pending', 'running', 'streaming')
+     GROUP BY user_id
+    """
+)
 # One array parameter: an IN list of hundreds of bound values costs more to build and
 # bind than the update itself.
 _MARK_PUBLISHED = text("UPDATE runs SET published_at = now() WHERE id = ANY(CAST(:ids AS text[]))")
@@ -226,6 +263,8 @@ _SESSION_OWNERS_SQL = for_driver(_SESSION_OWNERS)
 _ADMIT_RUNS_SQL = for_driver(_ADMIT_RUNS)
 _RUNS_BY_KEY_SQL = for_driver(_RUNS_BY_KEY)
 _DROP_SESSIONS_SQL = for_driver(_DROP_SESSIONS)
+_LOCK_USERS_SQL = for_driver(_LOCK_USERS)
+_ACTIVE_RUNS_SQL = for_driver(_ACTIVE_RUNS)
 
 
 class RunStore:
@@ -242,18 +281,20 @@ class RunStore:
         except (SQLAlchemyError, OSError) as exc:
             raise DatabaseError(f"postgres is unreachable: {type(exc).__name__}") from exc
 
-    async def admit(self, run: NewRun, *, budgets: bool = True) -> AdmittedRun:
+    async def admit(self, run: NewRun, *, budgets: bool = True, max_active: int = 0) -> AdmittedRun:
         """Insert ``run`` unless its idempotency key exists; either way return the key's run.
 
-        Raises SessionNotOwned when ``run.session_id`` belongs to another user, and OverBudget
-        (nothing written) when the user has spent a budget and the key is new: a replay
-        of an admitted run still answers with that run. ``budgets=False`` skips the read.
+        Raises SessionNotOwned when ``run.session_id`` belongs to another user, OverBudget
+        (nothing written) when the user has spent a budget and the key is new, and
+        TooManyActiveRuns (nothing written) when the key is new and the user already has
+        ``max_active`` runs not yet ended (0: no cap): a replay of an admitted run still
+        answers with that run. ``budgets=False`` skips the budget read.
         """
         for _ in range(_ADMIT_ATTEMPTS):
             try:
                 try:
-                    inserted = await self._insert(run, budgets)
-                except OverBudget:
+                    inserted = await self._insert(run, budgets, max_active)
+                except (OverBudget, TooManyActiveRuns):
                     existing = await self._by_key(run.idempotency_key)
                     if existing is None:
                         raise
@@ -270,15 +311,22 @@ class RunStore:
         )
 
     async def admit_batch(
-        self, batch: list[NewRun], *, budgets: bool = True
+        self, batch: list[NewRun], *, budgets: bool = True, max_active: int = 0
     ) -> list[AdmittedRun | Refused | None]:
         """:meth:`admit` for many requests at once, in one transaction of three round trips.
 
         The i-th answer is ``batch[i]``'s: its run (created, or the run its key already
-        had), SessionNotOwned or OverBudget (nothing of it written), or None when its key
-        conflicted with a run that has vanished since (deleted by hand: try it again).
+        had), SessionNotOwned, OverBudget or TooManyActiveRuns (nothing of it written), or
+        None when its key conflicted with a run that has vanished since (deleted by hand:
+        try it again).
         One request's refusal or replay never fails another's. Raises DatabaseError when
         the transaction fails: then nothing of any request is written.
+
+        With ``max_active`` (0: no cap) the batch's users are locked first and their runs
+        not yet ended counted under the locks; a user's new keys take the room left in
+        arrival order, and the rest are refused. When a user asks for more than the room,
+        the keys of that user's requests are read first (one more round trip), so that a
+        replay neither takes room nor is refused.
 
         The rules are :meth:`admit`'s, statement by statement: sessions upserted, the
         sessions named by the requests read for their owner, the users' budgets read
@@ -299,7 +347,7 @@ class RunStore:
         try:
             async with self.engine.begin() as conn:
                 raw = await driver_connection(conn)
-                await _admit_batch(raw, batch, budgets, answers)
+                await _admit_batch(raw, batch, budgets, max_active, answers)
         except (SQLAlchemyError, psycopg.Error) as exc:
             raise DatabaseError(f"admitting runs failed: {type(exc).__name__}") from exc
         return answers
@@ -312,6 +360,10 @@ class RunStore:
         already had one (nothing of it is kept, not even its new session). Sessions are
         not owner-checked here: each run's is either new (``create_session``) or one the
         caller verified belongs to the user.
+
+        No cap on active runs applies: this is the scheduler's insert, and the scheduler
+        moves past a minute once it has fired it, so a refusal here would lose that
+        minute. Its runs count toward the owner's cap for every other admission.
         """
         if not batch:
             return []
@@ -336,11 +388,18 @@ class RunStore:
             for r in batch
         ]
 
-    async def _insert(self, run: NewRun, budgets: bool) -> AdmittedRun | None:
+    async def _insert(self, run: NewRun, budgets: bool, max_active: int) -> AdmittedRun | None:
         async with self.engine.connect() as conn:
             trans = await conn.begin()
             soft: tuple[Period, ...] = ()
             try:
+                if max_active:
+                    # The lock first, then the count in a statement of its own.
+                    await conn.execute(_LOCK_USERS, {"users": [run.user_id]})
+                    row = (await conn.execute(_ACTIVE_RUNS, {"users": [run.user_id]})).first()
+                    active = 0 if row is None else int(row.n)
+                    if active >= max_active:
+                        raise TooManyActiveRuns(run.user_id, max_active, active)
                 if run.create_session:
                     await conn.execute(
                         sessions.insert().values(id=run.session_id, user_id=run.user_id)
@@ -575,32 +634,40 @@ async def _admit_batch(
     raw: psycopg.AsyncConnection[Any],
     batch: list[NewRun],
     budgets: bool,
+    max_active: int,
     answers: list[AdmittedRun | Refused | None],
 ) -> None:
     """:meth:`RunStore.admit_batch`'s statements, on the driver connection ``raw``."""
     owners = {r.session_id: r.user_id for r in sorted(batch, key=lambda r: r.session_id)}
     named = sorted({r.session_id for r in batch if not r.create_session})
     users = sorted({r.user_id for r in batch}) if budgets else []
+    capped = sorted({r.user_id for r in batch}) if max_active else []
     async with raw.pipeline():
+        if capped:
+            # First in the transaction: the count below is read under the users' locks.
+            await send(raw, _LOCK_USERS_SQL, {"users": capped})
         making = await send(
             raw, _BATCH_SESSIONS_SQL, {"sids": list(owners), "uids": list(owners.values())}
         )
         naming = await send(raw, _SESSION_OWNERS_SQL, {"sids": named}) if named else None
         reading = await send(raw, ledger.BUDGETS_OF_DRIVER, {"users": users}) if users else None
+        counting = await send(raw, _ACTIVE_RUNS_SQL, {"users": capped}) if capped else None
     made = {row.id for row in await making.fetchall()}
     if naming is not None:
         owners.update({row.id: row.user_id for row in await naming.fetchall()})
     reads = ledger.budget_reads(await reading.fetchall()) if reading is not None else {}
+    active = {row.user_id: int(row.n) for row in await counting.fetchall()} if counting else {}
     now = datetime.now(UTC)
     over = {user: e for user, b in reads.items() if (e := exceeded(b.state, now)) is not None}
-    insert: list[int] = []
+    eligible: list[int] = []
     for i, run in enumerate(batch):
         if owners[run.session_id] != run.user_id:
             answers[i] = SessionNotOwned(
                 "session not found: omit session_id to start a new session"
             )
         elif run.user_id not in over:
-            insert.append(i)
+            eligible.append(i)
+    insert = await _within_cap(raw, batch, eligible, active, max_active, answers)
     insert.sort(key=lambda i: batch[i].idempotency_key)
     created: dict[str, Any] = {}
     if insert:
@@ -629,14 +696,68 @@ async def _admit_batch(
             if answers[i] is not None:
                 continue
             if (row := found.get(run.idempotency_key)) is not None:
-                answers[i] = AdmittedRun(
-                    row.id, row.user_id, row.session_id, row.status, row.created_at, False
-                )
+                answers[i] = _replayed(row)
             elif run.user_id in over:
                 answers[i] = OverBudget(run.user_id, over[run.user_id])
     kept = {a.session_id for a in answers if isinstance(a, AdmittedRun) and a.created}
     if lost := sorted(made - kept):
         await send(raw, _DROP_SESSIONS_SQL, {"sids": lost})
+
+
+async def _within_cap(
+    raw: psycopg.AsyncConnection[Any],
+    batch: list[NewRun],
+    eligible: list[int],
+    active: dict[str, int],
+    max_active: int,
+    answers: list[AdmittedRun | Refused | None],
+) -> list[int]:
+    """The requests of ``eligible`` to insert, given each user's ``active`` runs (read
+    under the users' locks) and the cap ``max_active`` (0: none).
+
+    A user's new keys take the room left in arrival order; two requests with one key take
+    one place. The requests past the room are answered TooManyActiveRuns. When a user
+    asks for more keys than the room, those keys are read first: a key that has a run is
+    a replay, answered with that run, and takes no room. Under the user's lock no other
+    admission can insert one of that user's keys meanwhile.
+    """
+    if not max_active:
+        return eligible
+    room = {u: max_active - active.get(u, 0) for u in {batch[i].user_id for i in eligible}}
+    asked: dict[str, set[str]] = {}
+    for i in eligible:
+        asked.setdefault(batch[i].user_id, set()).add(batch[i].idempotency_key)
+    short = sorted(k for u, keys in asked.items() if len(keys) > room[u] for k in keys)
+    existing: dict[str, Any] = {}
+    if short:
+        rows = await send(raw, _RUNS_BY_KEY_SQL, {"keys": short})
+        existing = {row.idempotency_key: row for row in await rows.fetchall()}
+    insert: list[int] = []
+    placed: set[str] = set()
+    refused: list[int] = []
+    for i in eligible:
+        run = batch[i]
+        key = run.idempotency_key
+        if (row := existing.get(key)) is not None:
+            answers[i] = _replayed(row)
+        elif key in placed:
+            insert.append(i)
+        elif room[run.user_id] > 0:
+            room[run.user_id] -= 1
+            placed.add(key)
+            insert.append(i)
+        else:
+            refused.append(i)
+    for i in refused:
+        # The user's room is spent: the runs active once this batch commits.
+        user = batch[i].user_id
+        answers[i] = TooManyActiveRuns(user, max_active, max(max_active, active.get(user, 0)))
+    return insert
+
+
+def _replayed(row: Any) -> AdmittedRun:
+    """The answer to a request whose key already had a run (``_RUNS_BY_KEY``'s row)."""
+    return AdmittedRun(row.id, row.user_id, row.session_id, row.status, row.created_at, False)
 
 
 def _run_params(ordered: list[NewRun]) -> dict[str, list[Any]]:

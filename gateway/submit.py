@@ -2,7 +2,10 @@
 
 :func:`accept` is the endpoint's whole behaviour. It checks, in order: bearer token
 (401), per-user quota (429), content type (415), ``Idempotency-Key`` (400), size (413),
-UTF-8 and JSON (400), fields (422). Then it admits the run. Every refusal happens
+UTF-8 and JSON (400), fields (422). Then it admits the run, which a session of
+another user (404), a spent budget (402) or the user's runs not yet ended reaching
+KODA_MAX_ACTIVE_RUNS_PER_USER (429, ``too_many_active_runs``) still refuse, unless the
+key already has a run (a replay answers that run). Every refusal happens
 before anything is written and is counted in ``koda_admissions_rejected_total{reason}``
 (reason = the error code; a Postgres outage, answered 503, counts as ``unavailable``).
 

@@ -204,6 +204,14 @@ class Settings:
         20.0, "KODA_RATE_PER_S", "submissions per user per second", lo=0.01, hi=1e6
     )
     rate_burst: int = knob(40, "KODA_RATE_BURST", "a user's burst of submissions", lo=1, hi=1e6)
+    max_active_runs_per_user: int = knob(
+        32,
+        "KODA_MAX_ACTIVE_RUNS_PER_USER",
+        "runs a user may have not yet ended (pending, running, streaming); "
+        "one more is refused with 429 (0: no cap)",
+        lo=0,
+        hi=1e6,
+    )
     sweep_after_s: float = knob(
         30.0,
         "KODA_SWEEP_AFTER",

@@ -124,6 +124,8 @@ class ChainSet:
         self.not_started = 0
         self.slot_waiters = 0
         self._clock = clock
+        self._waiting_slot = RUNS_WAITING.labels(reason="worker_full")
+        self._waiting_user = RUNS_WAITING.labels(reason="user_order")
 
     # --- arrival ------------------------------------------------------------------
 
@@ -189,8 +191,8 @@ class ChainSet:
             self._set_paused(part, False)
 
     def _gauges(self) -> None:
-        RUNS_WAITING.labels(reason="worker_full").set(self.slot_waiters)
-        RUNS_WAITING.labels(reason="user_order").set(self.not_started - self.slot_waiters)
+        self._waiting_slot.set(self.slot_waiters)
+        self._waiting_user.set(self.not_started - self.slot_waiters)
 
     def queue_ages(self) -> dict[int, float]:
         """Per held partition: the age of its oldest record not yet started (0: none)."""

@@ -113,6 +113,12 @@ runs = Table(
         "scheduled_for",
         postgresql_where=text("schedule_id IS NOT NULL"),
     ),
+    # Admission's count of a user's runs not yet ended, the cap on active runs (0010).
+    Index(
+        "ix_runs_open_user_id",
+        "user_id",
+        postgresql_where=text("status IN ('pending', 'running', 'streaming')"),
+    ),
 )
 
 # One row per message merged into a running run (0004), keyed like a run.

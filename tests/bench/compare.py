@@ -122,7 +122,11 @@ def compare_w3(before: Path, levels: list[int], requests: int, reps: int) -> Tab
     with services() as stack:
         for rep in range(reps):
             with namespace(stack, partitions=32) as settings:
-                rate = {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000"}
+                rate = {
+                    "KODA_RATE_PER_S": "1000000",
+                    "KODA_RATE_BURST": "1000000",
+                    "KODA_MAX_ACTIVE_RUNS_PER_USER": "1000000",
+                }
                 old = GatewayProcess(settings, rate)
                 old.cwd = before
                 if (before / ".venv" / "bin" / "python").exists():

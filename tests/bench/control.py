@@ -198,6 +198,7 @@ def run_control(stack: StackInfo, args: argparse.Namespace) -> Table:
                 {
                     "KODA_RATE_PER_S": "1000000",
                     "KODA_RATE_BURST": "1000000",
+                    "KODA_MAX_ACTIVE_RUNS_PER_USER": "1000000",
                     "KODA_MERGE_WINDOW_S": "600",
                 },
             )

@@ -77,7 +77,14 @@ def main() -> None:
     upgrade(settings)
     apply_topics(settings)
     sub = Submitter(settings)
-    gw = GatewayProcess(settings, {"KODA_RATE_PER_S": "100000", "KODA_RATE_BURST": "100000"})
+    gw = GatewayProcess(
+        settings,
+        {
+            "KODA_RATE_PER_S": "100000",
+            "KODA_RATE_BURST": "100000",
+            "KODA_MAX_ACTIVE_RUNS_PER_USER": "1000000",
+        },
+    )
     workers = [WorkerProcess(settings, f"bench-w{i}") for i in range(args.workers)]
     try:
         gw.start()

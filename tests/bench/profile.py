@@ -131,7 +131,13 @@ def main() -> None:
         gw = None
         if args.through in ("gateway", "w3"):
             gw = GatewayProcess(
-                st, {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000", **off}
+                st,
+                {
+                    "KODA_RATE_PER_S": "1000000",
+                    "KODA_RATE_BURST": "1000000",
+                    "KODA_MAX_ACTIVE_RUNS_PER_USER": "1000000",
+                    **off,
+                },
             ).start()
         spies: list[subprocess.Popen[bytes]] = []
         try:

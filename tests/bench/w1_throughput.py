@@ -134,7 +134,12 @@ class Trial:
             if self.kind in ("koda e2e", LEDGER_OFF):
                 self.gateway = GatewayProcess(
                     settings,
-                    {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000", **off},
+                    {
+                        "KODA_RATE_PER_S": "1000000",
+                        "KODA_RATE_BURST": "1000000",
+                        "KODA_MAX_ACTIVE_RUNS_PER_USER": "1000000",
+                        **off,
+                    },
                 ).start()
         else:
             group = settings.names.group(f"bench-{self.kind}")

@@ -127,7 +127,14 @@ def one_rep(stack: StackInfo, args: argparse.Namespace, rep: int, prior: float |
         stack, partitions=PARTITIONS, chunk_batch_ms=20, max_inflight=MAX_INFLIGHT
     ) as settings:
         loader = Loader(settings)
-        gw = GatewayProcess(settings, {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000"})
+        gw = GatewayProcess(
+            settings,
+            {
+                "KODA_RATE_PER_S": "1000000",
+                "KODA_RATE_BURST": "1000000",
+                "KODA_MAX_ACTIVE_RUNS_PER_USER": "1000000",
+            },
+        )
         workers = [WorkerProcess(settings, f"w{i}") for i in range(args.workers)]
         try:
             gw.start()

@@ -126,7 +126,12 @@ def run_w3(stack: StackInfo, args: argparse.Namespace) -> Table:
     for rep in range(args.repeat):
         with namespace(stack, partitions=32) as settings:
             gw = GatewayProcess(
-                settings, {"KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000"}
+                settings,
+                {
+                    "KODA_RATE_PER_S": "1000000",
+                    "KODA_RATE_BURST": "1000000",
+                    "KODA_MAX_ACTIVE_RUNS_PER_USER": "1000000",
+                },
             )
             bare = bare_process(settings)
             try:

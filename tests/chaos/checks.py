@@ -131,6 +131,9 @@ class Findings:
     chunks_left_for_pass: int = 0
     runs_completed_by_pass: int = 0
     order_violations: int = 0
+    # Runs that started while another user's run of the same partition was running:
+    # the order check above covers users interleaved on one partition.
+    interleaved_starts: int = 0
     viewers: int = 0
     viewer_mismatches: int = 0
     viewer_reconnects: int = 0
@@ -292,7 +295,8 @@ def check_all(
         r.id: r
         for r in db.query(
             "SELECT id, user_id, status, attempt, failures, error, created_at, started_at,"
-            " finished_at, input, cancel_requested_at, schedule_id, scheduled_for FROM runs"
+            " finished_at, input, cancel_requested_at, schedule_id, scheduled_for, partition"
+            " FROM runs"
         )
     }
     messages: dict[str, list[Any]] = defaultdict(list)
@@ -398,6 +402,7 @@ def _check_order(
     rows: dict[str, Any],
     claims: dict[str, list[tuple[int, float, str]]],
 ) -> None:
+    f.interleaved_starts = _interleaved_starts(rows)
     for user, runs in plan.items():
         # A merged follow-up is part of the run it joined, not a run of its own.
         seq = [rows[r.run_id] for r in runs if r.run_id in rows and not r.merged]
@@ -419,6 +424,24 @@ def _check_order(
             if early:
                 f.order_violations += 1
                 f.violate(f"{user}: attempts {early} of {nxt.id} claimed before {prev.id} ended")
+
+
+def _interleaved_starts(rows: dict[str, Any]) -> int:
+    """Runs whose start fell inside the span of another user's run on the same partition."""
+    spans: dict[int, list[tuple[Any, Any, str]]] = {}
+    for r in rows.values():
+        if r.partition is not None and r.started_at is not None and r.finished_at is not None:
+            spans.setdefault(r.partition, []).append((r.started_at, r.finished_at, r.user_id))
+    count = 0
+    for runs in spans.values():
+        runs.sort()
+        open_: list[tuple[Any, str]] = []  # (finished_at, user) of runs started so far
+        for started, finished, user in runs:
+            open_ = [(end, u) for end, u in open_ if end > started]
+            if any(u != user for _, u in open_):
+                count += 1
+            open_.append((finished, user))
+    return count
 
 
 def _check_cancels(

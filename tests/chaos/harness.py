@@ -99,7 +99,7 @@ class Config:
     fault_gap_s: float = 6.0
     submit_window_s: float | None = None
     partitions: int = 32
-    max_inflight: int = 8
+    max_inflight: int = 256
     session_timeout_s: float = 6.0
     handoff_ceiling_s: float = 2.0
     down_s: float = 3.0
@@ -120,7 +120,7 @@ class Config:
         if self.submit_window_s is not None:
             return self.submit_window_s
         mean = (self.min_run_s + self.max_run_s) / 2
-        capacity = min(self.partitions, self.workers * self.max_inflight) / mean
+        capacity = min(self.users, self.workers * self.max_inflight) / mean
         return max(self.runs / capacity, self.min_faults * 15.0)
 
     def run_deadline_s(self) -> float:
@@ -192,6 +192,7 @@ class Report:
             ),
             ("  chunks in Postgres, not on the topic", str(f.chunks_missing_on_topic)),
             ("order violations", str(f.order_violations)),
+            ("  runs started beside another user's on their partition", str(f.interleaved_starts)),
             (
                 "viewers / mismatches / reconnects",
                 f"{f.viewers} / {f.viewer_mismatches} / {f.viewer_reconnects}",
@@ -676,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--watch", type=float, default=0.05, help="fraction of runs with a viewer")
     p.add_argument("--poison-runs", type=int, default=5)
     p.add_argument("--partitions", type=int, default=32)
-    p.add_argument("--max-inflight", type=int, default=8)
+    p.add_argument("--max-inflight", type=int, default=256)
     p.add_argument("--window", type=float, default=None, help="submission window, seconds")
     p.add_argument("--gap", type=float, default=6.0, help="seconds between faults")
     p.add_argument(

@@ -18,6 +18,8 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
 
 import pytest
 from confluent_kafka import KafkaException
@@ -67,7 +69,8 @@ def settle(env: Settings, members: int) -> None:
 def users_on_one_partition(env: Settings, prefix: str, count: int) -> list[str]:
     """``count`` users whose runs all go to one partition."""
     target = partition_for_key(f"{prefix}-0".encode(), env.partitions)
-    found, i = [], 0
+    found: list[str] = []
+    i = 0
     while len(found) < count:
         user = f"{prefix}-{i}"
         if partition_for_key(user.encode(), env.partitions) == target:
@@ -76,7 +79,7 @@ def users_on_one_partition(env: Settings, prefix: str, count: int) -> list[str]:
     return found
 
 
-def rows(sub: Submitter, ids: list[str]) -> dict[str, object]:
+def rows(sub: Submitter, ids: list[str]) -> dict[str, Any]:
     got = sub.query(
         "SELECT id, user_id, status, attempt, created_at, started_at, first_chunk_at,"
         " finished_at FROM runs WHERE id = ANY(:ids)",
@@ -101,8 +104,8 @@ def order_violations(sub: Submitter, by_user: dict[str, list[str]]) -> list[str]
     return found
 
 
-def seconds(a: object, b: object) -> float:
-    return (b - a).total_seconds()  # type: ignore[operator]
+def seconds(a: datetime, b: datetime) -> float:
+    return (b - a).total_seconds()
 
 
 def test_a_short_run_never_waits_behind_another_users_long_run(env, submitter, workers) -> None:

@@ -18,11 +18,12 @@ import httpx
 import pytest
 
 from koda_runtime import metrics
+from koda_runtime.gateway.app import create_app
 from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from koda_runtime.topics.catalogue import RUN_EVENTS
-from tests.fixtures.gateway import db_rows
+from tests.fixtures.gateway import db_rows, serve_app
 from tests.fixtures.ledger import koda, system_call, write_calls
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import WorkerProcess
@@ -41,9 +42,11 @@ def worker(module_env: Settings) -> Iterator[WorkerProcess]:
 
 
 @pytest.fixture(scope="module")
-def url(worker: WorkerProcess, gateway_url: str) -> str:
-    """The module's gateway, with its worker running."""
-    return gateway_url
+def url(worker: WorkerProcess, module_env: Settings) -> Iterator[str]:
+    """The module's gateway, with its worker running. Without the cap on active runs: a
+    burst of one user's submissions here meets the budget alone."""
+    with serve_app(create_app(module_env.with_(max_active_runs_per_user=0))) as base:
+        yield base
 
 
 def ledger_of(settings: Settings, run_id: str) -> list[Any]:

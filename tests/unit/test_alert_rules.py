@@ -45,7 +45,8 @@ def test_every_rule_is_tested_firing_and_quiet() -> None:
     cases = [case for test in tests for case in test["alert_rule_test"]]
     names = set(rule_names())
     assert names == {"KodaWorkerStale", "KodaWorkersMissing", "KodaConsumerLagGrowing",
-                     "KodaDeadLetters", "KodaRunFailureRatio", "KodaQueueAgeHigh", "KodaPartitionQueueStuck",
+                     "KodaDeadLetters", "KodaRunFailureRatio", "KodaQueueAgeHigh",
+                     "KodaPartitionQueueStuck",
                      "KodaBudgetExhausted"}  # fmt: skip
     fired = {c["alertname"] for c in cases if c["exp_alerts"]}
     quiet = {c["alertname"] for c in cases if not c["exp_alerts"]}
