@@ -12,7 +12,7 @@ PYTEST_STREAMS ?= -n 2 --dist loadgroup
 # (a UserWarning, nothing to fix); filtered by its message so real warnings still show.
 PIP_QUIET := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-install bench-replay bench-chunk-repair bench-control bench-schedules bench-memory-search chaos
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-inflight bench-install bench-replay bench-chunk-repair bench-control bench-schedules bench-memory-search bench-w4 chaos
 
 ## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers + a scheduler; Ctrl-C stops all
 dev: install
@@ -117,13 +117,24 @@ $(BENCH_STAMP): pyproject.toml constraints.txt tests/bench/quix-requirements.txt
 	@touch $(BENCH_STAMP)
 
 ## bench: W1 throughput (koda vs ceiling, naive Faust, Quix Streams), W2 SSE latency,
-## W3 gateway vs bare ASGI; median [min-max] of 3 repetitions (not part of make test)
+## W3 gateway vs bare ASGI, replay, W4 assistant load (koda vs a direct FastAPI app);
+## median [min-max] of 3 repetitions (not part of make test)
 bench: bench-install
 	APP_ENV=dev $(BIN)/python -m tests.bench $(BENCH_ARGS)
+
+## bench-w4: W4 alone: Poisson users streaming answers from a model-timed server, koda vs
+## a direct FastAPI app, each at its highest sustained rate (BENCH_ARGS="--quick" for a check)
+bench-w4: install
+	APP_ENV=dev $(BIN)/python -m tests.bench --only w4 $(BENCH_ARGS)
 
 ## bench-memory: worker RSS over 100,000 runs and its slope (BENCH_ARGS="--runs 20000")
 bench-memory: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.memory $(BENCH_ARGS)
+
+## bench-inflight: runs in flight one worker serves (N = 64..1024 long streamed runs):
+## RSS per run, CPU, loop-lag p99, chunk delay, queue waits; prints the largest N served
+bench-inflight: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.inflight $(BENCH_ARGS)
 
 ## bench-replay: `koda replay` into DuckDB vs a raw confluent-kafka consumer on the same
 ## topic (200,000 chunk records; records/s median [min-max] of 3, and the ratio)

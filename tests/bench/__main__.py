@@ -1,4 +1,5 @@
-"""``make bench``: W1 throughput, W2 latency, W3 gateway and replay, then the goals.
+"""``make bench``: W1 throughput, W2 latency, W3 gateway, replay and W4 assistant load,
+then the goals.
 
 Every figure is the median of ``--repeat`` (at least 3) repetitions with min and
 max; every ratio pairs figures measured in the same repetition, on the same
@@ -9,6 +10,7 @@ run (or the exported ``KODA_KAFKA_BOOTSTRAP``/``KODA_DATABASE_URL`` are used).
     python -m tests.bench --quick                  # a few minutes: small counts
     python -m tests.bench --only w1 --runs 20000   # one workload, full size
     python -m tests.bench --only w2 --w2-pin       # W2 with the load generator pinned
+    python -m tests.bench --only w4 --quick        # W4 (koda vs a direct FastAPI app), small
 
 The last table, Goals (tests/bench/goals.py), is every goal of this round with its
 measured figure and met / not met. Replay runs here too (tests/bench/replay.py,
@@ -27,14 +29,14 @@ from collections.abc import Callable
 
 from koda_runtime.localstack import StackInfo
 from koda_runtime.topics.replay.engine import BATCH_RECORDS
-from tests.bench import replay, w1_throughput, w2_latency, w3_gateway
+from tests.bench import replay, w1_throughput, w2_latency, w3_gateway, w4_assistant
 from tests.bench.common import Table, services
 from tests.bench.goals import goals_table
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tests.bench")
-    every = ["w1", "w2", "w3", "replay"]
+    every = ["w1", "w2", "w3", "replay", "w4"]
     ap.add_argument("--only", nargs="+", choices=every, default=every)
     ap.add_argument(
         "--quick",
@@ -47,6 +49,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--w3-levels", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--w3-requests", type=int, default=1000)
     ap.add_argument("--replay-records", type=int, default=200_000)
+    w4_assistant.add_args(ap, prefix="w4-")
     args = ap.parse_args()
     if args.repeat < 3 and not args.quick:
         ap.error("--repeat must be at least 3 (use --quick for a smoke run)")
@@ -54,6 +57,8 @@ def parse() -> argparse.Namespace:
         args.runs, args.repeat, args.workers = 600, 1, [2]
         args.w3_requests, args.w3_levels, args.replay_records = 300, [1, 32], 20_000
         args.w2_warm_s, args.w2_hold_s, args.w2_bisections, args.w2_burst_runs = 2, 5, 1, 40
+        args.w4_warm_s, args.w4_hold_s, args.w4_bisections, args.w4_start = 6, 8, 0, 2.0
+        args.w4_cap = min(args.w4_cap, 32.0)
     return args
 
 
@@ -65,6 +70,9 @@ def main() -> None:
         repeat=args.repeat,
     )
     w3 = argparse.Namespace(levels=args.w3_levels, requests=args.w3_requests, repeat=args.repeat)
+    w4 = argparse.Namespace(
+        **{k[3:]: v for k, v in vars(args).items() if k.startswith("w4_")}, repeat=args.repeat
+    )
     tables = []
     started = time.monotonic()
     load0 = os.getloadavg()
@@ -75,6 +83,7 @@ def main() -> None:
         "replay": lambda stack: replay.measure(
             stack, args.replay_records, args.repeat, BATCH_RECORDS
         )[0],
+        "w4": lambda stack: w4_assistant.run_w4(stack, w4),
     }
     failed: list[str] = []
     with services() as stack:

@@ -58,6 +58,15 @@ GOALS = (
     Goal(
         "replay", "koda replay into DuckDB / raw consume records/s", "replay_ratio", ">=", 0.25, 3
     ),
+    Goal(
+        "W4",
+        "koda concurrent streams / direct, each at its highest sustained arrival rate",
+        "w4_streams_ratio",
+        ">=",
+        0.5,
+    ),
+    Goal("W4", "koda added TTFC p50 ms at its sustained rate", "w4_ttfc_added50", "<=", 50, 0),
+    Goal("W4", "koda added TTFC p99 ms at its sustained rate", "w4_ttfc_added99", "<=", 150, 0),
 )
 
 
