@@ -33,6 +33,7 @@ def _openai(settings: Settings, memory: MemoryService | None) -> Handler:
         model=settings.openai_model,
         memory=memory,
         max_tool_turns=settings.max_tool_turns,
+        max_connections=settings.model_concurrency or settings.max_inflight,
     )
 
 

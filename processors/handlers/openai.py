@@ -67,6 +67,7 @@ class OpenAIHandler:
         model: str,
         memory: MemoryService | None = None,
         max_tool_turns: int = 8,
+        max_connections: int = 256,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"KODA_OPENAI_BASE_URL={base_url!r} must be an http(s) URL")
@@ -78,6 +79,12 @@ class OpenAIHandler:
             base_url=base_url.rstrip("/"),
             headers=headers,
             timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+            # One connection per model call the worker may make at once: httpx's default
+            # of 100 would queue the runs past it inside the handler, unseen, as a
+            # longer time to first token.
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
         )
 
     async def stream(self, ctx: RunContext) -> AsyncIterator[Item]:

@@ -273,3 +273,23 @@ def test_a_worker_stopped_with_hundreds_of_runs_in_flight_loses_none(
         kinds = [m.kind for m in submitter.messages(run_id)]
         assert kinds.count("done") == 1 and kinds[-1] == "done", (run_id, kinds)
         assert sum(k in TERMINAL_KINDS for k in kinds) == 1, (run_id, kinds)
+
+
+def test_the_model_cap_keeps_runs_pending_until_a_model_slot_frees(env, submitter, workers) -> None:
+    workers.start("a", KODA_MODEL_CONCURRENCY="2")
+    settle(env, 1)
+    users = users_on_one_partition(env, "capped", 6)
+    inp = {"text": "two seconds", "demo": {"tokens": 10, "delay_ms": 200}}
+    ids = [submitter.submit(u, inp) for u in users]
+    most_active, saw_pending_beside_streaming = 0, False
+    deadline = time.monotonic() + 60
+    while not submitter.all_terminal(ids) and time.monotonic() < deadline:
+        states = list(submitter.statuses(ids).values())
+        active = sum(s in ("running", "streaming") for s in states)
+        most_active = max(most_active, active)
+        saw_pending_beside_streaming |= active > 0 and "pending" in states
+        time.sleep(0.05)
+    assert submitter.all_terminal(ids)
+    assert {r.status for r in rows(submitter, ids).values()} == {"done"}
+    assert most_active == 2  # two at a time, never more, though six users could run
+    assert saw_pending_beside_streaming  # the others waited as pending, not running
