@@ -19,6 +19,12 @@
   most ``sse_queue_bytes`` bytes of frames. A viewer whose queue would overflow is cut
   off (its queue freed at once); the stream then tells the client to reconnect, and it
   resumes from Postgres with Last-Event-ID. A slow viewer never blocks the others.
+* **Bad records.** A watched record is decoded and checked before it becomes a frame:
+  it must be a ``run.chunk/1`` value of the run and seq its key names, with a kind
+  koda writes. Anything else (undecodable, nested too deep, forged for another run)
+  is dropped with a warning and ``koda_records_skipped_total{reason="bad_chunk_record"}``;
+  no record can raise out of the tail's thread, so none rebuilds the consumer or
+  costs other records of its batch. A viewer missing a seq backfills it from Postgres.
 * **Broker restarts.** librdkafka reconnects by itself and keeps the positions; a fatal
   consumer error, or no broker answering for 15 s, rebuilds the consumer at the
   positions already read. Records missed
@@ -29,15 +35,17 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from koda_runtime import metrics
+from koda_runtime.errors import RecordError
 from koda_runtime.gateway.eventstream import TERMINAL_KINDS, event_frame
 from koda_runtime.lifecycle.chunks import split_chunk_key
+from koda_runtime.schemas.records import decode_keyed_chunk
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS
 from koda_runtime.topics.kafka.tail import REBUILD_AFTER_S, TailEvents, TopicTail
@@ -46,6 +54,9 @@ log = logging.getLogger(__name__)
 
 ROLE = "gateway-feed"
 START_TIMEOUT_S = 5.0
+# Bad records are logged at most this often (each is counted): a flood of forged
+# records must not flood the log.
+BAD_RECORD_LOG_EVERY_S = 10.0
 EVENTS = TailEvents(
     error="live_feed_error",
     restart="live_feed_restart",
@@ -154,6 +165,8 @@ class LiveFeed:
             rebuild_after_s=rebuild_after_s,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._bad_logged = 0.0  # when a bad record was last logged (the tail's thread)
+        self.bad_records = 0
 
     # --- the event loop's side ----------------------------------------------------
 
@@ -227,23 +240,42 @@ class LiveFeed:
         metrics.LIVE_FEED_RECORDS.inc(len(messages))
         batch: list[tuple[str, LiveEvent]] = []
         for m in messages:
-            key, value = m.key(), m.value()
-            if key is None or value is None:
-                continue  # tombstones of compacted runs
             try:
-                run_id, seq = split_chunk_key(key.decode("utf-8", "replace"))
-            except ValueError:
+                routed = self._route_one(m)
+            except Exception as exc:  # noqa: BLE001 - one record never costs the batch
+                self._bad_record(m, f"{type(exc).__name__}: {exc}")
                 continue
-            if seq is None or run_id not in self._viewers:
-                continue
-            try:
-                kind = json.loads(value)["kind"]
-            except (ValueError, KeyError, TypeError):
-                log.warning(
-                    "event=live_feed_bad_record partition=%s offset=%s", m.partition(), m.offset()
-                )
-                continue
-            if not isinstance(kind, str):
-                continue
-            batch.append((run_id, LiveEvent(seq, kind, event_frame(seq, kind, value))))
+            if routed is not None:
+                batch.append(routed)
         return batch
+
+    def _route_one(self, m: Any) -> tuple[str, LiveEvent] | None:
+        key, value = m.key(), m.value()
+        if key is None or value is None:
+            return None  # tombstones of compacted runs
+        try:
+            run_id, seq = split_chunk_key(key.decode("utf-8", "replace"))
+        except ValueError:
+            return None
+        if seq is None or run_id not in self._viewers:
+            return None
+        try:
+            chunk = decode_keyed_chunk(run_id, seq, value)
+        except RecordError as exc:
+            self._bad_record(m, f"{exc.reason}: {exc.detail}")
+            return None
+        return run_id, LiveEvent(seq, chunk.kind, event_frame(seq, chunk.kind, value))
+
+    def _bad_record(self, m: Any, why: str) -> None:
+        self.bad_records += 1
+        metrics.RECORDS_SKIPPED.labels(reason="bad_chunk_record").inc()
+        now = time.monotonic()
+        if now - self._bad_logged >= BAD_RECORD_LOG_EVERY_S:
+            self._bad_logged = now
+            log.warning(
+                "event=live_feed_bad_record partition=%s offset=%s skipped=%d: %s",
+                m.partition(),
+                m.offset(),
+                self.bad_records,
+                why[:300],
+            )

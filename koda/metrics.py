@@ -12,7 +12,8 @@ never from user ids, run ids or free text.
 
     runs          koda_runs_total{outcome}, koda_run_duration_seconds{outcome},
                   koda_time_to_first_chunk_seconds, koda_queue_age_seconds,
-                  koda_runs_in_flight, koda_retries_total, koda_dead_letters_total{reason}
+                  koda_runs_in_flight, koda_retries_total, koda_dead_letters_total{reason},
+                  koda_records_skipped_total{reason} (worker and gateway)
     consumer      koda_consumer_lag{topic,partition}, koda_rebalances_total{event},
                   koda_handoff_seconds
     worker        koda_event_loop_lag_seconds, koda_heartbeats_total{outcome}
@@ -70,6 +71,7 @@ __all__ = [
     "PARTITIONS_MOVED",
     "REBALANCES",
     "REGISTRY",
+    "RECORDS_SKIPPED",
     "RETRIES",
     "RUNS",
     "RUNS_CANCEL_REQUESTS",
@@ -175,6 +177,15 @@ RETRIES = Counter(
 DEAD_LETTERS = Counter(
     "koda_dead_letters_total",
     "Records written to the dead-letter topic, by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+RECORDS_SKIPPED = Counter(
+    "koda_records_skipped_total",
+    "Records passed over without their work and without a dead letter, by reason: "
+    "`dead_letter_refused` (worker: the broker refused even a bare dead letter of a "
+    "runs-topic record) or `bad_chunk_record` (gateway: a chunk-topic record of a watched "
+    "run that is not a valid chunk of it).",
     ["reason"],
     registry=REGISTRY,
 )

@@ -158,7 +158,7 @@ def _with_local_stack(
 
 # Fault points a test can switch on with KODA_TEST_FAULT (see processors/faults.py);
 # prod refuses every one of them.
-TEST_FAULTS = ("kill-after-chunks-commit", "kill-after-finish-commit")
+TEST_FAULTS = ("kill-after-chunks-commit", "kill-after-finish-commit", "fail-before-claim")
 # Variables read outside the knob loop (the environment, the worker's identity, the
 # local stack's state dir), for the settings table: (variable, default, meaning).
 OTHER_VARIABLES = (
@@ -368,6 +368,14 @@ class Settings:
         hi=3600,
     )
     max_attempts: int = knob(3, "KODA_MAX_ATTEMPTS", "handler attempts per run", lo=1, hi=10)
+    record_tries: int = knob(
+        5,
+        "KODA_RECORD_TRIES",
+        "tries of a record that fails before its run is claimed, then it is dead-lettered; "
+        "tries count 8 s, 16 s, 32 s ... apart (5: at least 2 minutes)",
+        lo=1,
+        hi=12,
+    )
     retry_base_s: float = knob(
         0.5,
         "KODA_RETRY_BASE",

@@ -9,8 +9,12 @@ and the produce that follows it:
                                is produced to the chunk topic
     kill-after-finish-commit   the same after a group that wrote a run's finish (its
                                last chunks and the terminal transition)
+    fail-before-claim          the records of users whose id begins with ``fault-``
+                               fail before their run is claimed, as a lost database
+                               connection would (the others run as usual)
 
-The process dies as a crashed host's would: no handler, no drain, no commit.
+The kill faults end the process as a crashed host's would: no handler, no drain, no
+commit.
 """
 
 from __future__ import annotations
@@ -38,3 +42,15 @@ def after_commit(fault: str | None, writes: Sequence[GroupWrite]) -> None:
         for handler in logging.getLogger().handlers:
             handler.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+FAULT_USER_PREFIX = "fault-"
+
+
+def before_claim(fault: str | None, user_id: str) -> None:
+    """Fail like a lost database connection if ``fault`` is ``fail-before-claim`` and
+    ``user_id`` begins with :data:`FAULT_USER_PREFIX`."""
+    if fault == "fail-before-claim" and user_id.startswith(FAULT_USER_PREFIX):
+        raise ConnectionResetError(
+            "test fault fail-before-claim: the connection to the database was lost"
+        )

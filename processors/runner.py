@@ -6,6 +6,14 @@ when this worker no longer owns the partition: then nothing is acked and the
 successor redoes the work. ``asyncio.CancelledError`` (handoff ceiling) also
 leaves the record unacked.
 
+Any other exception makes the record's chain try it again in place (processors/
+chains.py). Before the record's run is claimed that is bounded (:class:`RecordTries`):
+a record that keeps failing there (a bug, a record no code path expected, or an
+outage that lasts) is dead-lettered ``failed_before_claim`` after
+``KODA_RECORD_TRIES`` tries spaced :data:`RECORD_TRY_SPACING_S`, then twice that, and
+so on, so an outage of a minute or two turns no good record into a dead letter. Once
+its run is claimed, the run's own attempt bounds apply.
+
 The executor is a thin service: what an attempt leads to (start, retry, give up,
 reset) is decided by :mod:`koda_runtime.lifecycle.attempts`; it talks to Postgres through a
 :class:`~koda_runtime.processors.ports.WorkerStore` (every claim, batch and finish through the
@@ -19,7 +27,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +54,7 @@ from koda_runtime.metrics import (
     RUNS,
     RUNS_WAITING,
 )
+from koda_runtime.processors import faults
 from koda_runtime.processors.billing import Billing
 from koda_runtime.processors.control import ControlBoard, RunControl
 from koda_runtime.processors.groupcommit import GroupWriter
@@ -74,6 +83,7 @@ __all__ = [
     "FencedOut",
     "Predecessor",
     "Record",
+    "RecordTries",
     "RunExecutor",
 ]
 
@@ -82,6 +92,91 @@ log = logging.getLogger("koda.worker")
 # The offset a dead letter names for a trigger the worker made itself (a predecessor's;
 # schemas/record_specs.py documents it).
 NO_OFFSET = -1
+
+# A failure before the claim counts as a try only this long after the first try, then
+# twice as long after the second, and so on: KODA_RECORD_TRIES tries (default 5) span at
+# least 8 + 16 + 32 + 64 = 120 s. The chain retries every 0.2 s doubling up to 10 s, so
+# the uncounted failures in between cost little; a database outage shorter than that
+# span dead-letters nothing.
+RECORD_TRY_SPACING_S = 8.0
+# A record not seen failing for this long is no longer retried here (revoked, or it
+# passed): its tally is dropped.
+FORGET_TRIES_AFTER_S = 900.0
+
+
+@dataclass
+class Tally:
+    """The failures of one record before its run was claimed."""
+
+    first: float  # monotonic time of the first failure
+    last: float  # of the latest failure
+    counted_at: float  # of the latest failure counted as a try
+    tries: int = 1
+    failures: int = 1
+
+
+class RecordTries:
+    """Counts, per record (topic, partition, offset), its failures before its run is
+    claimed, and says when it has had its ``tries``.
+
+    The count lives in the worker process: a record the chain retries in place is the
+    same record each time, and one that comes back after a rebalance to the same worker
+    keeps its tally. A restarted worker starts counting again, which only lengthens the
+    bound.
+    """
+
+    def __init__(
+        self,
+        tries: int,
+        *,
+        spacing_s: float = RECORD_TRY_SPACING_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tries = tries
+        self.spacing_s = spacing_s
+        self._clock = clock
+        self._tallies: dict[tuple[str, int, int], Tally] = {}
+        self._pruned = clock()
+
+    def failed(self, record: Record) -> Tally | None:
+        """Count a failure of ``record``; its tally once it has had its tries (it stays
+        counted until :meth:`forget`), else None."""
+        now = self._clock()
+        self._prune(now)
+        where = (record.topic, record.partition, record.offset)
+        tally = self._tallies.get(where)
+        if tally is None:
+            tally = self._tallies[where] = Tally(now, now, now)
+        else:
+            tally.failures += 1
+            tally.last = now
+            if now - tally.counted_at >= self.spacing_s * 2 ** (tally.tries - 1):
+                tally.tries += 1
+                tally.counted_at = now
+        return tally if tally.tries >= self.tries else None
+
+    def forget(self, record: Record) -> None:
+        """``record`` succeeded or was dead-lettered: drop its tally."""
+        if self._tallies:
+            self._tallies.pop((record.topic, record.partition, record.offset), None)
+
+    def __len__(self) -> int:
+        return len(self._tallies)
+
+    def _prune(self, now: float) -> None:
+        if now - self._pruned < 60.0:
+            return
+        self._pruned = now
+        for where, tally in list(self._tallies.items()):
+            if now - tally.last > FORGET_TRIES_AFTER_S:
+                del self._tallies[where]
+
+
+@dataclass
+class Progress:
+    """How far one ``process`` call got: ``claimed`` once a run was claimed in it."""
+
+    claimed: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,9 +270,41 @@ class RunExecutor:
         store.observer = self.board.observe
         self.billing = Billing(settings.cost_ledger, store, emitter, _model_of(handler))
         self.model_slots = ModelSlots(settings.model_concurrency)
+        self.tries = RecordTries(settings.record_tries)
 
     async def process(self, record: Record, fence: Fence, cancel: CancelToken) -> None:
-        """Do the record's work; return when it may be acked."""
+        """Do the record's work; return when it may be acked.
+
+        A failure before the record's run is claimed is raised for the chain to retry
+        until the record has had its tries (:class:`RecordTries`); then the record is
+        dead-lettered ``failed_before_claim`` with the last error, and acked.
+        """
+        progress = Progress()
+        try:
+            await self._process(record, fence, progress)
+        except FencedOut:
+            raise
+        except Exception as exc:
+            if progress.claimed:
+                raise  # the run's own attempts and claims bound it from here
+            tally = self.tries.failed(record)
+            if tally is None:
+                raise
+            error = (
+                f"failed {tally.failures} times over {tally.last - tally.first:.0f} s before "
+                f"its run was claimed ({tally.tries} tries counted); last error: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            log.warning(
+                "dead-letter reason=failed_before_claim partition=%d offset=%d: %s",
+                record.partition,
+                record.offset,
+                error[:500],
+            )
+            await self._dead_letter(record, 0, "failed_before_claim", error)
+        self.tries.forget(record)
+
+    async def _process(self, record: Record, fence: Fence, progress: Progress) -> None:
         where = f"partition={record.partition} offset={record.offset}"
         try:
             req = decode_run_requested(record.key, record.value, record.headers)
@@ -185,6 +312,7 @@ class RunExecutor:
             log.warning("dead-letter reason=%s %s", exc.reason, where)
             await self._dead_letter(record, 0, exc.reason, exc.detail)
             return
+        faults.before_claim(self.settings.test_fault, req.user_id)
         run = await self.store.load_run(req.run_id)
         if run is None:
             await self._dead_letter(record, 0, "unknown_run", f"no run {req.run_id} in Postgres")
@@ -198,19 +326,26 @@ class RunExecutor:
             return
         for pred in await self.store.unfinished_predecessors(run) if run.older_unfinished else []:
             log.info("predecessor first run_id=%s before=%s", pred.id, run.id)
-            await self._execute(Predecessor(pred, record), pred, fence)
-        await self._execute(record, run, fence)
+            await self._execute(Predecessor(pred, record), pred, fence, progress)
+        await self._execute(record, run, fence, progress)
 
-    async def _execute(self, trigger: Trigger, run: RunRow, fence: Fence) -> None:
+    async def _execute(
+        self, trigger: Trigger, run: RunRow, fence: Fence, progress: Progress
+    ) -> None:
         async with self.model_slots.hold():
             control = self.board.open(run.id)
             try:
-                await self._attempts(trigger, run, fence, control)
+                await self._attempts(trigger, run, fence, control, progress)
             finally:
                 self.board.close(run.id)
 
     async def _attempts(
-        self, trigger: Trigger, run: RunRow, fence: Fence, control: RunControl
+        self,
+        trigger: Trigger,
+        run: RunRow,
+        fence: Fence,
+        control: RunControl,
+        progress: Progress,
     ) -> None:
         run_id, inp = run.id, run.input
         started = time.monotonic()
@@ -227,6 +362,7 @@ class RunExecutor:
                 if current is not None and current.status.terminal:
                     return  # someone finished it first; nothing to do
                 raise FencedOut(f"run {run_id}: claim fenced out")
+            progress.claimed = True
             attempt = claim.attempt
             rerun = control.attempt_version < claim.input_version
             token = control.begin(claim.input_version)

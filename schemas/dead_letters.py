@@ -31,6 +31,11 @@ class DeadLetter:
     at: str = ""
     original_size: int | None = None
     original_sha256: str | None = None
+    # The original key's and headers' sizes (None in letters written before they were
+    # recorded); ``truncated`` says whether the key, headers or value were cut.
+    key_size: int | None = None
+    headers_count: int | None = None
+    headers_size: int | None = None
 
 
 def decode_dead_letter(value: bytes | None) -> DeadLetter:
@@ -57,11 +62,20 @@ def decode_dead_letter(value: bytes | None) -> DeadLetter:
             original_sha256=None
             if obj.get("original_sha256") is None
             else str(obj["original_sha256"]),
+            key_size=_count(obj.get("original_key_size")),
+            headers_count=_count(obj.get("original_headers_count")),
+            headers_size=_count(obj.get("original_headers_size")),
         )
     except (UnicodeDecodeError, json.JSONDecodeError, binascii.Error) as exc:
         raise RecordError("undecodable", f"dead letter is not decodable: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise RecordError("invalid", f"dead letter field is invalid: {exc}") from None
+    except RecursionError as exc:
+        raise RecordError("undecodable", f"dead letter nests too deep: {exc}") from None
+
+
+def _count(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _b64(text: str | None) -> bytes | None:

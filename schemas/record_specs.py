@@ -254,11 +254,17 @@ DEAD_LETTER = RecordSpec(
     topic="runs-dlq",
     key="the original record's key (bytes as they were)",
     fields=(
-        Field("original_key", "string", f"{_B64} key; null when it had none.", nullable=True),
+        Field(
+            "original_key",
+            "string",
+            f"{_B64} key (its first 1 KiB when larger); null when it had none.",
+            nullable=True,
+        ),
         Field(
             "original_value",
             "string",
-            f"{_B64} value (its first 512 KiB when larger); null when it had none.",
+            f"{_B64} value (its first 512 KiB when larger; null when the broker refused "
+            "the letter with it); null when it had none.",
             nullable=True,
         ),
         _count("original_size", "The original value's size in bytes."),
@@ -268,17 +274,46 @@ DEAD_LETTER = RecordSpec(
             "Hex sha256 of the whole original value; null when it had none.",
             nullable=True,
         ),
-        Field("original_truncated", "boolean", "True when original_value is a prefix."),
+        Field(
+            "original_truncated",
+            "boolean",
+            "True when anything of the original was cut (value, key or headers): such a "
+            "letter cannot be replayed.",
+        ),
         Field(
             "original_headers",
             "array",
-            "The original headers as [name, base64 value or null] pairs.",
+            "The original headers as [name, base64 value or null] pairs: the first 64, "
+            "each value cut to 1 KiB and all of them to 16 KiB; none when the broker "
+            "refused the letter with them.",
             items={
                 "type": "array",
                 "prefixItems": [{"type": "string"}, {"type": ["string", "null"]}],
                 "minItems": 2,
                 "maxItems": 2,
             },
+        ),
+        Field(
+            "original_key_size",
+            "integer",
+            "The original key's size in bytes; null when it had none (absent from older letters).",
+            required=False,
+            nullable=True,
+            minimum=0,
+        ),
+        Field(
+            "original_headers_count",
+            "integer",
+            "How many headers the original had (absent from older letters).",
+            required=False,
+            minimum=0,
+        ),
+        Field(
+            "original_headers_size",
+            "integer",
+            "The original headers' size in bytes, names and values (absent from older letters).",
+            required=False,
+            minimum=0,
         ),
         Field("topic", "string", "The topic the original was read from."),
         _count("partition", "Its partition."),
@@ -292,9 +327,10 @@ DEAD_LETTER = RecordSpec(
         Field(
             "reason",
             "string",
-            "Why: undecodable, invalid, null_key, null_value, oversized, unknown_schema, "
-            "unknown_schema_version, key_mismatch, unknown_run, user_mismatch, "
-            "handler_failed.",
+            "Why: undecodable, too_deep, invalid, null_key, null_value, oversized, "
+            "oversized_key, oversized_headers, unknown_schema, unknown_schema_version, "
+            "key_mismatch, unknown_run, user_mismatch, failed_before_claim (the record "
+            "kept failing before its run was claimed), handler_failed.",
         ),
         Field("error", "string", "The error in words (at most 2000 characters)."),
         _at("When the letter was written (ISO 8601, UTC)."),

@@ -74,7 +74,17 @@ def catalogue(settings: Settings) -> list[TopicSpec]:
             },
         ),
         spec(RUN_EVENTS, p, **{"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)}),
-        spec(RUNS_DLQ, 1, **{"cleanup.policy": "delete", "retention.ms": str(30 * DAY_MS)}),
+        spec(
+            RUNS_DLQ,
+            1,
+            **{
+                "cleanup.policy": "delete",
+                "retention.ms": str(30 * DAY_MS),
+                # At least the runs topic's: a dead letter carries a record of it (cut to
+                # fit the worker's producer, schemas/records.py DEAD_LETTER_MAX_BYTES).
+                "max.message.bytes": str(RUNS_MAX_MESSAGE_BYTES),
+            },
+        ),
         spec(WORKERS, 1, **{"cleanup.policy": "compact", "segment.ms": str(3600_000)}),
     ]
 

@@ -21,10 +21,18 @@ event before it (seqs 0..terminal, contiguous): a worker that died between its
 Postgres commit and its produce can leave a hole that its successor, or the
 compactor's completeness pass, fills later, possibly after the terminal event. Until
 then :attr:`RunLog.end` is None and :attr:`RunLog.missing` names the holes.
+
+A record that is not koda's is counted in :attr:`ChunkLog.skipped` and changes
+nothing: a key that is no chunk key, a value that does not decode (whatever the
+decoder meets: bad UTF-8, JSON nested thousands deep, a missing field), or a value
+whose run or seq is not its key's, or whose kind koda never writes. The fold never
+raises for a record, so a bad one can neither stop a reader nor stand in for a run's
+real event.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from koda_runtime.errors import RecordError
@@ -32,12 +40,14 @@ from koda_runtime.lifecycle.chunks import TERMINAL_KINDS, split_chunk_key, visib
 from koda_runtime.schemas.records import (
     ChunkRecord,
     FinalRecord,
-    decode_chunk_value,
-    decode_final_value,
+    decode_keyed_chunk,
+    decode_keyed_final,
 )
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS
 from koda_runtime.topics.kafka.bounded import BoundedReader
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,19 +105,34 @@ class RunLog:
 class ChunkLog:
     """Folds chunk-topic records, in offset order per partition, into :class:`RunLog` s.
 
-    ``skipped`` counts records that are not koda's (bad key or undecodable value).
+    ``skipped`` counts records that are not koda's (bad key, a value that does not
+    decode or is not its key's); ``skip_reasons`` counts them by reason.
     """
 
     def __init__(self) -> None:
         self.runs: dict[str, RunLog] = {}
         self.skipped = 0
+        self.skip_reasons: dict[str, int] = {}
 
     def apply(self, key: bytes | None, value: bytes | None) -> None:
+        """Fold one record in; a record that is not koda's is skipped, never raised."""
+        try:
+            self._apply(key, value)
+        except RecordError as exc:
+            self._skip(exc.reason)
+        except Exception as exc:  # noqa: BLE001 - no record may stop the fold
+            log.warning("chunk log: record skipped: %s: %s", type(exc).__name__, exc)
+            self._skip("error")
+
+    def _skip(self, reason: str) -> None:
+        self.skipped += 1
+        self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + 1
+
+    def _apply(self, key: bytes | None, value: bytes | None) -> None:
         try:
             run_id, seq = split_chunk_key((key or b"").decode("utf-8", "replace"))
         except ValueError:
-            self.skipped += 1
-            return
+            raise RecordError("bad_key", "not a chunk-topic key") from None
         run = self.runs.get(run_id)
         if value is None:  # tombstone
             if run is not None:
@@ -118,12 +143,8 @@ class ChunkLog:
                 if not run.events and run.final is None:
                     del self.runs[run_id]
             return
-        try:
-            final = decode_final_value(value) if seq is None else None
-            chunk = decode_chunk_value(value) if seq is not None else None
-        except RecordError:
-            self.skipped += 1
-            return
+        final = decode_keyed_final(run_id, value) if seq is None else None
+        chunk = decode_keyed_chunk(run_id, seq, value) if seq is not None else None
         run = run if run is not None else self.runs.setdefault(run_id, RunLog(run_id))
         if final is not None:
             run.final = final
