@@ -395,6 +395,12 @@ class Settings:
         lo=0,
         hi=10_000,
     )
+    chunk_coalesce: bool = knob(
+        False,
+        "KODA_CHUNK_COALESCE",
+        "the text chunks of one batch window are written as one chunk (one row, one record,"
+        " one SSE event)",
+    )
     handler: str = knob(
         "demo",
         "KODA_HANDLER",

@@ -383,6 +383,7 @@ class RunExecutor:
                 futures,
                 self.settings.chunk_batch_size,
                 claim.input_version,
+                coalesce=self.settings.chunk_coalesce,
             )
             ctx = RunContext(run_id, run.user_id, inp, attempt, token)
             if claim.cancel_requested:

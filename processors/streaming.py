@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from koda_runtime.errors import HandlerError, KodaError
@@ -77,8 +77,18 @@ class CallBook(Protocol):
         ...
 
 
+# A coalesced chunk grows to at most this many characters; the next token starts one.
+COALESCE_MAX_CHARS = 4096
+
+
 class ChunkBatcher:
     """Collects chunks and writes them (Postgres first, then the topic) in batches.
+
+    With ``coalesce`` (``KODA_CHUNK_COALESCE``), consecutive text chunks of one batch
+    are one chunk: a model's tokens of one ``KODA_CHUNK_BATCH_MS`` window cost one seq,
+    one Postgres row, one chunk record and one SSE event. A viewer still gets every seq
+    once, gap-free; only the granularity changes. The first output is written alone
+    and at once, as without it.
 
     ``futures`` collects the deliveries of what it produced; the run awaits them before
     its record is acked. With a ``book``, each batch also writes the attempt's calls
@@ -96,17 +106,31 @@ class ChunkBatcher:
         futures: list[asyncio.Future[Any]],
         max_size: int,
         input_version: int | None = None,
+        *,
+        coalesce: bool = False,
     ) -> None:
         self.writer, self.emitter, self.fence = writer, emitter, fence
         self.run_id, self.attempt, self.seq = run_id, attempt, seq
         self.futures = futures
         self.max_size = max_size
         self.input_version = input_version
+        self.coalesce = coalesce
         self.pending: list[Chunk] = []
         self.streaming = False
         self.book: CallBook | None = None
 
     def add(self, kind: ChunkKind, content: str) -> None:
+        last = self.pending[-1] if self.pending else None
+        if (
+            self.coalesce
+            and kind is ChunkKind.CHUNK
+            and last is not None
+            and last.kind is ChunkKind.CHUNK
+            and len(last.content) + len(content) <= COALESCE_MAX_CHARS
+        ):
+            # One window's tokens as one chunk: one seq, row, record and SSE event.
+            self.pending[-1] = replace(last, content=last.content + content)
+            return
         self.pending.append(Chunk(self.run_id, self.seq.take(), kind, content, self.attempt))
 
     def take(self) -> list[Chunk]:

@@ -257,7 +257,7 @@ def measure_koda(stack: StackInfo, b: Bench) -> Found:
     with namespace(
         stack,
         partitions=PARTITIONS,
-        chunk_batch_ms=20,
+        chunk_batch_ms=args.window_ms,
         max_inflight=args.max_inflight,
         handler="openai",
     ) as settings:
@@ -265,6 +265,10 @@ def measure_koda(stack: StackInfo, b: Bench) -> Found:
             "KODA_OPENAI_BASE_URL": b.model_url,
             "KODA_OPENAI_MODEL": MODEL,
             "KODA_MEMORY": "false",
+            # A window's tokens as one chunk (one row, record and SSE event), as the
+            # README advises for model output; --w4-window-ms 20 --w4-no-coalesce is
+            # the token-per-chunk configuration.
+            "KODA_CHUNK_COALESCE": "true" if args.coalesce else "false",
         }
         loader = Loader(settings)
         gw = GatewayProcess(
@@ -475,6 +479,10 @@ def run_w4(stack: StackInfo, args: argparse.Namespace) -> Table:
         "workers, the direct app's process (Kafka, Postgres, the model server and the load "
         "generator not counted)"
     )
+    table.notes.append(
+        f"koda: KODA_CHUNK_BATCH_MS={args.window_ms}, KODA_CHUNK_COALESCE="
+        f"{'true' if args.coalesce else 'false'}, KODA_MAX_INFLIGHT={args.max_inflight}"
+    )
     for i, r in enumerate(reps):
         for system in SYSTEMS:
             found = r[system]
@@ -509,6 +517,13 @@ def add_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(f"--{prefix}hold-s", type=float, default=20.0)
     ap.add_argument(f"--{prefix}seed", type=int, default=1)
     ap.add_argument(f"--{prefix}max-inflight", type=int, default=512)
+    ap.add_argument(f"--{prefix}window-ms", type=int, default=50, help="koda's KODA_CHUNK_BATCH_MS")
+    ap.add_argument(
+        f"--{prefix}coalesce",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="koda's KODA_CHUNK_COALESCE",
+    )
 
 
 def main() -> None:
