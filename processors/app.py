@@ -35,7 +35,7 @@ from koda_runtime.lifecycle.handler import CancelToken
 from koda_runtime.metrics import HANDOFF_SECONDS, PARTITIONS_MOVED, REBALANCES
 from koda_runtime.processors.chains import ChainSet
 from koda_runtime.processors.control import ControlListener
-from koda_runtime.processors.cursor import PartitionCursors
+from koda_runtime.processors.cursor import PartitionCursors, encode_done
 from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.health import GroupMembership
 from koda_runtime.processors.ops import WorkerOps
@@ -149,7 +149,7 @@ class OffsetCommits:
     def __init__(
         self,
         cursors: PartitionCursors,
-        commit: Callable[[dict[int, int]], Awaitable[bool]],
+        commit: Callable[[dict[int, int], dict[int, str]], Awaitable[bool]],
         *,
         interval_s: float = COMMIT_INTERVAL_S,
     ) -> None:
@@ -158,6 +158,7 @@ class OffsetCommits:
         self.interval_s = interval_s
         self.acked: dict[int, list[int]] = {}
         self.unconfirmed: dict[int, int] = {}  # offsets whose commit failed, to send again
+        self.sent_done: dict[int, str] = {}  # the metadata last sent per partition
         self._lock = asyncio.Lock()
         self.task = BackgroundTask("offset-commits", self._every_interval)
 
@@ -180,19 +181,36 @@ class OffsetCommits:
                 offset = self.cursors.take_commit(p, acked)
                 if offset is not None:
                     due[p] = offset  # past any retried offset: the cursor only moves on
+                elif acked and self.sent_done.get(p, "") != self._done(p, acked):
+                    # Records above the low-water mark ended since the last commit: the
+                    # same offset again, with the metadata that names them.
+                    current = self.cursors.commit_offset(p)
+                    if current is not None:
+                        due[p] = current
             if not due:
                 return
+            metadata = {p: self._done(p, self.acked.get(p, [])) for p in due}
             ok = False
             try:
-                ok = await self._commit(due)
+                ok = await self._commit(due, metadata)
             finally:
-                if not ok:
+                if ok:
+                    self.sent_done.update(metadata)
+                else:
                     self.unconfirmed.update(due)  # each p's earlier entry was taken above
+
+    def _done(self, partition: int, acked: list[int]) -> str:
+        """The commit metadata naming ``acked`` (what ended above the low-water mark)."""
+        commit = self.cursors.commit_offset(partition)
+        if commit is None:
+            return ""
+        return encode_done(commit, sorted(o for o in acked if o >= commit))
 
     def forget(self, partitions: list[int]) -> None:
         for p in partitions:
             self.acked.pop(p, None)
             self.unconfirmed.pop(p, None)
+            self.sent_done.pop(p, None)
 
     async def _every_interval(self) -> None:
         while True:
@@ -368,6 +386,11 @@ class Dispatcher:
             return
         if not self.current(item):
             return  # the assignment changed while the cursor looked its base up
+        if rt.cursors.ended_before(item.partition, item.offset):
+            # Ended under an earlier owner (the commit's metadata says so): acked as is.
+            rt.cursors.advance(item.partition, item.offset)
+            rt.commits.ack(item)
+            return
         created = item.created or None  # no timestamp: the queue age counts from now
         if rt.chains.dispatch(item, item.partition, item.offset, item.key, created):
             rt.cursors.advance(item.partition, item.offset)

@@ -40,7 +40,7 @@ from koda_runtime.processors.app import (
 )
 from koda_runtime.processors.chains import ChainSet
 from koda_runtime.processors.control import ControlListener
-from koda_runtime.processors.cursor import PartitionCursors
+from koda_runtime.processors.cursor import PartitionCursors, Start
 from koda_runtime.processors.emitter import Emitter
 from koda_runtime.processors.groupconfig import apply_group_config
 from koda_runtime.processors.handlers import build_handler
@@ -98,16 +98,16 @@ def build_worker(settings: Settings, datadir: str) -> Worker:
     fences = PartitionFences(store, runs_topic, settings.worker_id)
     offsets = GroupOffsetReader(settings, "cursor", runs_topic, group)
 
-    async def base_offset(partition: int) -> int:
-        return await offsets.run(offsets.start_offset, partition)
+    async def base_offset(partition: int) -> Start:
+        return await offsets.run(offsets.start, partition)
 
     async def seek(partition: int, offset: int) -> None:
         await intake.seek(partition, offset)
 
     cursors = PartitionCursors(base_offset, seek)
 
-    async def commit(due: dict[int, int]) -> bool:
-        return await intake.commit(due)
+    async def commit(due: dict[int, int], metadata: dict[int, str]) -> bool:
+        return await intake.commit(due, metadata)
 
     commits = OffsetCommits(cursors, commit)
     chains = ChainSet(

@@ -17,6 +17,11 @@ it. Koda therefore keeps its own cursor per runs partition and generation:
   consumer's position instead.
 * ``commit``: the lowest offset not yet committed; a commit must start exactly there
   (``take_commit``), so a hole in the acks can never be committed over.
+* ``done``: records of one partition end out of offset order (a chain per user key),
+  so a commit also names, in its metadata, the offsets above it whose records had
+  ended (:func:`encode_done`). The next owner acks those at once instead of meeting
+  them again (``ended_before``): a record dead-lettered above a partition's low-water
+  mark is not dead-lettered twice after a handoff.
 
 An offset can hold no record at all (a transaction marker written by an outside
 transactional producer). Such a hole survives every rewind; after ``max_rewinds``
@@ -33,11 +38,15 @@ from dataclasses import dataclass, field
 
 from koda_runtime.errors import TopicError
 from koda_runtime.metrics import OFFSET_REWINDS
+from koda_runtime.topics.kafka.offsets import Start, decode_done, encode_done
+
+__all__ = ["BaseLookup", "PartitionCursors", "Seek", "Start", "decode_done", "encode_done"]
 
 log = logging.getLogger("koda.worker")
 
-BaseLookup = Callable[[int], Awaitable[int]]
 Seek = Callable[[int, int], Awaitable[None]]
+
+BaseLookup = Callable[[int], Awaitable["int | Start"]]
 
 
 @dataclass
@@ -49,6 +58,7 @@ class _Cursor:
     rewinds: int = 0
     holes: set[int] = field(default_factory=set)
     watched: int | None = None  # ``next`` at the last watch pass that found it behind
+    done: set[int] = field(default_factory=set)  # ended before this assignment began
 
 
 class PartitionCursors:
@@ -130,16 +140,17 @@ class PartitionCursors:
         if self._clock() < self._retry_at.get(partition, 0.0):
             raise TopicError(f"start offset of partition {partition} unknown; retrying soon")
         try:
-            base = await self._lookup_base(partition)
+            found = await self._lookup_base(partition)
         except Exception:
             # Records of this partition are dropped without asking again for a while:
             # each lookup may wait out a request timeout, and the dispatcher waits with it.
             self._retry_at[partition] = self._clock() + self._reseek_after_s
             raise
         self._retry_at.pop(partition, None)
+        start = found if isinstance(found, Start) else Start(found)
         cur = self._cursors.get(partition)  # made by someone else during the lookup?
         if cur is None or cur.generation != generation:
-            cur = _Cursor(generation, base, base)
+            cur = _Cursor(generation, start.offset, start.offset, done=set(start.done))
             self._cursors[partition] = cur
         return cur
 
@@ -183,6 +194,23 @@ class PartitionCursors:
         cur = self._cursors.get(partition)
         if cur is not None and offset == cur.next:
             cur.next = offset + 1
+
+    def ended_before(self, partition: int, offset: int) -> bool:
+        """Whether ``offset``'s record had ended before this assignment began (its
+        commit's metadata said so): acked without being run again. Asked once per
+        record, in offset order."""
+        cur = self._cursors.get(partition)
+        if cur is None or not cur.done:
+            return False
+        if offset in cur.done:
+            cur.done.discard(offset)
+            return True
+        return False
+
+    def commit_offset(self, partition: int) -> int | None:
+        """The commit cursor of ``partition`` (None: no cursor in this assignment)."""
+        cur = self._cursors.get(partition)
+        return None if cur is None else cur.commit
 
     def take_commit(self, partition: int, acked: list[int]) -> int | None:
         """The offset to commit for ``partition`` given its sorted acked offsets.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,9 +26,15 @@ import pytest
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from koda_runtime.schemas.records import decode_run_requested
+from koda_runtime.schemas.dead_letters import decode_dead_letter
+from koda_runtime.schemas.records import (
+    RUN_REQUESTED,
+    RunRequested,
+    decode_run_requested,
+    headers_for,
+)
 from koda_runtime.settings import Settings
-from koda_runtime.topics.catalogue import RUNS, partition_for_key
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ, partition_for_key
 from tests.fixtures.processes import WorkerPool
 from tests.fixtures.runs import (
     Submitter,
@@ -293,3 +300,51 @@ def test_the_model_cap_keeps_runs_pending_until_a_model_slot_frees(env, submitte
     assert {r.status for r in rows(submitter, ids).values()} == {"done"}
     assert most_active == 2  # two at a time, never more, though six users could run
     assert saw_pending_beside_streaming  # the others waited as pending, not running
+
+
+def test_what_ended_above_the_low_water_mark_is_not_met_again_after_a_handoff(
+    env, submitter, workers
+) -> None:
+    """User A's long run holds its partition's committed offset low; a record of user B
+    above it is dead-lettered and one of user C ends. After a handoff the next owner
+    reads on from A's offset, resumes A's run, and meets neither B's nor C's record
+    again: the commit's metadata named them. Without it B's letter would be written
+    twice."""
+    a = workers.start("a", KODA_HANDOFF_CEILING="1")
+    settle(env, 1)
+    slow, poison, quick = users_on_one_partition(env, "above", 3)
+    long_run = submitter.submit(slow, {"text": "long", "demo": {"tokens": 40, "delay_ms": 250}})
+    wait_until(
+        lambda: rows(submitter, [long_run])[long_run].status == "streaming",
+        timeout=30,
+        what="the long run streaming",
+    )
+    missing = str(uuid.uuid4())
+    submitter.produce_raw(
+        poison.encode(),
+        RunRequested(missing, poison, f"s-{poison}", "").encode(),
+        list(headers_for(RUN_REQUESTED)),
+    )
+    short_run = submitter.submit(quick, {"text": "short", "demo": {"tokens": 2, "delay_ms": 1}})
+    wait_terminal(submitter, [short_run], 30.0)
+    dlq = env.names.topic(RUNS_DLQ)
+
+    def letters() -> list[str]:
+        found = []
+        for msg in read_topic(env, dlq, timeout=10):
+            letter = decode_dead_letter(msg.value())
+            if letter.value and missing.encode() in letter.value:
+                found.append(letter.reason)
+        return found
+
+    wait_until(lambda: letters() == ["unknown_run"], timeout=30, what="one dead letter")
+    time.sleep(2.5)  # two commit intervals: the metadata names B's and C's records
+    b = workers.start("b", KODA_HANDOFF_CEILING="1")
+    a.signal(signal.SIGTERM)  # a's drain cuts A's run at the ceiling; b takes over
+    assert a.proc is not None and a.proc.wait(60) == 0, a.log()[-3000:]
+    wait_terminal(submitter, [long_run], 60.0, b)
+    got = rows(submitter, [long_run, short_run])
+    assert got[long_run].status == "done" and got[long_run].attempt >= 2  # resumed by b
+    assert got[short_run].attempt == 1
+    time.sleep(2.0)  # b met every record of the partition by now
+    assert letters() == ["unknown_run"]  # not written a second time

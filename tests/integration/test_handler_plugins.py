@@ -86,4 +86,4 @@ def test_a_worker_refuses_an_unknown_handler_and_a_bad_setting_at_start(
     log = exited(unknown)
     assert "koda: KODA_HANDLER='ecoh' is not a handler: use one of demo, openai, echo" in log
     bad = WorkerProcess(space, "plugin-w3", {**plugin_env, "KODA_MAX_INFLIGHT": "0"}).start()
-    assert "koda: KODA_MAX_INFLIGHT='0': use an integer in 1..1024" in exited(bad)
+    assert "koda: KODA_MAX_INFLIGHT='0': use an integer in 1..4096" in exited(bad)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 
 from koda_runtime.processors.app import OffsetCommits
-from koda_runtime.processors.cursor import PartitionCursors
+from koda_runtime.processors.cursor import PartitionCursors, Start, decode_done, encode_done
 from koda_runtime.topics.kafka.intake import Fetched
+from koda_runtime.topics.kafka.offsets import METADATA_MAX_CHARS
 
 
 class Broker:
@@ -22,19 +23,22 @@ class Broker:
         self.refuse = 0
         self.sent: list[dict[int, int]] = []
         self.committed: dict[int, int] = {}
+        self.metadata: dict[int, str] = {}
 
-    async def base(self, partition: int) -> int:
-        return self.committed.get(partition, 0)
+    async def base(self, partition: int) -> Start:
+        offset = self.committed.get(partition, 0)
+        return Start(offset, decode_done(offset, self.metadata.get(partition)))
 
     async def seek(self, partition: int, offset: int) -> None:
         raise AssertionError("no record is dropped in these tests")
 
-    async def commit(self, offsets: dict[int, int]) -> bool:
+    async def commit(self, offsets: dict[int, int], metadata: dict[int, str] | None = None) -> bool:
         self.sent.append(dict(offsets))
         if self.refuse:
             self.refuse -= 1
             return False
         self.committed.update(offsets)
+        self.metadata.update(metadata or {})
         return True
 
 
@@ -101,3 +105,71 @@ def test_a_revoked_partitions_refused_commit_is_not_sent_again() -> None:
     commits.forget([7])  # revoked: the next owner starts from the committed offset
     asyncio.run(commits.flush())
     assert broker.sent == [{7: 3}]
+
+
+def acked(commits: OffsetCommits, cursors: PartitionCursors, partition: int, *ended: int) -> None:
+    """Records 0..max(ended) of ``partition`` read; only ``ended`` acked (the others still
+    run on their users' chains)."""
+
+    async def go() -> None:
+        for offset in range(max(ended) + 1):
+            assert await cursors.admit(partition, offset, 1)
+            cursors.advance(partition, offset)
+        for offset in ended:
+            commits.ack(record(partition, offset))
+
+    asyncio.run(go())
+
+
+def test_a_commit_names_the_records_that_ended_above_the_low_water_mark() -> None:
+    commits, cursors, broker = setup()
+    acked(commits, cursors, 4, 0, 1, 3, 4, 5, 8)  # 2 still runs: the low-water mark is 2
+    asyncio.run(commits.flush())
+    assert broker.committed == {4: 2}
+    assert broker.metadata[4] == "koda1:1-3,6"
+    assert decode_done(2, broker.metadata[4]) == {3, 4, 5, 8}
+    asyncio.run(commits.flush())  # nothing new: nothing sent
+    assert len(broker.sent) == 1
+    commits.ack(record(4, 6))  # ended above the mark: the same offset, new metadata
+    asyncio.run(commits.flush())
+    assert broker.sent[-1] == {4: 2} and broker.metadata[4] == "koda1:1-4,6"
+
+
+def test_the_next_owner_acks_what_ended_under_the_previous_one_without_running_it() -> None:
+    commits, cursors, broker = setup()
+    acked(commits, cursors, 4, 0, 1, 3, 5)
+    asyncio.run(commits.flush())
+    cursors.forget([4])
+    commits.forget([4])  # revoked; assigned again, as to a new owner (generation 2)
+    nxt = PartitionCursors(broker.base, broker.seek)
+    after = OffsetCommits(nxt, broker.commit)
+    ran: list[int] = []
+
+    async def next_owner() -> None:
+        for offset in range(2, 7):
+            assert await nxt.admit(4, offset, 2)
+            nxt.advance(4, offset)
+            if nxt.ended_before(4, offset):
+                after.ack(record(4, offset))
+            else:
+                ran.append(offset)
+
+    asyncio.run(next_owner())
+    assert ran == [2, 4, 6]  # 3 and 5 had ended: acked as they are
+    for offset in ran:
+        after.ack(record(4, offset))
+    asyncio.run(after.flush())
+    assert broker.committed[4] == 7 and broker.metadata[4] == ""
+
+
+def test_done_offsets_survive_their_encoding_and_stop_at_the_size_bound() -> None:
+    done = [10, 11, 12, 15, 20, 21]
+    assert encode_done(10, done) == "koda1:0-2,5,10-11"
+    assert decode_done(10, encode_done(10, done)) == set(done)
+    assert decode_done(10, None) == frozenset() and decode_done(10, "other") == frozenset()
+    assert decode_done(10, "koda1:x") == frozenset() and decode_done(10, "koda1:5-1") == set()
+    many = list(range(0, 40_000, 2))  # no two adjacent: one range each
+    text = encode_done(0, many)
+    assert len(text) <= METADATA_MAX_CHARS
+    kept = decode_done(0, text)
+    assert kept and kept == set(many[: len(kept)])  # the lowest kept, the rest met again

@@ -243,14 +243,21 @@ class RunsIntake:
         """Run ``fn(consumer)`` in the intake's thread; nobody waits for it."""
         self._calls.put((fn, None))
 
-    async def commit(self, offsets: dict[int, int]) -> bool:
-        """Commit ``offsets`` (partition → next offset to read) and wait for the broker's
-        answer; False (logged) if it refused (e.g. the partition was taken away), or did
-        not answer within :data:`COMMIT_ANSWER_S`. In a rebalance callback's hook the
-        commit is synchronous: it is done when this returns."""
+    async def commit(self, offsets: dict[int, int], metadata: dict[int, str] | None = None) -> bool:
+        """Commit ``offsets`` (partition → next offset to read), each with its
+        ``metadata`` string if given, and wait for the broker's answer; False (logged)
+        if it refused (e.g. the partition was taken away), or did not answer within
+        :data:`COMMIT_ANSWER_S`. In a rebalance callback's hook the commit is
+        synchronous: it is done when this returns."""
         if not offsets:
             return True
-        tps = [TopicPartition(self.topic, p, o) for p, o in sorted(offsets.items())]
+        md = metadata or {}
+        tps = [
+            TopicPartition(self.topic, p, o, metadata=md[p])
+            if md.get(p)
+            else TopicPartition(self.topic, p, o)
+            for p, o in sorted(offsets.items())
+        ]
         try:
             sent = await self._call(lambda c: self._send_commit(c, tps))
             if isinstance(sent, concurrent.futures.Future):

@@ -32,6 +32,60 @@ T = TypeVar("T")
 # Each call blocks the reader's own thread at most this long (seconds).
 REQUEST_TIMEOUT_S = 5.0
 
+# Offsets at or above a committed offset whose records had ended when it was committed,
+# carried in the commit's metadata: ``koda1:`` then ranges relative to the committed
+# offset (``0-2,5``). Kafka keeps at most ``offset.metadata.max.bytes`` (4096 by default)
+# per partition; past METADATA_MAX_CHARS the highest ranges are left out, and their
+# records are read and met again (a run already terminal is skipped).
+METADATA_PREFIX = "koda1:"
+METADATA_MAX_CHARS = 3000
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where an assignment of a partition starts: the committed offset (or the log
+    start) and the offsets above it whose records had already ended."""
+
+    offset: int
+    done: frozenset[int] = frozenset()
+
+
+def encode_done(commit: int, done: list[int]) -> str:
+    """``done`` (sorted offsets above ``commit``) as commit metadata."""
+    parts: list[str] = []
+    size = len(METADATA_PREFIX)
+    i = 0
+    while i < len(done):
+        j = i
+        while j + 1 < len(done) and done[j + 1] == done[j] + 1:
+            j += 1
+        lo, hi = done[i] - commit, done[j] - commit
+        part = str(lo) if lo == hi else f"{lo}-{hi}"
+        if size + len(part) + 1 > METADATA_MAX_CHARS:
+            break
+        parts.append(part)
+        size += len(part) + 1
+        i = j + 1
+    return METADATA_PREFIX + ",".join(parts) if parts else ""
+
+
+def decode_done(commit: int, metadata: str | None) -> frozenset[int]:
+    """The offsets :func:`encode_done` wrote; nothing for metadata koda did not write."""
+    if not metadata or not metadata.startswith(METADATA_PREFIX):
+        return frozenset()
+    out: set[int] = set()
+    try:
+        for part in metadata[len(METADATA_PREFIX) :].split(","):
+            lo, _, hi = part.partition("-")
+            a = int(lo)
+            b = int(hi) if hi else a
+            if a < 0 or b < a or b - a > 1_000_000:
+                return frozenset()
+            out.update(range(commit + a, commit + b + 1))
+    except ValueError:
+        return frozenset()
+    return frozenset(out)
+
 
 @dataclass(frozen=True)
 class PartitionLag:
@@ -91,6 +145,16 @@ class GroupOffsetReader:
             return committed
         low, _ = self.watermarks(partition)
         return low
+
+    def start(self, partition: int) -> Start:
+        """Blocking: :meth:`start_offset`, with the offsets above it whose records had
+        ended (the worker's commit metadata, processors/cursor.py)."""
+        tp = TopicPartition(self.topic, partition)
+        (got,) = self._client().committed([tp], timeout=REQUEST_TIMEOUT_S)
+        if got.offset >= 0:
+            return Start(got.offset, decode_done(got.offset, got.metadata))
+        low, _ = self.watermarks(partition)
+        return Start(low)
 
     def lags(self, partitions: Iterable[int]) -> list[PartitionLag]:
         """Blocking: the group's committed offsets, then each partition's watermarks."""
