@@ -1,4 +1,4 @@
-"""The cost of one streamed run, and a check of the capacity model (docs/capacity.md).
+"""The cost of one streamed run, and a check of a capacity model built from it.
 
 Two measurements of the same closed-loop workload: ``streams`` users, each with one
 answer streaming at any time (it submits through the gateway, reads the answer's SSE
