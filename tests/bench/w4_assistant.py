@@ -500,7 +500,7 @@ def run_w4(stack: StackInfo, args: argparse.Namespace) -> Table:
             if best is not None:
                 table.notes.append(f"rep {i + 1} {system} model server: {best.model_late}")
     table.notes.append(
-        "koda: KODA_MEMORY=false (the direct app has no memory), KODA_CHUNK_BATCH_MS=20, "
+        "koda: KODA_MEMORY=false (the direct app has no memory), "
         f"{PARTITIONS} partitions; the model server and load generator are unpinned on the "
         f"same {os.cpu_count()} cores"
     )
