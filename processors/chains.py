@@ -182,13 +182,19 @@ class ChainSet:
     def _started_one(self, part: PartitionChains) -> None:
         part.waiting -= 1
         self.not_started -= 1
-        if self.full and self.not_started <= self.backlog_low:
-            self.full = False
-            for p in self.parts.values():
-                if p.paused and p.waiting <= self.low_water:
-                    self._set_paused(p, False)
-        elif part.paused and not self.full and part.waiting <= self.low_water:
+        if not self._unfull() and part.paused and not self.full and part.waiting <= self.low_water:
             self._set_paused(part, False)
+
+    def _unfull(self) -> bool:
+        """End the worker-wide pause once the backlog is down to ``backlog_low``: resume
+        every partition whose own backlog is low. True if it ended it."""
+        if not (self.full and self.not_started <= self.backlog_low):
+            return False
+        self.full = False
+        for p in self.parts.values():
+            if p.paused and p.waiting <= self.low_water:
+                self._set_paused(p, False)
+        return True
 
     def _gauges(self) -> None:
         self._waiting_slot.set(self.slot_waiters)
@@ -320,11 +326,7 @@ class ChainSet:
             for chain in part.chains.values():
                 if not chain.started and chain.task is not None:
                     chain.task.cancel()  # waiting for a slot: nothing of it ran
-        if self.full and self.not_started <= self.backlog_low:
-            self.full = False
-            for p in self.parts.values():
-                if p.paused and p.waiting <= self.low_water:
-                    self._set_paused(p, False)
+        self._unfull()
         self._gauges()
         tasks = [t for part in doomed for t in part.tasks]
         pending: set[asyncio.Task[None]] = set()
