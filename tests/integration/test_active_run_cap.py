@@ -31,7 +31,7 @@ from koda_runtime.gateway.store import _ACTIVE_RUNS, AdmittedRun, NewRun
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import partition_for_key
-from tests.fixtures.gateway import db_rows, serve_app
+from tests.fixtures.gateway import db_rows, rows_of, serve_app
 from tests.sse_client import bearer
 
 CAP = 3
@@ -63,17 +63,6 @@ def post(c: httpx.Client, user: str, text: str, key: str | None = None) -> httpx
     if key is not None:
         headers["Idempotency-Key"] = key
     return c.post("/v1/runs", json={"input": text}, headers=headers)
-
-
-def rows_of(settings: Settings, user: str) -> tuple[int, int]:
-    """(sessions, runs) of ``user``."""
-    (row,) = db_rows(
-        settings,
-        "SELECT (SELECT count(*) FROM sessions WHERE user_id = :u),"
-        " (SELECT count(*) FROM runs WHERE user_id = :u)",
-        u=user,
-    )
-    return int(row[0]), int(row[1])
 
 
 def active_of(settings: Settings, user: str) -> int:

@@ -27,7 +27,7 @@ from koda_runtime.gateway.publisher import RunPublisher
 from koda_runtime.gateway.store import AdmittedRun
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.settings import Settings
-from tests.fixtures.gateway import db_rows, dead_publisher, read_runs_topic
+from tests.fixtures.gateway import db_rows, dead_publisher, read_runs_topic, rows_of
 from tests.fixtures.runs import payload
 from tests.support import async_wait_until
 
@@ -81,16 +81,6 @@ def batches() -> tuple[float, float]:
     return get("koda_admission_batch_runs_count") or 0.0, get(
         "koda_admission_batch_runs_sum"
     ) or 0.0
-
-
-def rows_of(settings: Settings, user: str) -> tuple[int, int]:
-    (row,) = db_rows(
-        settings,
-        "SELECT (SELECT count(*) FROM sessions WHERE user_id = :u),"
-        " (SELECT count(*) FROM runs WHERE user_id = :u)",
-        u=user,
-    )
-    return int(row[0]), int(row[1])
 
 
 def spend_budget(settings: Settings, user: str) -> None:
