@@ -23,9 +23,10 @@ from datetime import datetime
 from typing import Any
 
 import pytest
-from confluent_kafka import KafkaException
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from koda_runtime.kafka import consumer_config
 from koda_runtime.schemas.dead_letters import decode_dead_letter
 from koda_runtime.schemas.records import (
     RUN_REQUESTED,
@@ -54,6 +55,16 @@ def workers(env: Settings) -> Iterator[WorkerPool]:
     """The plugin's pool, killed at the end: some tests leave a worker mid-run."""
     with WorkerPool(env, kill_at_end=True) as pool:
         yield pool
+
+
+def committed_metadata(env: Settings, group: str, topic: str, partition: int) -> str:
+    """The metadata of ``group``'s commit on ``partition`` ('' when none)."""
+    consumer = Consumer(consumer_config(env, "test-metadata", group))
+    try:
+        (tp,) = consumer.committed([TopicPartition(topic, partition)], timeout=10)
+        return tp.metadata or ""
+    finally:
+        consumer.close()
 
 
 def settle(env: Settings, members: int) -> None:
@@ -338,7 +349,13 @@ def test_what_ended_above_the_low_water_mark_is_not_met_again_after_a_handoff(
         return found
 
     wait_until(lambda: letters() == ["unknown_run"], timeout=30, what="one dead letter")
-    time.sleep(2.5)  # two commit intervals: the metadata names B's and C's records
+    group, topic = env.names.group(env.worker_group), env.names.topic(RUNS)
+    partition = partition_for_key(slow.encode(), env.partitions)
+    wait_until(
+        lambda: bool(committed_metadata(env, group, topic, partition)),
+        timeout=15,
+        what="a commit naming the records that ended above the long run",
+    )
     b = workers.start("b", KODA_HANDOFF_CEILING="1")
     a.signal(signal.SIGTERM)  # a's drain cuts A's run at the ceiling; b takes over
     assert a.proc is not None and a.proc.wait(60) == 0, a.log()[-3000:]
@@ -346,5 +363,11 @@ def test_what_ended_above_the_low_water_mark_is_not_met_again_after_a_handoff(
     got = rows(submitter, [long_run, short_run])
     assert got[long_run].status == "done" and got[long_run].attempt >= 2  # resumed by b
     assert got[short_run].attempt == 1
-    time.sleep(2.0)  # b met every record of the partition by now
+    end = read_topic(env, topic)
+    last = max(m.offset() for m in end if m.partition() == partition)
+    wait_until(
+        lambda: committed_offsets(env, group, topic).get(partition, -1) > last,
+        timeout=30,
+        what="b to commit past every record of the partition",
+    )
     assert letters() == ["unknown_run"]  # not written a second time
