@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import httpx
@@ -56,6 +57,7 @@ from tests.bench.common import (
     wait_group,
 )
 from tests.bench.model_timing import WARM, Shape, plan_for
+from tests.bench.profile import print_profiles, spy_on, stop_spies
 from tests.bench.w4_load import Arrival, Meter, Step, read_stream
 from tests.fixtures.processes import (
     ChildProcess,
@@ -252,6 +254,20 @@ class Bench:
         )
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of ``pid``, summed by thread name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def measure_koda(stack: StackInfo, b: Bench) -> Found:
     args = b.args
     with namespace(
@@ -321,9 +337,34 @@ def measure_koda(stack: StackInfo, b: Bench) -> Found:
                     q = waits.get(a.run_id)
                     a.queue_s = float(q) if q is not None else math.nan
 
-            return b.search(
-                Koda(gw.url), [gw.pid] + [w.pid for w in workers], settle, fill_queue, check
-            )
+            pids = [gw.pid] + [w.pid for w in workers]
+            if not getattr(args, "profile", None):
+                return b.search(Koda(gw.url), pids, settle, fill_queue, check)
+            # The same search with py-spy on the gateway and every worker; with
+            # --start = --cap = --floor it is one step at that rate.
+            out = Path(args.profile)
+            out.mkdir(parents=True, exist_ok=True)
+            names = ["gateway"] + [f"worker{i}" for i in range(len(workers))]
+            spies = spy_on(list(zip(names, pids, strict=True)), out, 100, gil=True)
+            before = {p: thread_cpu(p) for p in pids}
+            try:
+                return b.search(Koda(gw.url), pids, settle, fill_queue, check)
+            finally:
+                after = {p: thread_cpu(p) for p in pids}
+                stop_spies(spies)
+                for name, p in zip(names, pids, strict=True):
+                    spent = {
+                        t: after[p][t] - before[p].get(t, 0.0)
+                        for t in after[p]
+                        if after[p][t] - before[p].get(t, 0.0) > 0.05
+                    }
+                    print(
+                        f"== {name}: CPU s by thread name: "
+                        + ", ".join(
+                            f"{t} {v:.1f}" for t, v in sorted(spent.items(), key=lambda x: -x[1])
+                        )
+                    )
+                print_profiles(out, names)
         finally:
             for w in workers:
                 w.stop()
@@ -368,6 +409,8 @@ def one_rep(stack: StackInfo, args: argparse.Namespace, rep: int) -> dict[str, F
         wait_http(model, f"{model_url}/stats")
         b = Bench(args, rep, model_url, model.pid)
         order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
+        only = getattr(args, "only", None)
+        order = tuple(x for x in order if not only or x == only)
         out: dict[str, Found] = {}
         for system in order:
             out[system] = measure_koda(stack, b) if system == "koda" else measure_direct(b)
@@ -530,8 +573,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m tests.bench.w4_assistant")
     add_args(ap)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", choices=SYSTEMS, help="measure one system (no ratios)")
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="py-spy koda's gateway and workers during their search; raw stacks into DIR "
+        "(profile one rate: --start R --cap R --floor R --only koda --repeat 1)",
+    )
     args = ap.parse_args()
     with services() as stack:
+        if args.only:  # each step's line is printed as it ends; no table of one side
+            for rep in range(args.repeat):
+                one_rep(stack, args, rep)
+            return
         print(run_w4(stack, args).render())
 
 
