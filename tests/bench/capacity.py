@@ -199,7 +199,9 @@ def stack_of(brokers: int) -> Iterator[StackInfo]:
         shutil.rmtree(state, ignore_errors=True)
 
 
-def measure(phase: Phase, warm_s: float, hold_s: float, seed: int) -> Phase:
+def measure(
+    phase: Phase, warm_s: float, hold_s: float, seed: int, window_ms: int, coalesce: bool
+) -> Phase:
     """One phase on a stack of its own: warm up, then measure over ``hold_s``."""
     replicas = min(3, phase.brokers)
     with (
@@ -207,7 +209,7 @@ def measure(phase: Phase, warm_s: float, hold_s: float, seed: int) -> Phase:
         namespace(
             stack,
             partitions=PARTITIONS,
-            chunk_batch_ms=20,
+            chunk_batch_ms=window_ms,
             handler="openai",
             replication_factor=replicas,
             min_insync_replicas=max(1, replicas - 1),
@@ -222,6 +224,7 @@ def measure(phase: Phase, warm_s: float, hold_s: float, seed: int) -> Phase:
             "KODA_OPENAI_BASE_URL": model_url,
             "KODA_OPENAI_MODEL": MODEL,
             "KODA_MEMORY": "false",
+            "KODA_CHUNK_COALESCE": "true" if coalesce else "false",
         }
         gw = GatewayProcess(
             settings, {**env, "KODA_RATE_PER_S": "1000000", "KODA_RATE_BURST": "1000000"}
@@ -300,13 +303,23 @@ def main() -> None:
     ap.add_argument("--warm", type=float, default=20.0)
     ap.add_argument("--hold", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--window-ms", type=int, default=50, help="KODA_CHUNK_BATCH_MS, as W4")
+    ap.add_argument(
+        "--coalesce",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="KODA_CHUNK_COALESCE, as W4 (--no-coalesce: one chunk per token)",
+    )
     args = ap.parse_args()
     shape = Shape()
-    print(f"model timing: {shape}", flush=True)
-    calibration = measure(
-        Phase("calibrate", 1, 2, args.calibrate_streams), args.warm, args.hold, args.seed
+    print(
+        f"model timing: {shape}; KODA_CHUNK_BATCH_MS={args.window_ms}, "
+        f"KODA_CHUNK_COALESCE={str(args.coalesce).lower()}",
+        flush=True,
     )
-    check = measure(Phase("check", 3, 4, args.check_streams), args.warm, args.hold, args.seed)
+    how = (args.warm, args.hold, args.seed, args.window_ms, args.coalesce)
+    calibration = measure(Phase("calibrate", 1, 2, args.calibrate_streams), *how)
+    check = measure(Phase("check", 3, 4, args.check_streams), *how)
     print(table(calibration, check))
     if calibration.failed or check.failed:
         print(f"runs not done: calibration {calibration.failed}, check {check.failed}")
