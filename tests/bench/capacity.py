@@ -8,7 +8,7 @@ of W4 (tests/bench/model_timing.py: first token after 300-800 ms, 30-60 tokens/s
 
 1. **calibrate** (1 broker, 2 workers, ``--calibrate-streams``): what one run costs,
    measured over ``--hold`` seconds: worker, gateway, Kafka and Postgres CPU seconds,
-   Postgres transactions and rows written, Kafka records produced, tokens delivered.
+   Postgres transactions and rows written, Kafka records produced, chunk events delivered to viewers (the unit each figure is divided by).
 2. **check** (3 brokers, 4 workers, ``--check-streams``): the model predicts the
    same figures from the calibration's cost per run times the runs the check
    completes, and the check measures them; the table prints predicted, measured and
@@ -78,19 +78,19 @@ class Phase:
     records: float = 0.0
     machine_busy: float = 0.0  # CPU seconds the whole machine was busy
 
-    def per_run(self) -> dict[str, float]:
-        n = max(1, self.runs)
-        out = {f"{k} CPU s": v / n for k, v in self.cpu.items()}
+    def per_chunk(self) -> dict[str, float]:
+        """Each figure per chunk event delivered to a viewer in the hold: the unit the
+        hold measures whole (a run spans the hold's edges; its chunks do not)."""
+        n = max(1, self.tokens)
+        out = {f"{k} CPU ms": 1000 * v / n for k, v in self.cpu.items()}
         out.update({f"Postgres {k}": v / n for k, v in self.pg.items()})
         out["Kafka records"] = self.records / n
-        out["tokens"] = self.tokens / n
         return out
 
     def totals(self) -> dict[str, float]:
-        out = {f"{k} CPU s": v for k, v in self.cpu.items()}
+        out = {f"{k} CPU ms": 1000 * v for k, v in self.cpu.items()}
         out.update({f"Postgres {k}": v for k, v in self.pg.items()})
         out["Kafka records"] = self.records
-        out["tokens"] = float(self.tokens)
         return out
 
 
@@ -274,21 +274,26 @@ def measure(
 
 
 def predicted(calibration: Phase, check: Phase) -> dict[str, float]:
-    """The check's figures as the model predicts them: the calibration's cost per run
-    times the runs the check completed."""
-    return {k: v * check.runs for k, v in calibration.per_run().items()}
+    """The check's figures as the model predicts them: the calibration's cost per chunk
+    event delivered times the chunk events the check delivered."""
+    return {k: v * check.tokens for k, v in calibration.per_chunk().items()}
 
 
 def table(calibration: Phase, check: Phase) -> str:
     want = predicted(calibration, check)
     got = check.totals()
     lines = [
-        f"{'per run (calibration)':<28}{'':>12}   check: {'predicted':>12} {'measured':>12}"
+        f"{'per chunk (calibration)':<28}{'':>12}   check: {'predicted':>12} {'measured':>12}"
         f" {'measured/predicted':>20}"
     ]
-    for k, v in calibration.per_run().items():
+    for k, v in calibration.per_chunk().items():
         ratio = got[k] / want[k] if want[k] else float("nan")
         lines.append(f"{k:<28}{v:>12.4f}   {'':>7}{want[k]:>12.1f} {got[k]:>12.1f} {ratio:>20.2f}")
+    for ph in (calibration, check):
+        lines.append(
+            f"{ph.name}: {ph.tokens} chunk events delivered, {ph.runs} runs done in "
+            f"{ph.seconds:.0f} s ({ph.tokens / max(1, ph.seconds):.0f} chunk events/s)"
+        )
     lines.append(
         f"machine busy (cores): calibration {calibration.machine_busy / calibration.seconds:.2f},"
         f" check {check.machine_busy / check.seconds:.2f} of {os.cpu_count()}"
