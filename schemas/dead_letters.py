@@ -37,6 +37,46 @@ class DeadLetter:
     headers_count: int | None = None
     headers_size: int | None = None
 
+    # What was cut, part by part (None: a letter written before the sizes were kept
+    # cannot tell; ``truncated`` still says whether anything was).
+
+    @property
+    def key_truncated(self) -> bool | None:
+        """The letter keeps less of the original key than it had."""
+        if self.key_size is None:  # no key, or a letter written before sizes were kept
+            return None if self.headers_count is None else False
+        return len(self.key or b"") < self.key_size
+
+    @property
+    def headers_truncated(self) -> bool | None:
+        """Headers were dropped, or a name or value cut."""
+        if self.headers_count is None or self.headers_size is None:
+            return None
+        kept = sum(
+            len(name.encode("utf-8", "replace")) + len(value or b"") for name, value in self.headers
+        )
+        return len(self.headers) < self.headers_count or kept < self.headers_size
+
+    @property
+    def value_truncated(self) -> bool | None:
+        """The letter keeps less of the original value than it had (none at all in a
+        bare letter)."""
+        if self.original_size is None:
+            return None
+        if self.original_sha256 is None:  # the original had no value
+            return False
+        return len(self.value or b"") < self.original_size
+
+    @property
+    def cut_parts(self) -> list[str]:
+        """The parts the letter cut (``key``, ``headers``, ``value``), as far as it tells."""
+        flags = (
+            ("key", self.key_truncated),
+            ("headers", self.headers_truncated),
+            ("value", self.value_truncated),
+        )
+        return [name for name, cut in flags if cut]
+
 
 def decode_dead_letter(value: bytes | None) -> DeadLetter:
     """Decode a dead-letter value; raise RecordError if it is not one."""

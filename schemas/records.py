@@ -417,7 +417,11 @@ def dead_letter_value(
                 "offset": offset,
                 "attempts": attempts,
                 "reason": reason,
-                "error": error[:MAX_DEAD_LETTER_ERROR],
+                # The error may quote the record (a run id with a lone surrogate,
+                # which UTF-8 cannot encode): such characters are kept as escapes.
+                "error": error[:MAX_DEAD_LETTER_ERROR]
+                .encode("utf-8", "backslashreplace")
+                .decode("utf-8"),
                 "at": now_iso(),
             }
         )

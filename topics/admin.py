@@ -1,7 +1,16 @@
-"""Create the catalogue's topics idempotently and report drift, through AdminClient."""
+"""Create the catalogue's topics idempotently and report drift, through AdminClient.
+
+One setting of an existing topic is raised rather than reported: the dead-letter
+topic's ``max.message.bytes`` is kept at least the runs topic's (the catalogue's value,
+or the broker's when someone raised it there), so a dead letter of any runs record fits.
+A DLQ created by an older release with a lower limit is altered by ``apply_topics``
+(never lowered), and ``check_topics`` reports it until then.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +19,8 @@ from confluent_kafka import KafkaError, KafkaException
 # confluent-kafka's stubs do not list these in admin's __all__; they are its public API.
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
     AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
     ConfigResource,
     NewTopic,
     ResourceType,
@@ -18,11 +29,14 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from koda_runtime.errors import TopicError
 from koda_runtime.kafka import common_config
 from koda_runtime.settings import Settings
-from koda_runtime.topics.catalogue import TopicSpec, catalogue
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ, TopicSpec, catalogue
+
+log = logging.getLogger("koda.topics")
 
 ADMIN_TIMEOUT_S = 30.0
 # Only these configs are compared by `check`: they change semantics if they drift.
 CHECKED_CONFIGS = ("cleanup.policy",)
+MAX_MESSAGE_BYTES = "max.message.bytes"
 
 
 @dataclass(frozen=True)
@@ -65,14 +79,20 @@ def apply_topics(settings: Settings, specs: list[TopicSpec] | None = None) -> li
     """Create every missing topic of the catalogue; return the names created.
 
     Existing topics are left alone (drift is reported by :func:`check_topics`, never
-    "fixed" silently: a partition change is a migration).
+    "fixed" silently: a partition change is a migration), but for the dead-letter
+    topic's ``max.message.bytes``, raised to the runs topic's when it is lower
+    (:func:`raise_dlq_limit`).
     """
     specs = catalogue(settings) if specs is None else specs
     admin = admin_client(settings)
     existing = _existing(admin)
     missing = [s for s in specs if s.name not in existing]
-    if not missing:
-        return []
+    created = _create(admin, missing) if missing else []
+    raise_dlq_limit(admin, specs, created)
+    return created
+
+
+def _create(admin: AdminClient, missing: list[TopicSpec]) -> list[str]:
     futures = admin.create_topics(
         [
             NewTopic(
@@ -99,6 +119,86 @@ def apply_topics(settings: Settings, specs: list[TopicSpec] | None = None) -> li
     return created
 
 
+def _describe(admin: AdminClient, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Each topic's configs as the broker has them (its defaults included)."""
+    if not names:
+        return {}
+    resources = [ConfigResource(ResourceType.TOPIC, n) for n in names]
+    futures = admin.describe_configs(resources, request_timeout=ADMIN_TIMEOUT_S)
+    out: dict[str, dict[str, Any]] = {}
+    for res, fut in futures.items():
+        try:
+            out[res.name] = fut.result()
+        except KafkaException as exc:
+            raise TopicError(f"cannot describe topic {res.name}: {exc}") from exc
+    return out
+
+
+def _limit(configs: dict[str, Any]) -> int | None:
+    entry = configs.get(MAX_MESSAGE_BYTES)
+    return None if entry is None or entry.value is None else int(entry.value)
+
+
+def _dlq_floor(
+    specs: list[TopicSpec], limits: dict[str, int | None]
+) -> tuple[TopicSpec, int, int] | None:
+    """``(dlq spec, its limit, the least it needs)`` when the DLQ's ``max.message.bytes``
+    (``limits``: by topic name, as on the broker) is below the runs topic's there or
+    either's in the catalogue; else None."""
+    by_base = {s.base: s for s in specs}
+    runs, dlq = by_base.get(RUNS), by_base.get(RUNS_DLQ)
+    actual = None if dlq is None else limits.get(dlq.name)
+    if runs is None or dlq is None or actual is None:
+        return None
+    wanted = [
+        int(s.config[MAX_MESSAGE_BYTES]) for s in (runs, dlq) if MAX_MESSAGE_BYTES in s.config
+    ]
+    need = max([*wanted, limits.get(runs.name) or 0])
+    return (dlq, actual, need) if actual < need else None
+
+
+def raise_dlq_limit(
+    admin: AdminClient, specs: list[TopicSpec], created: Collection[str] = ()
+) -> int | None:
+    """Raise the dead-letter topic's ``max.message.bytes`` to at least the runs topic's
+    (on the broker, or in the catalogue when that is higher); return the new limit, or
+    None when it was high enough (or either topic is not in ``specs``). Topics in
+    ``created`` were just created from ``specs``: their limit is the catalogue's (the
+    broker may not describe them yet)."""
+    existing = set(_existing(admin)) | set(created)
+    ours = [s for s in specs if s.base in (RUNS, RUNS_DLQ) and s.name in existing]
+    fresh = [s for s in ours if s.name in created]
+    described = _describe(admin, [s.name for s in ours if s.name not in created])
+    limits = {name: _limit(configs) for name, configs in described.items()}
+    for s in fresh:
+        limit = s.config.get(MAX_MESSAGE_BYTES)
+        limits[s.name] = None if limit is None else int(limit)
+    floor = _dlq_floor(specs, limits)
+    if floor is None:
+        return None
+    dlq, actual, need = floor
+    entry = ConfigEntry(MAX_MESSAGE_BYTES, str(need), incremental_operation=AlterConfigOpType.SET)
+    futures = admin.incremental_alter_configs(
+        [ConfigResource(ResourceType.TOPIC, dlq.name, incremental_configs=[entry])],
+        request_timeout=ADMIN_TIMEOUT_S,
+    )
+    for fut in futures.values():
+        try:
+            fut.result()
+        except KafkaException as exc:
+            raise TopicError(
+                f"cannot raise {MAX_MESSAGE_BYTES} of {dlq.name} from {actual} to {need}: {exc}"
+            ) from exc
+    log.warning(
+        "raised %s of %s from %d to %d bytes, the runs topic's, so any dead letter fits",
+        MAX_MESSAGE_BYTES,
+        dlq.name,
+        actual,
+        need,
+    )
+    return need
+
+
 def check_topics(settings: Settings, specs: list[TopicSpec] | None = None) -> list[Drift]:
     """Compare the broker with the catalogue: missing topics, partition counts, cleanup."""
     specs = catalogue(settings) if specs is None else specs
@@ -115,20 +215,18 @@ def check_topics(settings: Settings, specs: list[TopicSpec] | None = None) -> li
         present.append(s)
     if not present:
         return drifts
-    resources = [ConfigResource(ResourceType.TOPIC, s.name) for s in present]
-    futures = admin.describe_configs(resources, request_timeout=ADMIN_TIMEOUT_S)
-    by_name = {s.name: s for s in present}
-    for res, fut in futures.items():
-        try:
-            configs = fut.result()
-        except KafkaException as exc:
-            raise TopicError(f"cannot describe topic {res.name}: {exc}") from exc
-        s = by_name[res.name]
+    described = _describe(admin, [s.name for s in present])
+    for s in present:
+        configs = described[s.name]
         for key in CHECKED_CONFIGS:
             expected = s.config.get(key, "delete")
             actual = configs[key].value if key in configs else "<unset>"
             if actual != expected:
                 drifts.append(Drift(s.name, key, expected, str(actual)))
+    floor = _dlq_floor(specs, {name: _limit(c) for name, c in described.items()})
+    if floor is not None:
+        dlq, actual_limit, need = floor
+        drifts.append(Drift(dlq.name, MAX_MESSAGE_BYTES, f">= {need}", str(actual_limit)))
     return drifts
 
 

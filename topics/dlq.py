@@ -13,8 +13,9 @@ truth), so replaying a letter twice, or a letter of a run that since finished, r
 nothing twice; a run that failed after its attempts stays failed. Replay re-drives
 records that never reached a run, e.g. ``unknown_schema_version`` after deploying a
 worker that reads the new version, or ``unknown_run`` after the run's row was
-restored. Letters whose original was truncated (over 512 KiB) cannot be replayed and
-are counted as skipped.
+restored. Letters whose original was truncated (a value over 512 KiB, a key over
+1 KiB, headers over 16 KiB or 64 of them: schemas/records.py) cannot be replayed and
+are counted as skipped, by the parts that were cut.
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def _replay_one(
     if reasons and letter.reason not in reasons:
         return f"skipped: reason {letter.reason}"
     if letter.truncated:
-        return "skipped: original truncated"
+        parts = letter.cut_parts
+        return "skipped: original truncated" + (f" ({', '.join(parts)})" if parts else "")
     if letter.topic != runs_topic:
         return f"skipped: from {letter.topic}"
     if producer is not None:

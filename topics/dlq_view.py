@@ -6,6 +6,7 @@ import base64
 import json
 from datetime import UTC, datetime
 
+from koda_runtime.schemas.dead_letters import DeadLetter
 from koda_runtime.topics.dlq import LetterAt
 
 PREVIEW = 60
@@ -49,6 +50,29 @@ def list_line(at: LetterAt) -> str:
     )
 
 
+def _size(n: int | None) -> str:
+    return "-" if n is None else f"{n} bytes"
+
+
+def _cut(flag: bool | None) -> str:
+    return " (truncated)" if flag else ""
+
+
+def _truncated(letter: DeadLetter) -> str:
+    """Which parts of the original the letter cut; a letter written before the parts
+    were told apart says only whether anything was."""
+    if not letter.truncated:
+        return "no"
+    return f"{', '.join(letter.cut_parts) or 'yes'} (cannot be replayed)"
+
+
+def _headers(letter: DeadLetter) -> str:
+    kept = f"{len(letter.headers)} kept"
+    if letter.headers_count is None or letter.headers_size is None:
+        return kept
+    return f"{letter.headers_count} ({letter.headers_size} bytes), {kept}"
+
+
 def detail_lines(at: LetterAt) -> list[str]:
     """Every field of one dead letter, the original value pretty-printed when it is JSON."""
     if at.letter is None:
@@ -63,10 +87,11 @@ def detail_lines(at: LetterAt) -> list[str]:
         f"original:  {letter.topic} [{letter.partition}] @ {letter.offset}",
         f"run:       {run_id_of(at) or '-'}",
         f"key:       {_text(letter.key)}",
-        f"size:      {letter.original_size if letter.original_size is not None else '-'} bytes"
-        + (" (value truncated: cannot be replayed)" if letter.truncated else ""),
+        f"key size:  {_size(letter.key_size)}" + _cut(letter.key_truncated),
+        f"size:      {_size(letter.original_size)}" + _cut(letter.value_truncated),
         f"sha256:    {letter.original_sha256 or '-'}",
-        "headers:",
+        f"truncated: {_truncated(letter)}",
+        f"headers:   {_headers(letter)}" + _cut(letter.headers_truncated),
     ]
     out += [f"  {name}: {_text(value)}" for name, value in letter.headers] or ["  (none)"]
     out.append("value:")

@@ -320,6 +320,12 @@ class RecordDecoder:
                 letter.original_size,
                 letter.original_sha256,
                 letter.truncated,
+                letter.key_size,
+                letter.headers_count,
+                letter.headers_size,
+                letter.key_truncated,
+                letter.headers_truncated,
+                letter.value_truncated,
             ),
         )
 

@@ -235,6 +235,14 @@ DEAD_LETTERS = Table(
         Column("original_size", "bigint"),
         Column("original_sha256", "text"),
         Column("original_truncated", "bool"),
+        # The original's key and header sizes and what of it was cut, part by part
+        # (null in letters written before they were recorded).
+        Column("original_key_size", "bigint"),
+        Column("original_headers_count", "int"),
+        Column("original_headers_size", "bigint"),
+        Column("key_truncated", "bool"),
+        Column("headers_truncated", "bool"),
+        Column("value_truncated", "bool"),
     ),
 )
 RAW_RECORDS = Table(
