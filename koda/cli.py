@@ -51,14 +51,21 @@ def friendly(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def load_settings(*, kafka: bool = False, database: bool = False) -> Settings:
+def load_settings(*, kafka: bool = False, database: bool = False, login: bool = False) -> Settings:
     """The settings; with ``kafka`` / ``database``, after checking that the broker /
-    database answers (one line naming the address and its origin when not)."""
+    database answers (one line naming the address and its origin when not); with
+    ``login`` (services, and commands that use Kafka without the reach check), after
+    checking that no broker refuses koda's TLS handshake or SASL login (a broker that
+    does not answer is an outage they ride out)."""
     from koda_runtime import reach
 
     settings = Settings.from_env()
     if kafka:
         reach.require_kafka(settings)
+    if login:
+        from koda_runtime.kafka import require_login
+
+        require_login(settings)
     if database:
         reach.require_database(settings)
     return settings
@@ -220,7 +227,7 @@ def replay_command(
     from koda_runtime.stopping import stop_on_signals
     from koda_runtime.topics.replay import Progress, ReplayOptions, run_replay, start_spec
 
-    settings = load_settings()
+    settings = load_settings(login=True)
     options = ReplayOptions(
         topics=tuple(topic or ()),
         start=start_spec(settings.names, start, from_timestamp, from_offsets),
@@ -324,7 +331,7 @@ def chunks_repair(
     """Produce again, from Postgres, the chunks of finished runs not known to be on the topic."""
     from koda_runtime.processors.compactor import ChunkCompactor
 
-    compactor = ChunkCompactor(load_settings())
+    compactor = ChunkCompactor(load_settings(login=True))
     try:
         report = compactor.repair_once(older_than)
     finally:
@@ -352,7 +359,7 @@ def chunks_verify(
         start = datetime.fromtimestamp(parse_timestamp(since) / 1000, UTC)
     except BadTimestampError:
         raise KodaError(f"--since {since!r} is not a time: use {TIMESTAMP_FORMATS}") from None
-    report = verify_chunks(load_settings(), start)
+    report = verify_chunks(load_settings(login=True), start)
     for gap in report.gaps:
         typer.echo(gap.describe())
     summary = (
@@ -393,7 +400,7 @@ def worker_command() -> None:
     from koda_runtime.processors.bootstrap import run_worker
 
     configure_logging()
-    run_worker(load_settings())
+    run_worker(load_settings(login=True))
 
 
 @app.command(
@@ -432,7 +439,7 @@ def scheduler_command() -> None:
     from koda_runtime.scheduler.app import run_scheduler
 
     configure_logging()
-    run_scheduler(load_settings())
+    run_scheduler(load_settings(login=True))
 
 
 @app.command("gateway")
@@ -443,7 +450,7 @@ def gateway_command() -> None:
     from koda_runtime.logs import configure_logging
 
     configure_logging()
-    serve(load_settings())
+    serve(load_settings(login=True))
 
 
 @app.command("dev")

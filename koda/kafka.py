@@ -11,14 +11,26 @@ Every koda client produces with librdkafka except the workers' Faust producer
 (aiokafka); both must put a key into the same partition. librdkafka's default
 partitioner (consistent_random, CRC32) disagrees with Java and aiokafka (murmur2), so
 the producer here is pinned to ``murmur2_random``.
+
+Security (TLS, SASL) comes from ``Settings.kafka_security`` alone: :func:`common_config`
+gives it to every librdkafka client, :func:`aiokafka_security` to aiokafka (Faust).
+:func:`check_login` tells a refused TLS handshake or SASL login (a configuration error:
+one line, at start) from a broker that does not answer (an outage, ridden out).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import ssl
+import time
 from typing import Any
 
+from koda_runtime.errors import ConfigError
 from koda_runtime.settings import Settings
+
+log = logging.getLogger(__name__)
 
 PARTITIONER = "murmur2_random"
 # A client that has reached no broker of its last known metadata for this long goes back
@@ -109,12 +121,17 @@ def group_config(settings: Settings) -> dict[str, str]:
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:
-    """A verifying TLS context (``KODA_KAFKA_SSL_CAFILE`` or the system's CAs) when the
+    """A verifying TLS context (``KODA_KAFKA_SSL_CAFILE`` or the system's CAs, and the
+    client certificate of ``KODA_KAFKA_SSL_CERTFILE``/``KEYFILE`` if set) when the
     protocol is SSL or SASL_SSL; None otherwise. aiokafka needs it to speak TLS at all."""
     sec = settings.kafka_security
     if sec.protocol not in ("SSL", "SASL_SSL"):
         return None
-    return ssl.create_default_context(cafile=sec.ssl_cafile)
+    require_files(settings)
+    context = ssl.create_default_context(cafile=sec.ssl_cafile)
+    if sec.ssl_certfile:
+        context.load_cert_chain(sec.ssl_certfile, sec.ssl_keyfile)
+    return context
 
 
 def aiokafka_security(settings: Settings) -> dict[str, Any]:
@@ -131,6 +148,101 @@ def aiokafka_security(settings: Settings) -> dict[str, Any]:
     if sec.sasl_password is not None:
         kw["sasl_plain_password"] = sec.sasl_password
     return kw
+
+
+# How long a starting service waits for a broker's answer to its TLS handshake and login.
+LOGIN_CHECK_S = 10.0
+_REFUSALS = {-169: "login", -181: "TLS"}  # librdkafka's _AUTHENTICATION and _SSL
+_NOISE = re.compile(r"^\S+://\S+/(?:bootstrap|\d+): |\s*\(after \d+ms in state \w+\)$")
+
+
+class _Quiet(logging.Logger):
+    """Swallows librdkafka's own log lines (a failure every few hundred ms) during a check."""
+
+    def __init__(self) -> None:
+        super().__init__("koda_runtime.kafka.librdkafka", logging.CRITICAL + 1)
+
+
+def check_login(settings: Settings, timeout_s: float = LOGIN_CHECK_S) -> bool:
+    """True once a broker answers a metadata request through koda's security settings;
+    False if none answered within ``timeout_s`` (an outage: the caller decides).
+
+    Raises ConfigError, in one line, as soon as a broker refuses the TLS handshake (the
+    CA, the certificate, or a TLS client against a plaintext port) or the SASL login
+    (user, password or mechanism): librdkafka would retry those for ever, a line every
+    few hundred milliseconds, and a service would look alive but never work. The
+    password is never in the message.
+    """
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    require_files(settings)
+    refusals: list[KafkaError] = []
+
+    def on_error(err: KafkaError) -> None:
+        if err.code() in _REFUSALS:
+            refusals.append(err)
+
+    conf = common_config(settings) | {
+        "client.id": settings.names.client_id("login-check", _instance(settings)),
+        "error_cb": on_error,
+        "logger": _Quiet(),
+    }
+    admin = AdminClient(conf)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            admin.list_topics(timeout=min(0.5, max(0.05, deadline - time.monotonic())))
+        except KafkaException:
+            admin.poll(0)  # serves error_cb
+        else:
+            return True
+        if refusals:
+            raise ConfigError(_refusal_line(settings, refusals[0]))
+        if time.monotonic() >= deadline:
+            return False
+
+
+def require_login(settings: Settings, timeout_s: float = LOGIN_CHECK_S) -> None:
+    """At a service's start: ConfigError if the brokers refuse koda's TLS handshake or
+    SASL login (:func:`check_login`); a broker that does not answer is logged and
+    ridden out, as every service rides out an outage. Nothing to check with PLAINTEXT."""
+    if settings.kafka_security.protocol == "PLAINTEXT":
+        return
+    if not check_login(settings, timeout_s):
+        log.warning(
+            "event=kafka_login_unchecked bootstrap=%s waited_s=%.0f: no broker answered; going on",
+            settings.kafka_bootstrap,
+            timeout_s,
+        )
+
+
+def require_files(settings: Settings) -> None:
+    """ConfigError naming the first TLS file setting whose file cannot be read."""
+    sec = settings.kafka_security
+    for key, path in (
+        ("KODA_KAFKA_SSL_CAFILE", sec.ssl_cafile),
+        ("KODA_KAFKA_SSL_CERTFILE", sec.ssl_certfile),
+        ("KODA_KAFKA_SSL_KEYFILE", sec.ssl_keyfile),
+    ):
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise ConfigError(f"{key}={path}: no such readable file")
+
+
+def _refusal_line(settings: Settings, err: Any) -> str:
+    sec = settings.kafka_security
+    reason = _NOISE.sub("", err.str()).strip()
+    where = f"Kafka at {settings.kafka_bootstrap} ({sec.protocol})"
+    if _REFUSALS[err.code()] == "login":
+        return (
+            f"{where} refused the {sec.sasl_mechanism} login of KODA_KAFKA_SASL_USERNAME="
+            f"{sec.sasl_username!r}: {reason}; check KODA_KAFKA_SASL_USERNAME, "
+            "KODA_KAFKA_SASL_PASSWORD and KODA_KAFKA_SASL_MECHANISM"
+        )
+    return (
+        f"{where} failed the TLS handshake: {reason}; check KODA_KAFKA_SSL_CAFILE, "
+        "KODA_KAFKA_SECURITY_PROTOCOL and the broker's listener"
+    )
 
 
 def _instance(settings: Settings) -> str:

@@ -13,7 +13,6 @@ Long-running services (gateway, workers) do not call this: they ride out an outa
 
 from __future__ import annotations
 
-import logging
 import socket
 import time
 from urllib.parse import parse_qs, urlsplit
@@ -42,29 +41,15 @@ def require_kafka(settings: Settings, *, timeout_s: float = PROBE_TIMEOUT_S) -> 
         )
 
 
-class _Silent(logging.Logger):
-    """Swallows librdkafka's log lines (a connect failure every 50 ms) during the probe."""
-
-    def __init__(self) -> None:
-        super().__init__("koda_runtime.reach.librdkafka", logging.CRITICAL + 1)
-
-
 def _kafka_metadata(settings: Settings, timeout_s: float) -> str | None:
-    """None once a broker answers a metadata request, else why not."""
-    from confluent_kafka import Consumer, KafkaException
+    """None once a broker answers a metadata request, else why not. A broker that
+    refuses the TLS handshake or the SASL login raises ConfigError saying so
+    (:func:`koda_runtime.kafka.check_login`)."""
+    from koda_runtime.kafka import check_login
 
-    from koda_runtime.kafka import consumer_config
-
-    conf = consumer_config(settings, "probe", settings.names.group("probe"))
-    conf["logger"] = _Silent()
-    consumer = Consumer(conf)
-    try:
-        consumer.list_topics(timeout=timeout_s)
-    except KafkaException:
-        return f"no Kafka broker answered within {timeout_s:.0f}s (something else listens there?)"
-    finally:
-        consumer.close()
-    return None
+    if check_login(settings, timeout_s):
+        return None
+    return f"no Kafka broker answered within {timeout_s:.0f}s (something else listens there?)"
 
 
 def require_database(settings: Settings, *, timeout_s: float = PROBE_TIMEOUT_S) -> None:

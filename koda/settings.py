@@ -41,14 +41,77 @@ _WORKER_ID_MAX = 200
 _process_worker_id: tuple[int, str] | None = None
 
 
+# The user-id rule: the gateway's (dev tokens, admin filters) and prod's KODA_API_TOKENS.
+USER_ID = re.compile(r"[A-Za-z0-9._@-]{1,128}")
+# Prod refuses shorter tokens (KODA_API_TOKENS, KODA_ADMIN_TOKEN, KODA_STREAM_TICKET_SECRET).
+MIN_PROD_TOKEN_CHARS = 32
+# Words of example values (deploy/k8s/secret.example.yaml has REPLACE_ME): never a token.
+_PLACEHOLDERS = ("REPLACE_ME", "REPLACEME", "CHANGE_ME", "CHANGEME", "PLACEHOLDER", "YOUR_")
+
+
 def _api_tokens(raw: str) -> dict[str, str]:
+    """``token:user,...``; spaces around a token or user are dropped; a token listed
+    twice is refused (which user it meant would otherwise be the last one's)."""
     tokens: dict[str, str] = {}
-    for pair in filter(None, raw.split(",")):
-        token, sep, user = pair.partition(":")
+    for n, pair in enumerate(filter(None, (p.strip() for p in raw.split(","))), 1):
+        token, sep, user = (part.strip() for part in pair.partition(":"))
         if not sep or not token or not user:
             raise ValueError("expected <token>:<user_id>")
+        if token in tokens:
+            raise ConfigError(
+                f"KODA_API_TOKENS: entry {n} (user {user[:40]!r}) repeats the token of user "
+                f"{tokens[token][:40]!r}: give every user a token of its own"
+            )
         tokens[token] = user
     return tokens
+
+
+def _token_problem(token: str) -> str | None:
+    """Why prod refuses ``token`` as a secret, or None; never quotes the token."""
+    if len(token) < MIN_PROD_TOKEN_CHARS:
+        return (
+            f"is {len(token)} characters; prod needs at least {MIN_PROD_TOKEN_CHARS} "
+            "(e.g. `openssl rand -hex 32`)"
+        )
+    upper = token.upper()
+    if any(word in upper for word in _PLACEHOLDERS) or "<" in token or ">" in token:
+        return "is a placeholder from an example file: generate a real one"
+    if len(set(token)) < 6:
+        return "repeats fewer than 6 different characters: generate a random one"
+    if any(c.isspace() or not c.isprintable() for c in token):
+        return "contains spaces or unprintable characters"
+    return None
+
+
+def prod_secret_problems(settings: Settings) -> list[str]:
+    """What prod refuses in the tokens of ``settings``, one line each, no token shown."""
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    for token, user in settings.prod_tokens.items():
+        if not USER_ID.fullmatch(user):
+            problems.append(
+                f"KODA_API_TOKENS: user id {user[:40]!r} is not 1-128 chars of A-Z a-z 0-9 . _ @ -"
+            )
+        why = _token_problem(token)
+        if why is not None:
+            problems.append(f"KODA_API_TOKENS: the token of user {user[:40]!r} {why}")
+        seen[token] = user
+    admin = settings.admin_token
+    if admin is not None:
+        why = _token_problem(admin)
+        if why is not None:
+            problems.append(f"KODA_ADMIN_TOKEN {why}")
+        if admin in seen:
+            problems.append(
+                f"KODA_ADMIN_TOKEN is also the KODA_API_TOKENS token of user "
+                f"{seen[admin][:40]!r}: the admin token must be a token of its own"
+            )
+    ticket = settings.stream_ticket_secret
+    if ticket is not None:
+        why = _token_problem(ticket)
+        if why is not None:
+            problems.append(f"KODA_STREAM_TICKET_SECRET {why}")
+    return problems
 
 
 def generated_worker_id() -> str:
@@ -92,7 +155,10 @@ class KafkaSecurity:
         choices=("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
     )
     sasl_mechanism: str | None = knob(
-        None, "KODA_KAFKA_SASL_MECHANISM", "the SASL mechanism (e.g. PLAIN, SCRAM-SHA-512)"
+        None,
+        "KODA_KAFKA_SASL_MECHANISM",
+        "the SASL mechanism (needed, with the user and password, by SASL_SSL and SASL_PLAINTEXT)",
+        choices=("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"),
     )
     sasl_username: str | None = knob(None, "KODA_KAFKA_SASL_USERNAME", "the SASL user")
     sasl_password: str | None = knob(
@@ -101,9 +167,35 @@ class KafkaSecurity:
     ssl_cafile: str | None = knob(
         None, "KODA_KAFKA_SSL_CAFILE", "CA bundle that verifies the brokers (default: the system's)"
     )
+    ssl_certfile: str | None = knob(
+        None, "KODA_KAFKA_SSL_CERTFILE", "a client certificate (PEM) for brokers that ask for one"
+    )
+    ssl_keyfile: str | None = knob(
+        None, "KODA_KAFKA_SSL_KEYFILE", "the client certificate's key (PEM, unencrypted)"
+    )
 
     def __post_init__(self) -> None:
         check_choices(self)
+        sasl = {
+            "KODA_KAFKA_SASL_MECHANISM": self.sasl_mechanism,
+            "KODA_KAFKA_SASL_USERNAME": self.sasl_username,
+            "KODA_KAFKA_SASL_PASSWORD": self.sasl_password,
+        }
+        if self.protocol.startswith("SASL_"):
+            missing = [key for key, value in sasl.items() if not value]
+            if missing:
+                raise ConfigError(
+                    f"KODA_KAFKA_SECURITY_PROTOCOL={self.protocol} needs {', '.join(missing)}"
+                )
+        elif any(sasl.values()):
+            raise ConfigError(
+                f"KODA_KAFKA_SASL_* are set but KODA_KAFKA_SECURITY_PROTOCOL={self.protocol} "
+                "does not log in: use SASL_SSL"
+            )
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ConfigError(
+                "KODA_KAFKA_SSL_CERTFILE and KODA_KAFKA_SSL_KEYFILE go together: set both or none"
+            )
 
     def librdkafka(self) -> dict[str, Any]:
         conf: dict[str, Any] = {"security.protocol": self.protocol}
@@ -115,6 +207,9 @@ class KafkaSecurity:
             conf["sasl.password"] = self.sasl_password
         if self.ssl_cafile:
             conf["ssl.ca.location"] = self.ssl_cafile
+        if self.ssl_certfile:
+            conf["ssl.certificate.location"] = self.ssl_certfile
+            conf["ssl.key.location"] = self.ssl_keyfile
         return conf
 
 
@@ -184,6 +279,11 @@ class Settings:
         None, "KODA_NAMESPACE", "isolates topics, groups and the Postgres schema"
     )
     kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
+    kafka_allow_plaintext: bool = knob(
+        False,
+        "KODA_KAFKA_ALLOW_PLAINTEXT",
+        "let prod talk to Kafka without SASL_SSL (unencrypted or unauthenticated)",
+    )
     # topics
     partitions: int = knob(
         32, "KODA_PARTITIONS", "runs topic partitions (a power of two)", lo=1, hi=4096
@@ -212,6 +312,74 @@ class Settings:
         lo=0,
         hi=1e6,
     )
+    # per-user quotas (gateway/quotas.py): 0 turns a cap off
+    max_schedules_per_user: int = knob(
+        100,
+        "KODA_MAX_SCHEDULES_PER_USER",
+        "schedules a user may have; one more is refused with 409 (0: no cap)",
+        lo=0,
+        hi=1e6,
+    )
+    max_streams_per_user: int = knob(
+        16,
+        "KODA_SSE_MAX_STREAMS_PER_USER",
+        "SSE streams a user may hold open on one gateway; one more is 429 (0: no cap)",
+        lo=0,
+        hi=1e6,
+    )
+    max_streams: int = knob(
+        1000,
+        "KODA_SSE_MAX_STREAMS",
+        "SSE streams one gateway holds open, all users; one more is 429 (0: no cap)",
+        lo=0,
+        hi=1e6,
+    )
+    max_memories_per_user: int = knob(
+        10_000,
+        "KODA_MAX_MEMORIES_PER_USER",
+        "long-term memories kept per user; new ones beyond it are not stored (0: no cap)",
+        lo=0,
+        hi=1e9,
+    )
+    max_merges_per_run: int = knob(
+        8,
+        "KODA_MAX_MERGES_PER_RUN",
+        "messages merged into one run; one more is refused with 409 (0: no cap)",
+        lo=0,
+        hi=1000,
+    )
+    max_merged_input_bytes: int = knob(
+        256 * 1024,
+        "KODA_MAX_MERGED_INPUT_BYTES",
+        "a run's input (JSON) after a merge; a merge past it is refused with 409",
+        unit="bytes",
+        lo=1024,
+        hi=64 << 20,
+    )
+    # uvicorn (gateway/server.py)
+    gateway_limit_concurrency: int = knob(
+        4096,
+        "KODA_GATEWAY_LIMIT_CONCURRENCY",
+        "connections or requests at once; beyond it uvicorn answers 503 (0: no limit)",
+        lo=0,
+        hi=1e6,
+    )
+    gateway_keepalive_s: int = knob(
+        5,
+        "KODA_GATEWAY_KEEPALIVE",
+        "an idle keep-alive connection is closed after this",
+        unit="s",
+        lo=1,
+        hi=3600,
+    )
+    body_read_timeout_s: float = knob(
+        30.0,
+        "KODA_BODY_READ_TIMEOUT",
+        "a request body not received within this is refused with 408",
+        unit="s",
+        lo=0.1,
+        hi=3600,
+    )
     sweep_after_s: float = knob(
         30.0,
         "KODA_SWEEP_AFTER",
@@ -234,6 +402,30 @@ class Settings:
         parse=_api_tokens,
         shape="a comma-separated list of token:user_id",
     )
+    # failed logins and stream tickets (gateway/auth.py)
+    auth_failures: int = knob(
+        20,
+        "KODA_AUTH_FAILURES",
+        "401s a client address may get per KODA_AUTH_FAILURE_WINDOW before it is answered "
+        "429 (per gateway replica)",
+        lo=1,
+        hi=1_000_000,
+    )
+    auth_failure_window_s: float = knob(
+        60.0,
+        "KODA_AUTH_FAILURE_WINDOW",
+        "the window KODA_AUTH_FAILURES counts in",
+        unit="s",
+        lo=1,
+        hi=86400,
+    )
+    stream_ticket_secret: str | None = knob(
+        None,
+        "KODA_STREAM_TICKET_SECRET",
+        "signs the 60 s tickets that open a run's events (unset: derived from the tokens "
+        "and the database URL, so every replica agrees)",
+        secret=True,
+    )
     # server-sent events and the live feed (gateway)
     sse_keepalive_s: float = knob(
         15.0,
@@ -250,6 +442,22 @@ class Settings:
         unit="s",
         lo=0,
         hi=3600,
+    )
+    dedup_window_s: float = knob(
+        10.0,
+        "KODA_DEDUP_WINDOW_S",
+        "a body repeated without Idempotency-Key or client_message_id within this is one run",
+        unit="s",
+        lo=0.001,
+        hi=86400,
+    )
+    context_tokens: int = knob(
+        16000,
+        "KODA_CONTEXT_TOKENS",
+        "a run's earlier turns and input fit in this; the oldest turns are dropped first",
+        unit="tokens",
+        lo=0,
+        hi=10_000_000,
     )
     sse_retry_ms: int = knob(
         2000, "KODA_SSE_RETRY_MS", "the `retry:` a stream starts with", unit="ms", lo=0, hi=600_000
@@ -413,6 +621,61 @@ class Settings:
         None, "KODA_OPENAI_API_KEY", "the `openai` handler's API key", secret=True
     )
     openai_model: str = knob("gpt-4o-mini", "KODA_OPENAI_MODEL", "the `openai` handler's model")
+    # A model provider's faults (processors/handlers/provider.py, ARCHITECTURE.md).
+    fallback_model: str | None = knob(
+        None,
+        "KODA_FALLBACK_MODEL",
+        "the model calls go to while the primary's breaker is open (same endpoint and key)",
+    )
+    model_retry_window_s: float = knob(
+        30.0,
+        "KODA_MODEL_RETRY_WINDOW",
+        "how long one model call retries 5xx, connection errors and 429 before the attempt"
+        " fails (an outage of this minus KODA_MODEL_RETRY_CAP is always outlived)",
+        unit="s",
+        lo=0.0,
+        hi=600,
+    )
+    model_retry_base_s: float = knob(
+        0.5,
+        "KODA_MODEL_RETRY_BASE",
+        "a model call's first retry backoff (doubling, jittered)",
+        unit="s",
+        lo=0.0,
+        hi=60,
+    )
+    model_retry_cap_s: float = knob(
+        8.0,
+        "KODA_MODEL_RETRY_CAP",
+        "a model call's longest retry backoff",
+        unit="s",
+        lo=0.0,
+        hi=120,
+    )
+    model_retry_after_cap_s: float = knob(
+        30.0,
+        "KODA_MODEL_RETRY_AFTER_CAP",
+        "the longest wait a 429's Retry-After is obeyed for",
+        unit="s",
+        lo=0.0,
+        hi=600,
+    )
+    model_breaker_failures: int = knob(
+        5,
+        "KODA_MODEL_BREAKER_FAILURES",
+        "5xx, 429 or connection failures of the primary in a row that open its breaker"
+        " (calls go to KODA_FALLBACK_MODEL)",
+        lo=1,
+        hi=1000,
+    )
+    model_breaker_open_s: float = knob(
+        30.0,
+        "KODA_MODEL_BREAKER_OPEN",
+        "how long an open breaker sends calls to the fallback before one call probes the primary",
+        unit="s",
+        lo=0.1,
+        hi=3600,
+    )
     # operations: heartbeats, health endpoints, admin (docs/design.md §8)
     version: str = knob(__version__, "KODA_VERSION", "the version workers report in heartbeats")
     worker_host: str = knob(
@@ -441,7 +704,10 @@ class Settings:
         1, "KODA_EXPECTED_WORKERS", "fewer alive workers is `degraded`", lo=0, hi=10_000
     )
     admin_token: str | None = knob(
-        None, "KODA_ADMIN_TOKEN", "the bearer token `/admin` needs (unset: open)", secret=True
+        None,
+        "KODA_ADMIN_TOKEN",
+        "the bearer token `/admin` needs (unset: open)",
+        secret=True,
     )
     loop_stall_s: float = knob(
         10.0,
@@ -522,9 +788,38 @@ class Settings:
         lo=1,
         hi=100,
     )
+    # Limits on an admitted run (processors/streaming.py): crossing one ends it `failed`.
+    max_run_s: float = knob(
+        600.0,
+        "KODA_MAX_RUN_S",
+        "each attempt of a run may last this long from its claim; past it the run ends "
+        "`failed` with reason `deadline`",
+        unit="s",
+        lo=1,
+        hi=86400,
+    )
+    max_output_tokens: int = knob(
+        8192,
+        "KODA_MAX_OUTPUT_TOKENS",
+        "sent to the model as `max_completion_tokens` with every call (0: not sent)",
+        lo=0,
+        hi=10_000_000,
+    )
+    max_output_bytes: int = knob(
+        16 << 20,
+        "KODA_MAX_OUTPUT_BYTES",
+        "an attempt's output (text and tool events, UTF-8) past this ends the run `failed`",
+        unit="bytes",
+        lo=1024,
+        hi=1 << 30,
+    )
 
     def __post_init__(self) -> None:
         check_choices(self)
+        for name in ("admin_token", "stream_ticket_secret"):
+            secret = getattr(self, name)  # without the spaces around it (a pasted newline)
+            if secret is not None and secret != secret.strip():
+                object.__setattr__(self, name, secret.strip() or None)
         if self.partitions & (self.partitions - 1):
             raise ConfigError(f"KODA_PARTITIONS={self.partitions} must be a power of two")
         if self.handoff_ceiling_s >= self.rebalance_timeout_s:
@@ -544,6 +839,12 @@ class Settings:
             )
         if not self.handler:
             raise ConfigError("KODA_HANDLER is empty: name a handler (demo, openai or a plugin)")
+        if self.gateway_limit_concurrency and self.max_streams >= self.gateway_limit_concurrency:
+            raise ConfigError(
+                f"KODA_SSE_MAX_STREAMS={self.max_streams} must be below "
+                f"KODA_GATEWAY_LIMIT_CONCURRENCY={self.gateway_limit_concurrency}, or open "
+                "streams alone would fill the gateway and every other request would get 503"
+            )
         if self.app_env is AppEnv.PROD:
             if self.test_fault is not None:
                 raise ConfigError(
@@ -554,6 +855,18 @@ class Settings:
                 raise ConfigError(
                     "KODA_HANDLER=demo is refused in prod: configure a real handler "
                     "(KODA_HANDLER=openai)"
+                )
+            problems = prod_secret_problems(self)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise ConfigError(f"refused in prod: {problems[0]}{more}")
+            protocol = self.kafka_security.protocol
+            if protocol != "SASL_SSL" and not self.kafka_allow_plaintext:
+                raise ConfigError(
+                    f"KODA_KAFKA_SECURITY_PROTOCOL={protocol} is refused in prod: use SASL_SSL "
+                    "(with KODA_KAFKA_SASL_MECHANISM, KODA_KAFKA_SASL_USERNAME, "
+                    "KODA_KAFKA_SASL_PASSWORD, KODA_KAFKA_SSL_CAFILE), or set "
+                    "KODA_KAFKA_ALLOW_PLAINTEXT=true to accept a broker without it"
                 )
 
     def group_instance_id(self) -> str | None:

@@ -27,6 +27,8 @@ from koda_runtime.localstack.kafka_cluster import (
     ClusterSpec,
     NodePaths,
     NodeSpec,
+    SaslSslListener,
+    ScramUser,
     load_cluster,
     prepare_cluster,
     render_server_properties,
@@ -84,11 +86,23 @@ def _write_config(state_dir: Path, cluster: ClusterSpec, node: NodeSpec) -> Node
     return paths
 
 
-def format_storage(state_dir: Path, cluster: ClusterSpec, classpath: Sequence[Path]) -> None:
+def format_storage(
+    state_dir: Path,
+    cluster: ClusterSpec,
+    classpath: Sequence[Path],
+    scram_users: Sequence[ScramUser] = (),
+) -> None:
     """Format the log dirs of nodes that lack ``meta.properties`` (in parallel).
 
     A log dir without ``meta.properties`` is a half-finished format: it is wiped first.
+    ``scram_users`` are created (for the SASL_SSL listener's mechanism) in the cluster's
+    first metadata; they need a cluster with that listener.
     """
+    scram: list[str] = []
+    for user in scram_users:
+        if cluster.sasl_ssl is None:
+            raise ServiceError("SCRAM users need a cluster with a SASL_SSL listener")
+        scram += ["--add-scram", user.add_scram(cluster.sasl_ssl.mechanism)]
     pending: list[tuple[NodePaths, subprocess.Popen[str]]] = []
     for node in cluster.nodes:
         paths = _write_config(state_dir, cluster, node)
@@ -100,7 +114,7 @@ def format_storage(state_dir: Path, cluster: ClusterSpec, classpath: Sequence[Pa
         paths.logs.mkdir(parents=True, exist_ok=True)
         argv = _java_argv(classpath, paths, FORMAT_JVM_OPTS) + [
             "kafka.tools.StorageTool", "format",
-            "-t", cluster.cluster_id, "-c", str(paths.config),
+            "-t", cluster.cluster_id, "-c", str(paths.config), *scram,
         ]  # fmt: skip
         proc = subprocess.Popen(  # noqa: S603
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -229,16 +243,25 @@ def wait_ready(
     )
 
 
-def start_cluster(state_dir: Path, brokers: int, slots: tuple[str, ...] = ()) -> ClusterSpec:
+def start_cluster(
+    state_dir: Path,
+    brokers: int,
+    slots: tuple[str, ...] = (),
+    *,
+    sasl_ssl: SaslSslListener | None = None,
+    scram_users: Sequence[ScramUser] = (),
+) -> ClusterSpec:
     """Prepare, format and spawn every node that is not running; does not wait for readiness.
 
-    ``slots`` (a new cluster only) gives every node a listener per client slot.
+    ``slots`` (a new cluster only) gives every node a listener per client slot;
+    ``sasl_ssl`` (a new cluster only) a SASL_SSL listener as well, whose SCRAM users
+    ``scram_users`` are created when the storage is first formatted.
     """
     classpath = jars.ensure_jars()
     version = jars.kafka_version(jars.load_lock())
     java_path()
-    cluster = prepare_cluster(state_dir, brokers, version, slots)
-    format_storage(state_dir, cluster, classpath)
+    cluster = prepare_cluster(state_dir, brokers, version, slots, sasl_ssl)
+    format_storage(state_dir, cluster, classpath, scram_users)
     for node in cluster.nodes:
         spawn_node(state_dir, cluster, node, classpath)
     return cluster

@@ -22,7 +22,7 @@ import logging
 import re
 import secrets
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from koda_runtime.errors import ConfigError, ServiceError
@@ -34,6 +34,45 @@ SUPPORTED_BROKERS = (1, 3)
 
 
 SLOT_NAME = re.compile(r"^[a-z][a-z0-9]{0,15}$")
+SCRAM_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512")
+SASL_SSL_LISTENER = "SASL_SSL"
+
+
+@dataclass(frozen=True)
+class SaslSslListener:
+    """A client listener that speaks SASL_SSL: TLS with the key and certificate chain in
+    ``keystore`` (one PEM file: an unencrypted PKCS#8 key, then the chain), and SCRAM
+    logins with ``mechanism``. Its users are created when the storage is formatted
+    (:class:`ScramUser`); every node gets one such listener on a port of its own.
+    The PLAINTEXT listener stays: the brokers and the readiness check use it."""
+
+    keystore: str
+    mechanism: str = "SCRAM-SHA-512"
+
+    def __post_init__(self) -> None:
+        if self.mechanism not in SCRAM_MECHANISMS:
+            raise ConfigError(
+                f"SASL_SSL listener mechanism {self.mechanism!r}: use one of "
+                f"{', '.join(SCRAM_MECHANISMS)}"
+            )
+
+
+@dataclass(frozen=True)
+class ScramUser:
+    """A SCRAM login the storage format creates (``kafka-storage format --add-scram``)."""
+
+    name: str
+    password: str = field(repr=False)
+
+    def add_scram(self, mechanism: str) -> str:
+        """The ``--add-scram`` argument that creates this user for ``mechanism``."""
+        bad = [c for c in '[]=,"\\' if c in self.name + self.password]
+        if bad or not self.name or not self.password:
+            raise ConfigError(
+                f"SCRAM user {self.name!r}: name and password must be non-empty and "
+                "free of [ ] = , \\ and quotes"
+            )
+        return f"{mechanism}=[name={self.name},password={self.password}]"
 
 
 @dataclass(frozen=True)
@@ -64,6 +103,7 @@ class NodeSpec:
     port: int
     controller_port: int
     slots: tuple[SlotListener, ...] = ()
+    sasl_ssl_port: int | None = None
 
     def slot(self, name: str) -> SlotListener:
         for s in self.slots:
@@ -79,6 +119,7 @@ class ClusterSpec:
     cluster_id: str
     version: str
     nodes: tuple[NodeSpec, ...]
+    sasl_ssl: SaslSslListener | None = None
 
     @property
     def brokers(self) -> int:
@@ -91,6 +132,13 @@ class ClusterSpec:
     @property
     def slots(self) -> tuple[str, ...]:
         return tuple(s.slot for s in self.nodes[0].slots) if self.nodes else ()
+
+    @property
+    def sasl_ssl_bootstrap(self) -> str:
+        """The bootstrap of the SASL_SSL listener; ConfigError if the cluster has none."""
+        if self.sasl_ssl is None:
+            raise ConfigError("this Kafka cluster has no SASL_SSL listener")
+        return ",".join(f"127.0.0.1:{node.sasl_ssl_port}" for node in self.nodes)
 
     def slot_bootstrap(self, slot: str) -> str:
         """The bootstrap of a client in ``slot``: the advertised (proxy) address on every node."""
@@ -105,7 +153,13 @@ class ClusterSpec:
 
     def to_json(self) -> str:
         nodes = [asdict(node) for node in self.nodes]
-        doc = {"cluster_id": self.cluster_id, "version": self.version, "nodes": nodes}
+        doc: dict[str, object] = {
+            "cluster_id": self.cluster_id,
+            "version": self.version,
+            "nodes": nodes,
+        }
+        if self.sasl_ssl is not None:
+            doc["sasl_ssl"] = asdict(self.sasl_ssl)
         return json.dumps(doc, indent=2) + "\n"
 
     @classmethod
@@ -117,10 +171,17 @@ class ClusterSpec:
                 port=node["port"],
                 controller_port=node["controller_port"],
                 slots=tuple(SlotListener(**s) for s in node.get("slots", ())),
+                sasl_ssl_port=node.get("sasl_ssl_port"),
             )
             for node in doc["nodes"]
         )
-        return cls(cluster_id=doc["cluster_id"], version=doc["version"], nodes=nodes)
+        secure = doc.get("sasl_ssl")
+        return cls(
+            cluster_id=doc["cluster_id"],
+            version=doc["version"],
+            nodes=nodes,
+            sasl_ssl=SaslSslListener(**secure) if secure else None,
+        )
 
 
 def new_cluster_id() -> str:
@@ -131,12 +192,18 @@ def new_cluster_id() -> str:
             return cid
 
 
-def new_cluster(brokers: int, version: str, slots: tuple[str, ...] = ()) -> ClusterSpec:
+def new_cluster(
+    brokers: int,
+    version: str,
+    slots: tuple[str, ...] = (),
+    sasl_ssl: SaslSslListener | None = None,
+) -> ClusterSpec:
     """A cluster of ``brokers`` nodes with ids 1..n on fresh free ports; each node gets
-    a listener (and a port for its proxy) per client slot of ``slots``."""
+    a listener (and a port for its proxy) per client slot of ``slots``, and a SASL_SSL
+    listener when ``sasl_ssl`` is given."""
     check_brokers(brokers)
     check_slots(slots)
-    per_node = 2 + 2 * len(slots)
+    per_node = 2 + 2 * len(slots) + (1 if sasl_ssl else 0)
     ports = iter(procs.free_ports(per_node * brokers))
     nodes = tuple(
         NodeSpec(
@@ -144,10 +211,11 @@ def new_cluster(brokers: int, version: str, slots: tuple[str, ...] = ()) -> Clus
             port=next(ports),
             controller_port=next(ports),
             slots=tuple(SlotListener(s, next(ports), next(ports)) for s in slots),
+            sasl_ssl_port=next(ports) if sasl_ssl else None,
         )
         for i in range(brokers)
     )
-    return ClusterSpec(cluster_id=new_cluster_id(), version=version, nodes=nodes)
+    return ClusterSpec(cluster_id=new_cluster_id(), version=version, nodes=nodes, sasl_ssl=sasl_ssl)
 
 
 def check_brokers(brokers: int) -> None:
@@ -182,6 +250,11 @@ def render_server_properties(cluster: ClusterSpec, node: NodeSpec, data_dir: Pat
         listeners.append(f"{s.listener}://127.0.0.1:{s.port}")
         advertised.append(f"{s.listener}://127.0.0.1:{s.advertised_port}")
         protocols.append(f"{s.listener}:PLAINTEXT")
+    if cluster.sasl_ssl is not None:
+        secure = f"{SASL_SSL_LISTENER}://127.0.0.1:{node.sasl_ssl_port}"
+        listeners.append(secure)
+        advertised.append(secure)
+        protocols.append(f"{SASL_SSL_LISTENER}:SASL_SSL")
     listeners.append(f"CONTROLLER://127.0.0.1:{node.controller_port}")
     props: dict[str, object] = {
         "process.roles": "broker,controller",
@@ -225,9 +298,25 @@ def render_server_properties(cluster: ClusterSpec, node: NodeSpec, data_dir: Pat
         "num.io.threads": 2,
         "num.recovery.threads.per.data.dir": 1,
     }
+    if cluster.sasl_ssl is not None:
+        props |= _sasl_ssl_properties(cluster.sasl_ssl)
     lines = ["# Written by `koda services up` on every start; edits are overwritten."]
     lines += [f"{key}={value}" for key, value in props.items()]
     return "\n".join(lines) + "\n"
+
+
+def _sasl_ssl_properties(secure: SaslSslListener) -> dict[str, object]:
+    """The SASL_SSL listener's own settings: its PEM keystore and its SCRAM login module
+    (users live in the cluster's metadata, written by the storage format)."""
+    prefix = f"listener.name.{SASL_SSL_LISTENER.lower()}."
+    return {
+        f"{prefix}ssl.keystore.type": "PEM",
+        f"{prefix}ssl.keystore.location": secure.keystore,
+        f"{prefix}sasl.enabled.mechanisms": secure.mechanism,
+        f"{prefix}{secure.mechanism.lower()}.sasl.jaas.config": (
+            "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+        ),
+    }
 
 
 @dataclass(frozen=True)
@@ -301,13 +390,18 @@ def _meta_cluster_id(paths: NodePaths) -> str | None:
 
 
 def prepare_cluster(
-    state_dir: Path, brokers: int, version: str, slots: tuple[str, ...] = ()
+    state_dir: Path,
+    brokers: int,
+    version: str,
+    slots: tuple[str, ...] = (),
+    sasl_ssl: SaslSslListener | None = None,
 ) -> ClusterSpec:
     """Load the remembered cluster, or create ``cluster.json`` for a new one (with a
-    listener per client slot of ``slots`` on every node).
+    listener per client slot of ``slots`` on every node, and a SASL_SSL listener when
+    ``sasl_ssl`` is given).
 
     Raises ServiceError, naming what to delete, when the state dir holds a cluster of
-    another size, other client slots, or another cluster's data.
+    another size, other client slots, another SASL_SSL listener, or another cluster's data.
     """
     check_brokers(brokers)
     check_slots(slots)
@@ -322,7 +416,7 @@ def prepare_cluster(
             )
         if kdir.exists():
             shutil.rmtree(kdir)
-        cluster = new_cluster(brokers, version, slots)
+        cluster = new_cluster(brokers, version, slots, sasl_ssl)
         procs.write_text(cluster_file(state_dir), cluster.to_json())
         return cluster
     if cluster.brokers != brokers:
@@ -334,6 +428,11 @@ def prepare_cluster(
         raise ServiceError(
             f"{state_dir} holds a Kafka cluster with client slots {list(cluster.slots)}, "
             f"not {list(slots)}: run `koda services down` and delete {kdir}"
+        )
+    if sasl_ssl and cluster.sasl_ssl != sasl_ssl:
+        raise ServiceError(
+            f"{state_dir} holds a Kafka cluster with SASL_SSL listener {cluster.sasl_ssl}, "
+            f"not {sasl_ssl}: run `koda services down` and delete {kdir}"
         )
     if cluster.version != version:
         raise ServiceError(

@@ -56,7 +56,7 @@ def test_dev_and_prod_names_never_collide() -> None:
             kind, AppEnv.PROD, base, namespace=ns
         )
     dev = {s.name for s in catalogue(Settings(app_env=AppEnv.DEV))}
-    prod_settings = Settings(app_env=AppEnv.PROD, handler="openai")
+    prod_settings = Settings(app_env=AppEnv.PROD, handler="openai", kafka_allow_plaintext=True)
     prod = {s.name for s in catalogue(prod_settings)}
     assert len(dev) == 6 and dev.isdisjoint(prod)
 

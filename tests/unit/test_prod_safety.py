@@ -26,6 +26,7 @@ UNREACHABLE = {
 PROD_ENV = {
     "APP_ENV": "prod",
     "KODA_HANDLER": "openai",
+    "KODA_KAFKA_ALLOW_PLAINTEXT": "true",
     **UNREACHABLE,
 }
 
@@ -65,7 +66,7 @@ def test_no_client_auto_creates_a_topic_and_no_setting_turns_it_on() -> None:
 
     # Every librdkafka client of koda takes its config from these two (koda/kafka.py).
     for env in (AppEnv.DEV, AppEnv.PROD):
-        settings = Settings(app_env=env, handler="openai")
+        settings = Settings(app_env=env, handler="openai", kafka_allow_plaintext=True)
         assert producer_config(settings, "gateway")["allow.auto.create.topics"] is False
         for group in (None, "g"):
             config = consumer_config(settings, "live-feed", group)

@@ -44,7 +44,7 @@ def test_an_explicit_variable_wins_over_the_file(tmp_path: Path) -> None:
 
 def test_prod_never_reads_the_file(tmp_path: Path) -> None:
     stack_dir(tmp_path)
-    env = {"APP_ENV": "prod", "KODA_HANDLER": "openai"}
+    env = {"APP_ENV": "prod", "KODA_HANDLER": "openai", "KODA_KAFKA_ALLOW_PLAINTEXT": "true"}
     settings = Settings.from_env(env, cwd=tmp_path)
     assert settings.app_env is AppEnv.PROD
     assert settings.kafka_bootstrap == DEFAULT_BOOTSTRAP
