@@ -2,7 +2,8 @@
 
 Access as every ``/admin`` route (gateway/auth.py ``check_admin``): with
 ``KODA_ADMIN_TOKEN`` set, ``Authorization: Bearer <that token>``; without it, open
-in ``dev`` and refused (403) in ``prod``.
+in ``dev`` and refused (403) in ``prod``. The app checks it for the whole ``/admin``
+prefix (gateway/app.py ``AdminGuard``); ``ADMIN`` on each route declares it in OpenAPI.
 """
 
 from __future__ import annotations

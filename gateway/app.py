@@ -3,6 +3,10 @@
 The components (gateway/components.py) are built without connecting; the app's
 lifespan runs them (:meth:`~koda_runtime.gateway.components.Components.serving`): connect, probe,
 serve, and on shutdown drain deliveries, stop the producer and dispose the engine.
+
+``/admin`` is guarded as a whole (:class:`AdminGuard`): every path under it needs the
+admin access of gateway/auth.py ``check_admin`` before any route sees the request,
+whichever router declared the route and whether or not it also declares ``ADMIN``.
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
+from starlette.requests import Request
 from starlette.routing import BaseRoute
 
 from koda_runtime import metrics
 from koda_runtime.gateway.admin import router as admin_router
+from koda_runtime.gateway.auth import admit_admin
 from koda_runtime.gateway.components import Components, build_components
 from koda_runtime.gateway.console import install_console
 from koda_runtime.gateway.control import router as control_router
-from koda_runtime.gateway.errors import install_error_handlers
+from koda_runtime.gateway.errors import GatewayError, error_response, install_error_handlers
 from koda_runtime.gateway.memories import router as memories_router
 from koda_runtime.gateway.routes import router
 from koda_runtime.gateway.schedules import router as schedules_router
@@ -78,10 +84,45 @@ def create_app(
     app.include_router(schedules_router)
     app.include_router(memories_router)
     install_console(app)
+    app.add_middleware(AdminGuard, components=gw)
     # Inside RequestMetrics (added after it, so outermost), which counts and logs it too.
     app.add_middleware(SubmitShortcut, components=gw, route=_route_of(router, PATH, METHOD))
     app.add_middleware(RequestMetrics)
     return app
+
+
+ADMIN_PREFIX = "/admin"
+
+
+def is_admin_path(path: str) -> bool:
+    """``/admin`` or anything under it (``/administrator`` is not)."""
+    return path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
+
+
+class AdminGuard:
+    """ASGI middleware: a request for ``/admin`` or below is refused (401/403, or 429
+    after too many failed logins) unless it has admin access; the rest pass untouched."""
+
+    def __init__(self, app: ASGIApp, components: Components) -> None:
+        self.app = app
+        self.components = components
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and is_admin_path(_app_path(scope)):
+            request = Request(scope, receive)
+            try:
+                admit_admin(request, self.components.auth, self.components.settings)
+            except GatewayError as exc:
+                await error_response(exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _app_path(scope: Scope) -> str:
+    """The path routing matches against: without the app's ``root_path``."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 class RequestMetrics:

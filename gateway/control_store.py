@@ -5,13 +5,18 @@ WHERE clause), so it cannot race the worker: the worker's fenced writes lock the
 ``FOR SHARE``, and its finish checks ``cancel_requested_at`` and ``input_version`` in
 the same transaction that ends the run. Whichever commits first wins; the other
 sees it.
+
+A merge is held to what a new run is: a spent budget refuses it (OverBudget, answered
+402 like a submission over budget), and so do the caps on merges per run and on the
+merged input's bytes (CapReached, answered 409 naming the cap). Each is checked on the
+locked row, so two merges racing cannot both pass a cap.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import text
@@ -19,9 +24,14 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda_runtime.errors import DatabaseError
+from koda_runtime.gateway.caps import MERGED_BYTES, MERGES, CapReached
+from koda_runtime.gateway.exceptions import OverBudget
 from koda_runtime.lifecycle.chunks import ChunkKind
 from koda_runtime.lifecycle.control import merge_inputs
+from koda_runtime.lifecycle.ledger import exceeded
 from koda_runtime.lifecycle.states import ACTIVE, RunStatus, sources_of
+from koda_runtime.schemas import ledger
+from koda_runtime.settings import Settings
 
 CANCELLED = "cancelled"  # pending → cancelled, here and now
 REQUESTED = "requested"  # running: the request is durable, the worker ends the run
@@ -40,6 +50,43 @@ class CancelOutcome:
     # pending → cancelled: the terminal event the gateway wrote (seq, content).
     event_seq: int | None = None
     event_content: str | None = None
+
+
+@dataclass(frozen=True)
+class MergeCaps:
+    """How far merges may grow one run: ``max_merges`` messages merged into it and
+    ``max_bytes`` of input (its JSON, UTF-8) after the merge; 0 is no cap."""
+
+    max_merges: int = 0
+    max_bytes: int = 0
+
+    @classmethod
+    def of(cls, settings: Settings) -> MergeCaps:
+        return cls(settings.max_merges_per_run, settings.max_merged_input_bytes)
+
+    def check(self, merges: int, merged: str) -> None:
+        """Raise CapReached when one more merge (the run has ``merges``) or the merged
+        input ``merged`` (JSON) would pass a cap."""
+        if self.max_merges and merges >= self.max_merges:
+            raise CapReached(
+                "merges",
+                MERGES,
+                self.max_merges,
+                merges,
+                f"{merges} messages are merged into the running run already and "
+                f"{MERGES}={self.max_merges} allows no more: send it once the run has ended",
+            )
+        size = len(merged.encode())
+        if self.max_bytes and size > self.max_bytes:
+            raise CapReached(
+                "merged_bytes",
+                MERGED_BYTES,
+                self.max_bytes,
+                size,
+                f"merged into the running run, the input would be {size} bytes and "
+                f"{MERGED_BYTES}={self.max_bytes} allows no more: send it once the run "
+                "has ended",
+            )
 
 
 @dataclass(frozen=True)
@@ -252,10 +299,16 @@ class ControlStore:
         extra: dict[str, Any],
         window_s: float,
         max_claims: int,
+        *,
+        budgets: bool = False,
+        caps: MergeCaps | None = None,
     ) -> MergeOutcome | None:
         """Merge ``extra`` into the session's latest run if it is running or streaming,
         not being cancelled, younger than ``window_s`` and claimed fewer than
         ``max_claims`` times; None: admit a new run.
+
+        Such a merge is refused, nothing written, with OverBudget when ``budgets`` and
+        the user has spent a budget, and with CapReached at a cap of ``caps``.
 
         The rerun a merge causes is one more claim. A run claimed ``max_claims`` times
         would be given up at the next one, ``failed`` with the merged message
@@ -287,13 +340,19 @@ class ControlStore:
                     or latest.attempt >= max_claims
                 ):
                     return None
-                merged = merge_inputs(latest.input, extra)
+                if budgets:
+                    read = (await ledger.budgets_of(conn, [user_id])).get(user_id)
+                    over = None if read is None else exceeded(read.state, datetime.now(UTC))
+                    if over is not None:
+                        raise OverBudget(user_id, over)
+                merged = json.dumps(merge_inputs(latest.input, extra))
+                (caps or MergeCaps()).check(int(latest.input_version), merged)
                 row = (
                     await conn.execute(
                         _MERGE,
                         {
                             "run_id": latest.id,
-                            "input": json.dumps(merged),
+                            "input": merged,
                             "active": [s.value for s in ACTIVE],
                             "version": int(latest.input_version),
                             "max_claims": max_claims,

@@ -5,9 +5,10 @@ A handler declares what it needs and FastAPI hands it over::
     async def get_run(run_id: str, gw: Gateway, user_id: User) -> RunDetail: ...
 
 ``User`` authenticates the bearer token (401 otherwise) and declares the scheme in
-OpenAPI; ``StreamUser`` also takes ``?access_token=`` (the events endpoint only);
-``ADMIN`` (in ``dependencies=[...]``) guards ``/admin`` routes. The checks themselves
-are gateway/auth.py's.
+OpenAPI; ``StreamUser`` also takes ``?ticket=`` (and, in dev, ``?access_token=``) on
+the events endpoint only; ``ADMIN`` (in ``dependencies=[...]``) guards ``/admin``
+routes, which the app also guards as a whole (gateway/app.py). The checks themselves
+are gateway/auth.py's; every 401 counts as a failed login of the client's address.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from typing import Annotated
 from fastapi import Depends, Query, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials
 
-from koda_runtime.gateway.auth import ADMIN_BEARER, BEARER, authenticate_request, check_admin
+from koda_runtime.gateway.auth import (
+    ADMIN_BEARER,
+    BEARER,
+    admit_admin,
+    authenticate_request,
+    authenticate_stream,
+)
 from koda_runtime.gateway.components import Components
 
 Scheme = HTTPAuthorizationCredentials | None
@@ -40,22 +47,29 @@ async def current_user(
 
 
 async def stream_user(
+    run_id: str,
     request: Request,
     gw: Gateway,
     _scheme: Annotated[Scheme, Security(BEARER)],
+    ticket: str | None = Query(
+        None,
+        description="A stream ticket from POST /v1/runs/{run_id}/stream-ticket, for "
+        "clients that cannot set headers (EventSource); valid 60 s, for this run only.",
+    ),
     access_token: str | None = Query(
-        None, description="The bearer token, for clients that cannot set headers (EventSource)."
+        None,
+        description="dev only: the dev token (refused in prod, where a browser uses a ticket).",
     ),
 ) -> str:
-    """As :func:`current_user`, or from ``?access_token=`` when there is no header."""
-    return authenticate_request(request, gw.auth, access_token)
+    """As :func:`current_user`, or from ``?ticket=`` (or, in dev, ``?access_token=``)."""
+    return authenticate_stream(request, gw.auth, run_id, ticket, access_token)
 
 
 async def admin_access(
     request: Request, gw: Gateway, _scheme: Annotated[Scheme, Security(ADMIN_BEARER)]
 ) -> None:
     """Refuse (401/403) a request that may not open ``/admin``."""
-    check_admin(request.headers.get("authorization"), gw.settings)
+    admit_admin(request, gw.auth, gw.settings)
 
 
 User = Annotated[str, Depends(current_user)]

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Request, Response, Security
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
 from koda_runtime import metrics
 from koda_runtime.errors import DatabaseError, KodaError
@@ -26,7 +28,7 @@ from koda_runtime.gateway.models import (
     RunSubmission,
     error_responses,
 )
-from koda_runtime.gateway.submit import accept
+from koda_runtime.gateway.submit import accept, events_url
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,33 @@ async def get_run(run_id: str, gw: Gateway, user_id: User) -> RunDetail:
         # Another user's run answers exactly like a run that does not exist.
         raise NotFound("run not found: check the run id and the token's user", field="run_id")
     return RunDetail.model_validate(view, from_attributes=True)
+
+
+class StreamTicket(BaseModel):
+    ticket: str = Field(description="Opens this run's events for this user until it expires.")
+    expires_at: int = Field(description="When the ticket stops opening streams (Unix seconds).")
+    events_url: str = Field(description="The run's events with the ticket (for EventSource).")
+
+
+@router.post(
+    "/v1/runs/{run_id}/stream-ticket",
+    response_model=StreamTicket,
+    responses={k: _ERRORS[k] for k in (401, 404, 503)},
+    summary="A 60 s ticket that opens this run's events (for EventSource, which cannot "
+    "send a header)",
+)
+async def stream_ticket(run_id: str, gw: Gateway, user_id: User) -> StreamTicket:
+    head = None
+    if len(run_id) <= MAX_RUN_ID_CHARS:
+        head = await gw.store.stream_head(run_id, user_id)
+    if head is None:
+        raise NotFound("run not found: check the run id and the token's user", field="run_id")
+    ticket, expires_at = gw.auth.tickets.issue(run_id, user_id)
+    return StreamTicket(
+        ticket=ticket,
+        expires_at=expires_at,
+        events_url=f"{events_url(quote(run_id, safe=''))}?ticket={ticket}",
+    )
 
 
 @router.get("/livez", response_model=Health, summary="The process is alive")

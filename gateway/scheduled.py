@@ -10,7 +10,9 @@ the one that created it publishes it (keyed by user, like the gateway).
 the same statement for many rows in one transaction.
 
 The cap on a user's active runs (KODA_MAX_ACTIVE_RUNS_PER_USER) refuses ``run-now``, a
-person's request answered 429 like ``POST /v1/runs``, but never the scheduler's fires:
+person's request answered 429 like ``POST /v1/runs`` (which also takes a token of the
+user's rate and checks the schedule's ``daily_cap``, gateway/schedules.py), but never
+the scheduler's fires:
 the scheduler advances ``next_fire_at`` past every minute it fired, so a refused fire
 would be lost. A cron fire is bounded by its schedule's own policies instead (one
 minute at most, ``overlap`` skip by default, ``daily_cap``), and its runs count toward
@@ -30,6 +32,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda_runtime.errors import DatabaseError
+from koda_runtime.gateway.caps import SCHEDULES, CapReached
 from koda_runtime.gateway.exceptions import SessionNotOwned
 from koda_runtime.gateway.publisher import Delivery, RunPublisher
 from koda_runtime.gateway.store import AdmittedRun, NewRun, RunStore
@@ -129,6 +132,11 @@ _LATEST = text(
            WITH ORDINALITY AS q(id, b, i)
     """
 )
+# Creations of one user's schedules take turns, so two at once cannot both pass the cap.
+_LOCK_OWNER = text(
+    "SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '/schedules/' || :u, 0))"
+)
+_OWNED_COUNT = text("SELECT count(*) FROM schedules WHERE user_id = :u")
 _ADVANCE_MANY = text(
     """
     UPDATE schedules s
@@ -170,10 +178,26 @@ class ScheduleStore:
         now: datetime = rows[0].now
         return now
 
-    async def create(self, values: dict[str, Any]) -> ScheduleRow:
-        """Insert a schedule; a fixed session must be the owner's (else SessionNotOwned)."""
+    async def create(self, values: dict[str, Any], *, max_per_user: int = 0) -> ScheduleRow:
+        """Insert a schedule; a fixed session must be the owner's (else SessionNotOwned).
+
+        With ``max_per_user`` (0: no cap) an owner who has that many schedules gets
+        CapReached instead; the count is made under a per-owner lock."""
         try:
             async with self.engine.begin() as conn:
+                if max_per_user:
+                    owner_id = values["user_id"]
+                    await conn.execute(_LOCK_OWNER, {"u": owner_id})
+                    owned = int((await conn.execute(_OWNED_COUNT, {"u": owner_id})).scalar_one())
+                    if owned >= max_per_user:
+                        raise CapReached(
+                            "schedules",
+                            SCHEDULES,
+                            max_per_user,
+                            owned,
+                            f"you have {owned} schedules and {SCHEDULES}={max_per_user} "
+                            "allows no more: delete one first",
+                        )
                 if values.get("session_id") is not None:
                     await conn.execute(
                         pg_insert(sessions)

@@ -6,12 +6,20 @@ Bodies are checked like ``POST /v1/runs`` (content type 415, size 413, UTF-8 and
 a bad cron or time zone shows a valid example). ``koda scheduler`` does the firing;
 these routes only keep the row and its ``next_fire_at`` right (computed from
 Postgres's clock, which the scheduler reads too).
+
+An owner has at most KODA_MAX_SCHEDULES_PER_USER schedules (one more: 409
+``too_many_schedules``). ``run-now`` creates a run of the owner's own asking, so it
+goes through what ``POST /v1/runs`` does: the per-user rate limiter (429
+``rate_limited``), then the schedule's ``daily_cap`` as the scheduler applies it (429
+``daily_cap_reached``, Retry-After until the local day ends), a spent budget (402) and
+the cap on active runs (429 ``too_many_active_runs``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 from datetime import datetime
 from typing import Annotated, Any
@@ -19,7 +27,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, Field
 
+from koda_runtime import metrics
 from koda_runtime.errors import KodaError
+from koda_runtime.gateway.caps import CapReached
 from koda_runtime.gateway.components import Components
 from koda_runtime.gateway.dependencies import Gateway, User
 from koda_runtime.gateway.errors import InvalidField, NotFound
@@ -30,10 +40,11 @@ from koda_runtime.gateway.intake import (
     json_object,
     json_type,
     parse_run_request,
-    read_body,
 )
 from koda_runtime.gateway.models import error_responses
+from koda_runtime.gateway.quotas import LimitReached, limit_reached, read_body_within
 from koda_runtime.gateway.scheduled import ScheduleRow, ScheduleStore, fire
+from koda_runtime.gateway.submit import take_rate_token
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.scheduling import (
     EXAMPLE_CRON,
@@ -70,12 +81,15 @@ _ERRORS = error_responses(
         400: "Undecodable body",
         401: "Missing or invalid bearer token",
         404: "Unknown schedule or session (or another user's)",
+        408: "The body did not arrive within KODA_BODY_READ_TIMEOUT",
+        409: "create: the owner has KODA_MAX_SCHEDULES_PER_USER schedules (error.limit)",
         413: "Body larger than the limit",
         415: "Body is not application/json",
         402: "run-now: the owner's budget is spent (names the budget, spend and reset)",
         422: "A field is missing or invalid",
-        429: "run-now: the owner has KODA_MAX_ACTIVE_RUNS_PER_USER runs not yet ended; "
-        "see Retry-After",
+        429: "run-now: over the rate (rate_limited), the schedule's daily_cap reached "
+        "(daily_cap_reached) or KODA_MAX_ACTIVE_RUNS_PER_USER runs not yet ended "
+        "(too_many_active_runs); see Retry-After",
         503: "Postgres is unavailable; see Retry-After",
     }
 )
@@ -253,9 +267,8 @@ async def _next_fire(store: ScheduleStore, spec: CronSpec) -> datetime | None:
 
 async def _read_json(request: Request, gw: Components) -> Any:
     check_content_type(request.headers.get("content-type"))
-    body = await read_body(
-        request.headers.get("content-length"), request.stream(), gw.settings.body_limit_bytes
-    )
+    settings = gw.settings
+    body = await read_body_within(request, settings.body_limit_bytes, settings.body_read_timeout_s)
     return decode_json(body)
 
 
@@ -307,7 +320,11 @@ async def create_schedule(request: Request, gw: Gateway, user_id: User) -> Sched
         "timezone": spec.timezone,
         "next_fire_at": await _next_fire(gw.schedules, spec),
     }
-    return _body(await gw.schedules.create(values))
+    try:
+        row = await gw.schedules.create(values, max_per_user=gw.settings.max_schedules_per_user)
+    except CapReached as exc:
+        raise limit_reached(exc) from None
+    return _body(row)
 
 
 @router.get("/v1/schedules", response_model=ScheduleList, summary="Your schedules")
@@ -377,7 +394,10 @@ async def resume_schedule(current: Owned, gw: Gateway) -> ScheduleBody:
     summary="Fire once now, whatever the cron, quiet hours or pause (counts toward the cap)",
 )
 async def run_schedule_now(row: Owned, gw: Gateway) -> ScheduledRun:
-    minute = minute_floor(await gw.schedules.now())
+    take_rate_token(gw, row.user_id)
+    now = await gw.schedules.now()
+    minute = minute_floor(now)
+    await _check_daily_cap(gw, row, now)
     fired = await fire(
         gw.store,
         gw.publisher,
@@ -400,4 +420,30 @@ async def run_schedule_now(row: Owned, gw: Gateway) -> ScheduledRun:
         events_url=f"/v1/runs/{fired.run.run_id}/events",
         schedule_id=row.id,
         scheduled_for=minute,
+    )
+
+
+async def _check_daily_cap(gw: Components, row: ScheduleRow, now: datetime) -> None:
+    """Refuse (429) a ``run-now`` when the owner has ``row.daily_cap`` scheduled runs on
+    the schedule's local day already: the rule the scheduler skips a fire by. Read
+    unlocked, like the scheduler's: requests at the same instant may each pass it."""
+    spec = _spec(row.cron, row.timezone)
+    day = spec.local(now).date()
+    start, end = spec.day_bounds(day)
+    (count,) = await gw.schedules.scheduled_counts([(row.user_id, start, end)])
+    if count < row.daily_cap:
+        return
+    retry_after_s = max(1, math.ceil((end - now).total_seconds()))
+    metrics.QUOTA_REFUSALS.labels(quota="schedule_daily").inc()
+    raise LimitReached(
+        f"you have {count} scheduled runs on {day.isoformat()} ({spec.timezone}) and this "
+        f"schedule's daily_cap={row.daily_cap} allows no more: retry after "
+        f"{retry_after_s} s (the local day's end), or raise daily_cap",
+        status=429,
+        code="daily_cap_reached",
+        setting="daily_cap",
+        cap=row.daily_cap,
+        count=count,
+        field="daily_cap",
+        retry_after_s=retry_after_s,
     )

@@ -4,6 +4,14 @@
 lets in-flight requests finish (up to ``GRACEFUL_SHUTDOWN_S``), then the lifespan
 drains deliveries and closes the producer and the engine; the process exits 0. A
 second Ctrl-C forces the exit; a second SIGTERM changes nothing (one drain only).
+
+Bounds on what clients hold (:func:`uvicorn_config`): at most
+KODA_GATEWAY_LIMIT_CONCURRENCY connections or requests at once (beyond it uvicorn
+answers 503; open SSE streams are capped below it, KODA_SSE_MAX_STREAMS), an idle
+keep-alive connection closed after KODA_GATEWAY_KEEPALIVE. uvicorn has no timeout on
+reading a request: the gateway bounds the bodies it reads itself
+(KODA_BODY_READ_TIMEOUT, 408, gateway/quotas.py); a client slow to send its head is
+for the proxy in front (its header timeout) to cut.
 """
 
 from __future__ import annotations
@@ -58,13 +66,9 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve(settings: Settings) -> None:
-    """Serve the gateway on ``settings.gateway_host:gateway_port`` until SIGTERM/SIGINT."""
-    configure_logging()
-    logging.getLogger("uvicorn.error").addFilter(StalledStreamLogFilter())
-    components = build_components(settings)
-    app = create_app(settings, components=components)
-    config = uvicorn.Config(
+def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
+    """uvicorn's configuration for ``app``: address, lifespan and the bounds above."""
+    return uvicorn.Config(
         app,
         host=settings.gateway_host,
         port=settings.gateway_port,
@@ -73,8 +77,18 @@ def serve(settings: Settings) -> None:
         access_log=False,  # RequestMetrics logs one key=value line per request instead
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         server_header=False,
+        limit_concurrency=settings.gateway_limit_concurrency or None,
+        timeout_keep_alive=settings.gateway_keepalive_s,
     )
-    server = _Server(config)
+
+
+def serve(settings: Settings) -> None:
+    """Serve the gateway on ``settings.gateway_host:gateway_port`` until SIGTERM/SIGINT."""
+    configure_logging()
+    logging.getLogger("uvicorn.error").addFilter(StalledStreamLogFilter())
+    components = build_components(settings)
+    app = create_app(settings, components=components)
+    server = _Server(uvicorn_config(app, settings))
     # Cut every open stream: clients reconnect, to another gateway if any. Safe from
     # a signal handler: the work is scheduled on the gateway's loop.
     server.on_exit = lambda: components.feed.close_all_threadsafe("shutdown")

@@ -18,8 +18,10 @@ it gets ``event: reconnect`` when it can still receive one, and resumes with
 ``Last-Event-ID`` from Postgres.
 
 Authentication: ``Authorization: Bearer <token>``, or, because a browser's
-``EventSource`` cannot set headers, ``?access_token=<token>`` on this endpoint only.
-The request log shows the route template, never the query string.
+``EventSource`` cannot set headers, ``?ticket=<ticket>`` from ``POST
+/v1/runs/{run_id}/stream-ticket`` (60 s, this run and user only; gateway/auth.py), on
+this endpoint only. ``?access_token=<token>`` is accepted in dev only. The request log
+shows the route template, never the query string.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from koda_runtime.gateway.eventstream import (
 )
 from koda_runtime.gateway.livefeed import Viewer
 from koda_runtime.gateway.models import ErrorBody
+from koda_runtime.gateway.quotas import StreamSlot, stream_slots
 from koda_runtime.gateway.store import StoredEvent
 from koda_runtime.lifecycle.chunks import END_KIND, TERMINAL_KINDS, ChunkKind
 from koda_runtime.lifecycle.states import RunStatus
@@ -103,6 +106,11 @@ def _seq_param(raw: str, name: str) -> int:
         400: {"model": ErrorBody, "description": "Last-Event-ID or after is not a seq"},
         401: {"model": ErrorBody, "description": "Missing or invalid token"},
         404: {"model": ErrorBody, "description": "Unknown run (or another user's)"},
+        429: {
+            "model": ErrorBody,
+            "description": "KODA_SSE_MAX_STREAMS_PER_USER or KODA_SSE_MAX_STREAMS streams "
+            "are open (error.limit names which); see Retry-After",
+        },
         503: {"model": ErrorBody, "description": "Postgres is unavailable; see Retry-After"},
     },
     openapi_extra={
@@ -132,6 +140,8 @@ async def run_events(
     not_found = NotFound("run not found: check the run id and the token's user", field="run_id")
     if len(run_id) > MAX_RUN_ID_CHARS:
         raise not_found
+    # A place among the streams open here (429 past a cap), held until the stream ends.
+    slot = stream_slots(request).acquire(user_id)
     feed = gw.feed
     viewer = feed.subscribe(run_id, gw.settings.sse_queue_bytes)  # 1. before any read
     try:
@@ -140,12 +150,14 @@ async def run_events(
             raise not_found
         if head.complete_through is not None and position >= head.complete_through:
             feed.unsubscribe(viewer)
+            slot.release()
             # 204 tells an EventSource to stop reconnecting: there is nothing left.
             return Response(status_code=204)
     except BaseException:
         feed.unsubscribe(viewer)
+        slot.release()
         raise
-    return RunEventStream(gw=gw, viewer=viewer, after=position, user_id=user_id)
+    return RunEventStream(gw=gw, viewer=viewer, after=position, user_id=user_id, slot=slot)
 
 
 class _Stalled(Exception):
@@ -183,6 +195,7 @@ class RunEventStream(Response):
         viewer: Viewer,
         after: int,
         user_id: str,
+        slot: StreamSlot | None = None,
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -197,6 +210,7 @@ class RunEventStream(Response):
         self.run_id = viewer.run_id
         self.user_id = user_id
         self.last = after
+        self.slot = slot
         self._send: Any = None
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -219,6 +233,8 @@ class RunEventStream(Response):
             if watcher is not None:
                 watcher.cancel()
             self.feed.unsubscribe(self.viewer)
+            if self.slot is not None:
+                self.slot.release()
             metrics.SSE_CONNECTIONS.dec()
 
     async def _watch_disconnect(self, receive: Any) -> None:

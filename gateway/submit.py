@@ -1,11 +1,14 @@
 """``POST /v1/runs``: the checks and the admission, and the ASGI shortcut that serves it.
 
 :func:`accept` is the endpoint's whole behaviour. It checks, in order: bearer token
-(401), per-user quota (429), content type (415), ``Idempotency-Key`` (400), size (413),
-UTF-8 and JSON (400), fields (422). Then it admits the run, which a session of
-another user (404), a spent budget (402) or the user's runs not yet ended reaching
-KODA_MAX_ACTIVE_RUNS_PER_USER (429, ``too_many_active_runs``) still refuse, unless the
-key already has a run (a replay answers that run). Every refusal happens
+(401), per-user rate (429, :func:`take_rate_token`, which ``run-now`` of a schedule
+shares), content type (415), ``Idempotency-Key`` (400), size (413), a body slower than
+KODA_BODY_READ_TIMEOUT (408), UTF-8 and JSON (400), fields (422). Then it admits the
+run, which a session of another user (404), a spent budget (402) or the user's runs not
+yet ended reaching KODA_MAX_ACTIVE_RUNS_PER_USER (429, ``too_many_active_runs``) still
+refuse, unless the key already has a run (a replay answers that run). A message merged
+into a running run is refused by a spent budget too (402), and by the caps on merges
+per run and on the merged input's size (409, gateway/quotas.py). Every refusal happens
 before anything is written and is counted in ``koda_admissions_rejected_total{reason}``
 (reason = the error code; a Postgres outage, answered 503, counts as ``unavailable``).
 
@@ -34,7 +37,9 @@ from starlette.routing import BaseRoute
 from koda_runtime import metrics
 from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.auth import authenticate_request
+from koda_runtime.gateway.caps import CapReached
 from koda_runtime.gateway.components import Components
+from koda_runtime.gateway.control_store import MergeCaps
 from koda_runtime.gateway.errors import (
     DOMAIN_ERRORS,
     BadRequest,
@@ -49,9 +54,9 @@ from koda_runtime.gateway.intake import (
     check_idempotency_key,
     decode_json,
     parse_run_request,
-    read_body,
 )
 from koda_runtime.gateway.models import RunAccepted
+from koda_runtime.gateway.quotas import limit_reached, read_body_within
 
 log = logging.getLogger(__name__)
 
@@ -72,22 +77,27 @@ def events_url(run_id: str) -> str:
     return f"/v1/runs/{run_id}/events"
 
 
+def take_rate_token(gw: Components, user_id: str) -> None:
+    """Spend one of ``user_id``'s submissions (KODA_RATE_PER_S, KODA_RATE_BURST), or
+    raise RateLimited (429 with Retry-After). Every request that creates a run of the
+    user's own asking takes one: ``POST /v1/runs`` and a schedule's ``run-now``."""
+    decision = gw.limiter.take(user_id)
+    if not decision.allowed:
+        raise RateLimited(decision.retry_after_s)
+
+
 async def accept(request: Request, gw: Components) -> RunAccepted:
     """Check and admit one submission; raises the refusal (a GatewayError or a domain
     error, rendered by the gateway's error handlers) when it is not admitted."""
     user_id: str | None = None
     try:
         user_id = authenticate_request(request, gw.auth)
-        decision = gw.limiter.take(user_id)
-        if not decision.allowed:
-            raise RateLimited(decision.retry_after_s)
+        take_rate_token(gw, user_id)
         check_content_type(request.headers.get("content-type"))
         client_key = check_idempotency_key(request.headers.getlist("idempotency-key"))
         try:
-            body = await read_body(
-                request.headers.get("content-length"),
-                request.stream(),
-                gw.settings.body_limit_bytes,
+            body = await read_body_within(
+                request, gw.settings.body_limit_bytes, gw.settings.body_read_timeout_s
             )
         except ClientDisconnect:
             raise BadRequest(
@@ -96,19 +106,17 @@ async def accept(request: Request, gw: Components) -> RunAccepted:
                 code="client_disconnected",
             ) from None
         run_request = parse_run_request(decode_json(body))
-        run = await gw.admissions.submit(user_id, run_request, client_key)
+        run = await gw.admissions.submit(
+            user_id, run_request, client_key, merge_caps=MergeCaps.of(gw.settings)
+        )
     except DatabaseError:
         metrics.ADMISSIONS_REJECTED.labels(reason="unavailable").inc()
         raise
+    except CapReached as exc:
+        # The handlers know no domain cap: answer it here, as what it is in HTTP.
+        raise _rejected(user_id, limit_reached(exc)) from None
     except (GatewayError, Refused) as exc:
-        refusal = http_error(exc)
-        metrics.ADMISSIONS_REJECTED.labels(reason=refusal.code).inc()
-        log.info(
-            "event=admission_rejected user_id=%s reason=%s field=%s",
-            user_id or "-",
-            refusal.code,
-            refusal.field or "-",
-        )
+        _rejected(user_id, http_error(exc))
         raise
     return RunAccepted(
         run_id=run.run_id,
@@ -116,6 +124,18 @@ async def accept(request: Request, gw: Components) -> RunAccepted:
         events_url=events_url(run.run_id),
         merged=run.merged,
     )
+
+
+def _rejected(user_id: str | None, refusal: GatewayError) -> GatewayError:
+    """Count and log a refused submission; ``refusal`` is its answer."""
+    metrics.ADMISSIONS_REJECTED.labels(reason=refusal.code).inc()
+    log.info(
+        "event=admission_rejected user_id=%s reason=%s field=%s",
+        user_id or "-",
+        refusal.code,
+        refusal.field or "-",
+    )
+    return refusal
 
 
 class SubmitShortcut:

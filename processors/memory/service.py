@@ -43,6 +43,7 @@ class MemoryService:
     auto_inject: int = 0
     min_score: float = tool.MIN_SCORE
     plan: store.Plan = store.DEFAULT_PLAN
+    max_per_user: int = 0  # KODA_MAX_MEMORIES_PER_USER; 0: no cap
 
     async def remember(
         self,
@@ -69,6 +70,7 @@ class MemoryService:
                 texts=chunks,
                 vectors=embedded.vectors,
                 embedder=embedded.model,
+                max_per_user=self.max_per_user,
             )
         if after_insert is not None:
             await after_insert()
@@ -106,4 +108,9 @@ class MemoryService:
 def build_memory(settings: Settings, engine: AsyncEngine | None) -> MemoryService | None:
     if engine is None or not settings.memory_enabled:
         return None
-    return MemoryService(engine, build_embedder(settings), auto_inject=settings.memory_auto_inject)
+    return MemoryService(
+        engine,
+        build_embedder(settings),
+        auto_inject=settings.memory_auto_inject,
+        max_per_user=settings.max_memories_per_user,
+    )

@@ -17,17 +17,21 @@ Search plans (figures in ARCHITECTURE.md, "Long-term memory"):
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from koda_runtime import metrics
 from koda_runtime.processors.memory.chunking import content_hash
 from koda_runtime.schemas.memories import Memory, forget, list_for
 
 __all__ = ["Hit", "Memory", "forget", "insert", "list_for", "memory_id", "search"]
 from koda_runtime.processors.memory.embedders import to_pgvector
+
+log = logging.getLogger(__name__)
 
 Plan = Literal["exact", "iterative", "hnsw"]
 PLANS: tuple[Plan, ...] = ("exact", "iterative", "hnsw")
@@ -46,6 +50,12 @@ def memory_id(user_id: str, digest: str) -> str:
     return "mem_" + hashlib.sha256(f"{user_id}\x00{digest}".encode()).hexdigest()[:24]
 
 
+_LOCK_USER = text(
+    "SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '/memories/' || :u, 0))"
+)
+_HELD = text("SELECT count(*) FROM memories WHERE user_id = :u")
+
+
 async def insert(
     conn: AsyncConnection,
     *,
@@ -54,15 +64,30 @@ async def insert(
     texts: list[str],
     vectors: list[list[float]],
     embedder: str,
+    max_per_user: int = 0,
 ) -> int:
     """Insert the chunks not yet remembered for the user; return how many were new.
 
     ``ON CONFLICT (user_id, content_hash) DO NOTHING``: a redelivered run, a retried
-    attempt or the same fact said twice never makes a second row."""
+    attempt or the same fact said twice never makes a second row.
+
+    With ``max_per_user`` (0: no cap, KODA_MAX_MEMORIES_PER_USER) a user keeps at most
+    that many: counted under a per-user lock held to the caller's commit, and the
+    chunks beyond the room left are not stored (logged, and counted in
+    ``koda_quota_refusals_total{quota="memories"}``); the run goes on. Forgetting
+    memories makes room again."""
     if len(texts) != len(vectors):
         raise ValueError(f"{len(texts)} texts but {len(vectors)} vectors")
+    room: int | None = None
+    if max_per_user:
+        await conn.execute(_LOCK_USER, {"u": user_id})
+        room = max_per_user - int((await conn.execute(_HELD, {"u": user_id})).scalar_one())
     new = 0
+    not_stored = 0
     for chunk_text, vector in zip(texts, vectors, strict=True):
+        if room is not None and new >= room:
+            not_stored += 1
+            continue
         digest = content_hash(chunk_text)
         result = await conn.execute(
             text(
@@ -81,6 +106,15 @@ async def insert(
             },
         )
         new += result.rowcount or 0
+    if not_stored:
+        metrics.QUOTA_REFUSALS.labels(quota="memories").inc(not_stored)
+        log.warning(
+            "event=memory_cap_reached user_id=%s run_id=%s cap=%d not_stored=%d",
+            user_id,
+            run_id or "-",
+            max_per_user,
+            not_stored,
+        )
     return new
 
 

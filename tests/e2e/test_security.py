@@ -32,7 +32,7 @@ def test_tokens_and_prompts_never_reach_the_logs(env: Settings) -> None:
     dev_token = f"dev:{user}"
     forged = f"sk-live-FORGED{tag}"
     # A prod gateway (real tokens) beside the dev pipeline, in the same namespace's DB.
-    secret = f"tok-SECRET{tag}"
+    secret = f"tok-SECRET{tag}-{uuid.uuid4().hex}"
     prod = env.with_(
         app_env=AppEnv.PROD,
         handler="openai",
@@ -81,10 +81,15 @@ def test_tokens_and_prompts_never_reach_the_logs(env: Settings) -> None:
         assert accepted.status_code == 202, accepted.text
         prod_run = accepted.json()["run_id"]
         assert httpx.get(f"{prod_gw.url}/v1/runs/{prod_run}", headers=p_auth).status_code == 200
-        status, first = read_some(
-            prod_gw.url, f"/v1/runs/{prod_run}/events", params={"access_token": secret}
-        )
+        # A browser streams with a 60 s ticket of the run; the token in a URL opens nothing.
+        issued = httpx.post(f"{prod_gw.url}/v1/runs/{prod_run}/stream-ticket", headers=p_auth)
+        assert issued.status_code == 200, issued.text
+        ticket = issued.json()["ticket"]
+        status, first = read_some(prod_gw.url, issued.json()["events_url"])
         assert status == 200, first
+        for path in (f"/v1/runs/{prod_run}/events", f"/v1/runs/{prod_run}"):
+            status, refusal = read_some(prod_gw.url, path, params={"access_token": secret})
+            assert status == 401 and secret.encode() not in refusal, path
         for wrong in (forged, f"dev:{user}", secret + "x"):
             r = httpx.get(
                 f"{prod_gw.url}/v1/runs/{prod_run}", headers={"Authorization": f"Bearer {wrong}"}
@@ -100,7 +105,7 @@ def test_tokens_and_prompts_never_reach_the_logs(env: Settings) -> None:
     logs = {"gateway": gateway.log(), "worker": worker.log(), "prod gateway": prod_gw.log()}
     assert user in logs["gateway"]  # the logs are there, and they do name the user
     for name, text in logs.items():
-        for needle in (secret, forged, dev_token, f"PROMPT-{tag}", "launch code"):
+        for needle in (secret, forged, dev_token, ticket, f"PROMPT-{tag}", "launch code"):
             assert needle not in text, f"{needle!r} found in the {name} log"
 
 

@@ -393,7 +393,7 @@ def test_dev_tokens_are_refused_in_prod_and_prod_tokens_work(stack) -> None:
         stack,
         app_env=AppEnv.PROD,
         handler="openai",
-        prod_tokens={"prod-secret-token-1": "prod-user"},
+        prod_tokens={"prod-secret-token-1-0123456789abcdef": "prod-user"},
     )
     apply_topics(settings)
     upgrade(settings)
@@ -406,7 +406,7 @@ def test_dev_tokens_are_refused_in_prod_and_prod_tokens_work(stack) -> None:
             ok = c.post(
                 "/v1/runs",
                 json={"input": "x"},
-                headers={"Authorization": "Bearer prod-secret-token-1"},
+                headers={"Authorization": "Bearer prod-secret-token-1-0123456789abcdef"},
             )
             assert ok.status_code == 202, ok.text
             run_id = ok.json()["run_id"]

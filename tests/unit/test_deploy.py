@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from koda_runtime.db import async_engine
+from koda_runtime.errors import ConfigError
 from koda_runtime.gateway.app import create_app
 from koda_runtime.gateway.components import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S
 from koda_runtime.gateway.server import GRACEFUL_SHUTDOWN_S
@@ -172,6 +173,17 @@ def test_compose_replicas_make_up_their_own_worker_ids(compose) -> None:
     assert env.get("KODA_STATIC_MEMBERSHIP", "false") == "false"
 
 
+def test_compose_publishes_the_gateway_on_loopback_only(compose) -> None:
+    """Dev mode lets any ``dev:<user>`` token be that user and opens /admin: the
+    published port must not reach other hosts (Docker binds 0.0.0.0 without an address)."""
+    published = [
+        (name, port) for name, s in compose["services"].items() for port in s.get("ports", [])
+    ]
+    assert ("gateway", "127.0.0.1:8080:8080") in published
+    for name, port in published:
+        assert str(port).startswith("127.0.0.1:"), (name, port)
+
+
 def test_compose_grace_periods_exceed_the_code_ceilings(compose) -> None:
     services = compose["services"]
     worker_grace = seconds(services["worker"]["stop_grace_period"])
@@ -222,14 +234,44 @@ def test_compose_connections_fit_postgres(compose) -> None:
 # --- kubernetes -------------------------------------------------------------------
 
 
+K8S = DEPLOY / "k8s"
+SECRET_EXAMPLE = K8S / "secret.example.yaml"
+
+
+def kustomization() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    return loaded
+
+
 @pytest.fixture(scope="module")
 def k8s() -> dict[tuple[str, str], dict[str, Any]]:
+    """What ``kubectl apply -k deploy/k8s`` applies: the kustomization's resources."""
     docs: dict[tuple[str, str], dict[str, Any]] = {}
-    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc and doc.get("kind") != "Kustomization":
+    for name in kustomization()["resources"]:
+        for doc in yaml.safe_load_all((K8S / name).read_text()):
+            if doc:
                 docs[(doc["kind"], doc["metadata"]["name"])] = doc
     return docs
+
+
+@pytest.fixture(scope="module")
+def secret_example() -> dict[str, str]:
+    """The keys of the Secret koda-secrets, with placeholder values (not applied)."""
+    (doc,) = [d for d in yaml.safe_load_all(SECRET_EXAMPLE.read_text()) if d]
+    assert (doc["kind"], doc["metadata"]["name"]) == ("Secret", "koda-secrets")
+    data: dict[str, str] = doc["stringData"]
+    return data
+
+
+def real_secret(example: dict[str, str]) -> dict[str, str]:
+    """The example's keys with generated values where it has placeholders, as an
+    operator would create the Secret (a token and a user per API token)."""
+    counter = iter(range(1000))
+
+    def generated(_: re.Match[str]) -> str:
+        return f"{next(counter):03d}" + "0123456789abcdef" * 4
+
+    return {k: re.sub(r"REPLACE_ME\w*", generated, v) for k, v in example.items()}
 
 
 def container(doc: dict[str, Any]) -> dict[str, Any]:
@@ -243,16 +285,31 @@ def probe_path(c: dict[str, Any], kind: str) -> str:
 
 def test_k8s_has_the_expected_objects(k8s) -> None:
     kinds = {kind for kind, _ in k8s}
-    assert {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "Secret", "Job"} <= kinds
+    assert {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "Job"} <= kinds
     services = [doc for (kind, _), doc in k8s.items() if kind == "Service"]
     assert [s["spec"]["selector"]["app.kubernetes.io/component"] for s in services] == ["gateway"]
-    kustomize = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
-    assert sorted(kustomize["resources"]) == sorted(
-        p.name for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml"
+    # Every manifest is applied, except the example Secret.
+    assert sorted(kustomization()["resources"]) == sorted(
+        p.name
+        for p in K8S.glob("*.yaml")
+        if p.name not in ("kustomization.yaml", SECRET_EXAMPLE.name)
     )
 
 
-def test_k8s_worker_grace_probes_and_identity(k8s) -> None:
+def test_kubectl_apply_k_never_applies_a_secret_or_a_placeholder(k8s, secret_example) -> None:
+    """``kubectl apply -k`` would deploy placeholders (which prod refuses, so nothing
+    starts) and overwrite a Secret created out of band: no Secret is a resource."""
+    kustomize = kustomization()
+    assert SECRET_EXAMPLE.name not in kustomize["resources"]
+    assert not {"secretGenerator", "generators", "components", "bases"} & set(kustomize)
+    assert all(kind != "Secret" for kind, _ in k8s)
+    for name in kustomize["resources"]:
+        assert "REPLACE_ME" not in (K8S / name).read_text(), name
+    # The pods still read the Secret the example describes.
+    assert {"KODA_DATABASE_URL", "KODA_API_TOKENS", "KODA_ADMIN_TOKEN"} <= set(secret_example)
+
+
+def test_k8s_worker_grace_probes_and_identity(k8s, secret_example) -> None:
     worker = k8s[("Deployment", "koda-worker")]
     spec = worker["spec"]["template"]["spec"]
     assert spec["terminationGracePeriodSeconds"] == 25 > DEFAULTS.handoff_ceiling_s
@@ -265,7 +322,7 @@ def test_k8s_worker_grace_probes_and_identity(k8s) -> None:
     assert "KODA_WORKER_ID" not in config and "KODA_WORKER_ID" not in env
     # A Deployment's pod names change at every rollout: not a static instance id.
     assert config.get("KODA_STATIC_MEMBERSHIP", "false") == "false"
-    secret = k8s[("Secret", "koda-secrets")]["stringData"]
+    secret = real_secret(secret_example)
     pod = Settings.from_env({**config, **secret, "KODA_POD_NAME": "koda-worker-7d9f-x2k4q"})
     assert (pod.worker_id, pod.worker_id_source) == ("koda-worker-7d9f-x2k4q", "pod")
     for kind in ("livenessProbe", "readinessProbe", "startupProbe"):
@@ -295,19 +352,22 @@ def test_k8s_gateway_grace_probes_and_service(k8s) -> None:
     )
 
 
-def test_k8s_config_and_secrets_are_apart_and_prod_is_safe(k8s) -> None:
+def test_k8s_config_and_secrets_are_apart_and_prod_is_safe(k8s, secret_example) -> None:
     config = k8s[("ConfigMap", "koda-config")]["data"]
-    secret = k8s[("Secret", "koda-secrets")]["stringData"]
-    assert set(config).isdisjoint(secret)
+    assert set(config).isdisjoint(secret_example)
     assert {
         "KODA_DATABASE_URL",
         "KODA_API_TOKENS",
         "KODA_ADMIN_TOKEN",
         "KODA_OPENAI_API_KEY",
-    } <= set(secret)
+    } <= set(secret_example)
     assert not {k for k in config if "TOKEN" in k or "KEY" in k or "PASSWORD" in k}
-    # The ConfigMap is a valid prod configuration (no demo handler).
-    settings = Settings.from_env({**config, **secret})
+    # The example's placeholders stop prod at start, naming the setting, not the value.
+    with pytest.raises(ConfigError, match="refused in prod: KODA_API_TOKENS") as refused:
+        Settings.from_env({**config, **secret_example})
+    assert "REPLACE_ME_TOKEN" not in str(refused.value)
+    # With real values the ConfigMap is a valid prod configuration (no demo handler).
+    settings = Settings.from_env({**config, **real_secret(secret_example)})
     assert settings.app_env is AppEnv.PROD
     for (kind, _), doc in k8s.items():
         if kind in ("Deployment", "Job"):

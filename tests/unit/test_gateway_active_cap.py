@@ -73,7 +73,9 @@ async def apps() -> AsyncIterator[tuple[Components, httpx.AsyncClient, httpx.Asy
     """(components, with the shortcut, without it), admission refusing every run."""
     components = build_components(UNREACHABLE.with_(rate_burst=100))
 
-    async def capped(user_id: str, request: RunRequest, client_key: str | None) -> AdmittedRun:
+    async def capped(
+        user_id: str, request: RunRequest, client_key: str | None, **_: object
+    ) -> AdmittedRun:
         raise TooManyActiveRuns(user_id, 32, 32)
 
     components.admissions.submit = capped  # type: ignore[method-assign]

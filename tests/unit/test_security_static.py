@@ -190,3 +190,20 @@ def test_sasl_plaintext_and_plaintext_carry_no_tls() -> None:
 def test_an_unknown_protocol_is_refused_with_the_choices() -> None:
     with pytest.raises(Exception, match="SASL_SSL"):
         secure("TLS")
+
+
+def test_the_console_fits_its_csp_and_never_puts_a_token_in_a_url() -> None:
+    """The CSP (gateway/console.py) allows no inline script or style, no eval and no
+    data: URL; the page must need none, and streams with tickets, not ``?access_token=``."""
+    static = ROOT / "gateway" / "console_static"
+    page = (static / "index.html").read_text()
+    assert re.findall(r"<script\b[^>]*>", page) == [
+        '<script type="module" src="/console/assets/console.js">'
+    ]
+    assert not re.search(r"\son\w+=|\sstyle=|<style|javascript:|data:", page, re.IGNORECASE)
+    assert re.search(r'<input id="token"[^>]*type="password"', page)
+    code = [line.split("//")[0] for line in (static / "console.js").read_text().splitlines()]
+    script = "\n".join(code)  # without comments (which name what is never done)
+    for forbidden in ("access_token", ".innerHTML", "eval(", "new Function", "document.write"):
+        assert forbidden not in script, forbidden
+    assert "/stream-ticket" in script
