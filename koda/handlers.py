@@ -6,7 +6,8 @@ A handler is an object with a ``name``, an async generator ``stream(ctx)`` and
 
 * ``str``: a chunk of the answer, streamed to viewers and stored;
 * :class:`Usage`: one model or embedding call's token counts, for the cost ledger;
-* :class:`ToolActivity`: a ``tool`` chunk (a tool call or its result), for viewers.
+* :class:`ToolActivity`: a ``tool`` chunk (a tool call or its result), for viewers;
+* :class:`Status`: a ``status`` chunk (e.g. the model a fallback switched to).
 
 Raising retries the attempt (up to ``KODA_MAX_ATTEMPTS``); raising :class:`RunFailed`
 ends the run ``failed`` at once. Between steps a handler checks
@@ -41,9 +42,11 @@ from koda_runtime.lifecycle.handler import (
     Item,
     RunContext,
     RunFailed,
+    Status,
     ToolActivity,
     Usage,
 )
+from koda_runtime.lifecycle.turns import Turn
 from koda_runtime.settings import Settings
 
 __all__ = [
@@ -54,7 +57,9 @@ __all__ = [
     "Item",
     "RunContext",
     "RunFailed",
+    "Status",
     "ToolActivity",
+    "Turn",
     "Usage",
 ]
 

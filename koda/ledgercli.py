@@ -104,6 +104,16 @@ def prices_set(
     model: str = typer.Argument(..., help="The model name the handlers report."),
     prompt: str = typer.Option(..., "--prompt", help="USD per million prompt tokens."),
     completion: str = typer.Option(..., "--completion", help="USD per million completion tokens."),
+    cached: str | None = typer.Option(
+        None,
+        "--cached-prompt",
+        help="USD per million cached input tokens (default: the --prompt price).",
+    ),
+    reasoning: str | None = typer.Option(
+        None,
+        "--reasoning",
+        help="USD per million reasoning tokens (default: the --completion price).",
+    ),
     start: str = typer.Option(
         "now", "--from", help="When it applies from: ISO 8601 (no zone = UTC), or now."
     ),
@@ -113,14 +123,26 @@ def prices_set(
 
     name = _model(model)
     p, c = _usd(prompt, "--prompt"), _usd(completion, "--completion")
+    cp = None if cached is None else _usd(cached, "--cached-prompt")
+    rp = None if reasoning is None else _usd(reasoning, "--reasoning")
     at = _time(start, "--from", now_ok=True)
     try:
-        price = _run(lambda conn: set_price(conn, name, p, c, at))
+        price = _run(
+            lambda conn: set_price(
+                conn, name, p, c, at, cached_prompt_usd_per_mtok=cp, reasoning_usd_per_mtok=rp
+            )
+        )
     except PriceRefused as exc:
         raise LedgerInputError(str(exc)) from None
+    extra = ""
+    if price.cached_prompt_usd_per_mtok is not None:
+        extra += f" cached prompt {price.cached_prompt_usd_per_mtok}"
+    if price.reasoning_usd_per_mtok is not None:
+        extra += f" reasoning {price.reasoning_usd_per_mtok}"
     typer.echo(
         f"price {price.id}: {price.model} from {price.effective_from.isoformat()} "
-        f"prompt {price.prompt_usd_per_mtok} completion {price.completion_usd_per_mtok} USD/Mtok"
+        f"prompt {price.prompt_usd_per_mtok} completion {price.completion_usd_per_mtok}"
+        f"{extra} USD/Mtok"
     )
 
 

@@ -18,6 +18,7 @@ never from user ids, run ids or free text.
                   koda_handoff_seconds
     worker        koda_event_loop_lag_seconds, koda_heartbeats_total{outcome}
     gateway       koda_admissions_total{outcome}, koda_admissions_rejected_total{reason},
+                  koda_quota_refusals_total{quota} (gateway and worker),
                   koda_http_requests_total{method,route,status},
                   koda_http_request_seconds{method,route},
                   koda_publish_total{outcome}, koda_publish_seconds,
@@ -27,6 +28,11 @@ never from user ids, run ids or free text.
                   koda_live_feed_records_total, koda_live_feed_errors_total,
                   koda_kafka_clients_rebuilt_total{client} (gateway and worker),
                   koda_workers{state}, koda_workers_expected
+    model calls   koda_model_calls_total{model,outcome},
+                  koda_model_time_to_first_token_seconds{model},
+                  koda_model_call_seconds{model}, koda_model_breaker_open{model},
+                  koda_model_tokens_total{model,direction}, koda_model_cost_usd_total{model}
+                  (worker)
     ledger        koda_ledger_calls_total{outcome,estimated} (worker),
                   koda_budget_soft_alerts_total{period}, koda_budget_exhausted_users (gateway)
     chunk topic   koda_chunk_runs_compacted_total, koda_chunks_republished_total{by}
@@ -56,6 +62,12 @@ __all__ = [
     "BUDGET_EXHAUSTED_USERS",
     "BUDGET_SOFT_ALERTS",
     "LEDGER_CALLS",
+    "MODEL_BREAKER_OPEN",
+    "MODEL_CALLS",
+    "MODEL_CALL_SECONDS",
+    "MODEL_COST_USD",
+    "MODEL_TIME_TO_FIRST_TOKEN_SECONDS",
+    "MODEL_TOKENS",
     "CONSUMER_LAG",
     "CONTENT_TYPE",
     "DEAD_LETTERS",
@@ -66,6 +78,7 @@ __all__ = [
     "HTTP_REQUEST_SECONDS",
     "OFFSET_REWINDS",
     "PUBLISH",
+    "QUOTA_REFUSALS",
     "PUBLISH_SECONDS",
     "QUEUE_AGE_SECONDS",
     "PARTITIONS_MOVED",
@@ -277,6 +290,13 @@ ADMISSIONS_REJECTED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+QUOTA_REFUSALS = Counter(
+    "koda_quota_refusals_total",
+    "Work or resources refused at a per-user or per-gateway cap, by quota: schedules, "
+    "streams_per_user, streams, memories (not stored), merges, merged_bytes, schedule_daily.",
+    ["quota"],
+    registry=REGISTRY,
+)
 HTTP_REQUESTS = Counter(
     "koda_http_requests_total",
     "HTTP requests answered by the gateway, by method, route template and status.",
@@ -374,6 +394,53 @@ WORKER_ID_TWIN_BEATS = Counter(
 WORKERS_EXPECTED = Gauge(
     "koda_workers_expected",
     "Workers this deployment expects to be alive (KODA_EXPECTED_WORKERS).",
+    registry=REGISTRY,
+)
+
+# --- model calls (workers) ---------------------------------------------------------
+# ``model`` is a configured model name (calls, times, breaker) or the name the provider
+# reported for the call (tokens, cost): a handful of values per deployment.
+
+MODEL_CALLS = Counter(
+    "koda_model_calls_total",
+    "Model calls (each try of a retried call counts) by outcome: ok, rate_limited, "
+    "server_error, connection_error, refused (4xx, not retried), cut (the stream stopped "
+    "mid-answer), cancelled.",
+    ["model", "outcome"],
+    registry=REGISTRY,
+)
+MODEL_TIME_TO_FIRST_TOKEN_SECONDS = Histogram(
+    "koda_model_time_to_first_token_seconds",
+    "Time from sending a model call to its first streamed token.",
+    ["model"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60),
+    registry=REGISTRY,
+)
+MODEL_CALL_SECONDS = Histogram(
+    "koda_model_call_seconds",
+    "Duration of one model call (one try), whatever its outcome.",
+    ["model"],
+    buckets=_RUN_BUCKETS,
+    registry=REGISTRY,
+)
+MODEL_BREAKER_OPEN = Gauge(
+    "koda_model_breaker_open",
+    "1 while this worker's breaker for the primary model is open (calls go to "
+    "KODA_FALLBACK_MODEL), else 0.",
+    ["model"],
+    registry=REGISTRY,
+)
+MODEL_TOKENS = Counter(
+    "koda_model_tokens_total",
+    "Tokens of billed model calls, in (prompt) and out (completion), as written to the "
+    "ledger (estimated counts included).",
+    ["model", "direction"],
+    registry=REGISTRY,
+)
+MODEL_COST_USD = Counter(
+    "koda_model_cost_usd_total",
+    "Cost in USD of billed model calls, as priced in their ledger rows.",
+    ["model"],
     registry=REGISTRY,
 )
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from koda_runtime.lifecycle.handler import RunContext, Usage
 from koda_runtime.lifecycle.ledger import LedgerCall, Outcome, calls_of
-from koda_runtime.metrics import LEDGER_CALLS
+from koda_runtime.metrics import LEDGER_CALLS, MODEL_COST_USD, MODEL_TOKENS
 from koda_runtime.processors.ports import RunOutput, WorkerStore
 from koda_runtime.processors.store import Fence, Finished
 from koda_runtime.processors.streaming import CallTally
@@ -118,6 +118,7 @@ class Billing:
                 continue  # written before (a redelivery): its event went out then
             if self.ledger:
                 LEDGER_CALLS.labels(outcome=outcome.value, estimated=str(u.estimated).lower()).inc()
+            _count_call(u, row.cost_usd)
             futures.append(
                 await self.emitter.event(
                     fence.partition,
@@ -167,6 +168,27 @@ class AttemptBook:
         return await self.billing.usage_events(
             fence, self.ctx, self.tally.usage, Outcome.OK, priced
         )
+
+    def refused(self, calls: list[LedgerCall], cause: str) -> None:
+        """Postgres refused the batch that carried ``calls`` (a data error: a count out
+        of range...). The same rows would be refused again, at the attempt's end too, so
+        they are passed over, with an error log: the run ends ``failed`` naming it."""
+        self.tally.written = calls[-1].call_index + 1
+        log.error(
+            "event=ledger_rows_refused run_id=%s attempt=%d calls=%d: %s",
+            self.ctx.run_id,
+            self.ctx.attempt,
+            len(calls),
+            cause,
+        )
+
+
+def _count_call(u: Usage, cost_usd: Decimal | None) -> None:
+    """A billed call's tokens and cost on the model series (once per row written)."""
+    MODEL_TOKENS.labels(model=u.model, direction="in").inc(u.prompt_tokens)
+    MODEL_TOKENS.labels(model=u.model, direction="out").inc(u.completion_tokens)
+    if cost_usd:
+        MODEL_COST_USD.labels(model=u.model).inc(float(cost_usd))
 
 
 def _cost(usd: Decimal | None) -> dict[str, str]:

@@ -22,6 +22,11 @@ Whoever has seen every message 0..terminal acknowledged writes ``published_seq``
 The records are keyed ``<run_id>:<seq>`` with the same bytes as the first time, so
 producing one twice changes nothing for any reader (the compacted topic, the
 replay, the live feed) beyond a counted re-send.
+
+A message the producer or the broker refuses for itself (too large: only rows written
+before chunks were capped can be) is passed over with an error log
+(``event=chunk_refused``), never tried again in place: the run is then not marked
+whole, and the partition goes on.
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ import asyncio
 import logging
 from typing import Any
 
+from koda_runtime.lifecycle.chunks import Chunk
 from koda_runtime.metrics import CHUNKS_REPUBLISHED
 from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.ports import RunOutput, WorkerStore
 from koda_runtime.processors.store import RunRow
+from koda_runtime.processors.streaming import refusal
 
 log = logging.getLogger("koda.worker")
 
@@ -43,6 +50,8 @@ class ChunkRepair:
 
     def __init__(self, store: WorkerStore, emitter: RunOutput, writer: GroupWriter) -> None:
         self.store, self.emitter, self.writer = store, emitter, writer
+        # Runs with a message the producer refused when sent again: never marked whole.
+        self._holes: set[str] = set()
 
     async def terminal(self, run: RunRow, partition: int) -> None:
         """A terminal run met again: make the topic hold all of it, unless known to."""
@@ -50,8 +59,13 @@ class ChunkRepair:
             return
         messages = await self.store.messages(run.id)
         if messages:
-            futures = await self.emitter.chunks(partition, messages)
-            await asyncio.gather(*futures)
+            futures = await self._produce(run.id, partition, messages)
+            for failure in await asyncio.gather(*futures, return_exceptions=True):
+                if isinstance(failure, BaseException):
+                    if (cause := refusal(failure)) is None:
+                        raise failure
+                    log.error("event=chunk_refused run_id=%s by=skip: %s", run.id, cause)
+                    self._holes.add(run.id)
             CHUNKS_REPUBLISHED.labels(by="skip").inc(len(messages))
             log.info(
                 "republished run_id=%s messages=%d by=skip partition=%d",
@@ -59,7 +73,7 @@ class ChunkRepair:
                 len(messages),
                 partition,
             )
-        self.writer.published(run.id, messages[-1].seq if messages else -1)
+        self.published(run.id, messages[-1].seq if messages else -1)
 
     async def resumed(self, run_id: str, partition: int, next_seq: int) -> list[Any]:
         """A run resumed at ``next_seq``: produce the earlier attempts' messages again.
@@ -69,7 +83,7 @@ class ChunkRepair:
         if next_seq <= 0:
             return []
         messages = await self.store.messages(run_id, below=next_seq)
-        futures = await self.emitter.chunks(partition, messages)
+        futures = await self._produce(run_id, partition, messages)
         CHUNKS_REPUBLISHED.labels(by="resume").inc(len(messages))
         log.info(
             "republished run_id=%s messages=%d by=resume partition=%d",
@@ -79,6 +93,25 @@ class ChunkRepair:
         )
         return futures
 
-    def published(self, run_id: str, last_seq: int) -> None:
-        """Every message 0..``last_seq`` of the terminal run is acknowledged on the topic."""
-        self.writer.published(run_id, last_seq)
+    def published(self, run_id: str, last_seq: int, *, whole: bool = True) -> None:
+        """The terminal run's messages 0..``last_seq`` were all sent: mark it whole on the
+        topic, unless ``whole`` is False or one was refused when sent again."""
+        if run_id in self._holes:
+            self._holes.discard(run_id)
+        elif whole:
+            self.writer.published(run_id, last_seq)
+
+    async def _produce(
+        self, run_id: str, partition: int, messages: list[Chunk]
+    ) -> list[asyncio.Future[Any]]:
+        """Send ``messages`` again; one the producer refuses is passed over (logged)."""
+        futures: list[asyncio.Future[Any]] = []
+        for message in messages:
+            try:
+                futures += await self.emitter.chunks(partition, [message])
+            except Exception as exc:
+                if (cause := refusal(exc)) is None:
+                    raise
+                log.error("event=chunk_refused run_id=%s seq=%d: %s", run_id, message.seq, cause)
+                self._holes.add(run_id)
+        return futures

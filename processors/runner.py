@@ -42,11 +42,12 @@ from koda_runtime.lifecycle.attempts import (
     end_event,
     first_output,
 )
-from koda_runtime.lifecycle.chunks import ChunkKind, SeqCounter
+from koda_runtime.lifecycle.chunks import ChunkKind, SeqCounter, storable
 from koda_runtime.lifecycle.handler import CancelToken, Handler, RunContext, RunFailed, Usage
 from koda_runtime.lifecycle.ledger import Outcome
 from koda_runtime.lifecycle.retry import RetryPolicy
 from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.lifecycle.turns import Turn
 from koda_runtime.metrics import (
     QUEUE_AGE_SECONDS,
     RETRIES,
@@ -58,6 +59,7 @@ from koda_runtime.processors import faults
 from koda_runtime.processors.billing import Billing
 from koda_runtime.processors.control import ControlBoard, RunControl
 from koda_runtime.processors.groupcommit import GroupWriter
+from koda_runtime.processors.history import history_for
 from koda_runtime.processors.ports import Record, RunOutput, WorkerStore
 from koda_runtime.processors.republish import ChunkRepair
 from koda_runtime.processors.store import (
@@ -68,7 +70,15 @@ from koda_runtime.processors.store import (
     RunRow,
     Superseded,
 )
-from koda_runtime.processors.streaming import CallTally, ChunkBatcher, FencedOut, stream
+from koda_runtime.processors.streaming import (
+    AttemptLimits,
+    CallTally,
+    ChunkBatcher,
+    FencedOut,
+    OutputRefused,
+    refusal,
+    stream,
+)
 from koda_runtime.schemas.records import (
     RUN_REQUESTED,
     RunRequested,
@@ -215,6 +225,19 @@ Trigger = Record | Predecessor
 _FINISH_VERB = {RunStatus.DONE: "finish", RunStatus.FAILED: "fail", RunStatus.CANCELLED: "cancel"}
 
 
+def _all_delivered(run_id: str, delivered: list[Any]) -> bool:
+    """Whether every delivery of a finished run succeeded. A record the broker refused
+    for itself (:func:`refusal`) is logged: the run stays ended, but is not marked
+    whole on the chunk topic. Any other failure is raised (the chain tries again)."""
+    failures = [d for d in delivered if isinstance(d, BaseException)]
+    for failure in failures:
+        if refusal(failure) is None:
+            raise failure
+    for failure in failures:
+        log.error("event=output_refused run_id=%s after its finish: %s", run_id, refusal(failure))
+    return not failures
+
+
 def _model_of(handler: Handler) -> str:
     """The model an estimated call is priced as: the handler's, else its name."""
     return str(getattr(handler, "model", handler.name))
@@ -271,6 +294,7 @@ class RunExecutor:
         self.billing = Billing(settings.cost_ledger, store, emitter, _model_of(handler))
         self.model_slots = ModelSlots(settings.model_concurrency)
         self.tries = RecordTries(settings.record_tries)
+        self.history = history_for(store, settings.context_tokens)
 
     async def process(self, record: Record, fence: Fence, cancel: CancelToken) -> None:
         """Do the record's work; return when it may be acked.
@@ -355,6 +379,7 @@ class RunExecutor:
         # The calls of attempts a merge stopped: in the ledger with their own attempt, and
         # in the run's usage rows with the run's ending.
         billed: list[Usage] = []
+        turns: tuple[Turn, ...] | None = None
         while True:
             claim = await self.writer.claim(ClaimWrite(fence, run_id, self.worker_id))
             if claim is None:
@@ -363,6 +388,7 @@ class RunExecutor:
                     return  # someone finished it first; nothing to do
                 raise FencedOut(f"run {run_id}: claim fenced out")
             progress.claimed = True
+            claimed_at = time.monotonic()  # the attempt's deadline counts from here
             attempt = claim.attempt
             rerun = control.attempt_version < claim.input_version
             token = control.begin(claim.input_version)
@@ -370,9 +396,6 @@ class RunExecutor:
                 inp = claim.input
             if attempt == 1 and claim.queue_age_s is not None:
                 QUEUE_AGE_SECONDS.observe(max(0.0, claim.queue_age_s))
-            if not resumed:  # earlier output may be in Postgres only (its writer died)
-                futures += await self.repair.resumed(run_id, fence.partition, claim.next_seq)
-                resumed = True
             batcher = ChunkBatcher(
                 self.writer,
                 self.emitter,
@@ -385,9 +408,21 @@ class RunExecutor:
                 claim.input_version,
                 coalesce=self.settings.chunk_coalesce,
             )
-            ctx = RunContext(run_id, run.user_id, inp, attempt, token)
+            if turns is None:  # the session's earlier runs have ended: read once per run
+                turns = await self.history.turns(run_id, inp)
+            ctx = RunContext(
+                run_id,
+                run.user_id,
+                inp,
+                attempt,
+                token,
+                turns,
+                max_output_tokens=self.settings.max_output_tokens or None,
+            )
             if claim.cancel_requested:
                 # The request is durable: whoever claims next ends the run, never reruns it.
+                if not resumed:  # earlier output may be in Postgres only (its writer died)
+                    futures += await self.repair.resumed(run_id, fence.partition, claim.next_seq)
                 await self._cancel(batcher, ctx, claim.cancel_reason, billed, [])
                 return
             futures.append(
@@ -409,8 +444,15 @@ class RunExecutor:
                 policy=self.policy,
             )
             if isinstance(start, GiveUp):
-                await self._give_up(trigger, batcher, ctx, start)
+                # Given up before anything is sent again: output an earlier attempt left
+                # in Postgres only is the completeness pass's (processors/republish.py).
+                await self._give_up(
+                    trigger, batcher, ctx, start, whole=resumed or claim.next_seq == 0
+                )
                 return
+            if not resumed:  # earlier output may be in Postgres only (its writer died)
+                futures += await self.repair.resumed(run_id, fence.partition, claim.next_seq)
+                resumed = True
             if start.reset:
                 batcher.add(ChunkKind.RESET, json.dumps({"attempt": attempt}))
                 if start.flush_reset:
@@ -434,6 +476,11 @@ class RunExecutor:
                     ctx=ctx,
                     window_s=self.settings.chunk_batch_ms / 1000.0,
                     started=started,
+                    limits=AttemptLimits(
+                        claimed_at + self.settings.max_run_s,
+                        self.settings.max_run_s,
+                        self.settings.max_output_bytes,
+                    ),
                 )
             except HandlerError as exc:
                 if not control.stopping:  # stopped on purpose: the handler's complaint is moot
@@ -452,16 +499,23 @@ class RunExecutor:
                 await self._cancel(batcher, ctx, control.cancel_reason, billed, own, tally.written)
                 return
             if not control.stopping:
-                finished = await self._end(
-                    RunStatus.DONE,
-                    batcher,
-                    ctx,
-                    billed=billed,
-                    own=own,
-                    written=tally.written,
-                    input_version=claim.input_version,
-                    cut=tally,
-                )
+                try:
+                    finished = await self._end(
+                        RunStatus.DONE,
+                        batcher,
+                        ctx,
+                        billed=billed,
+                        own=own,
+                        written=tally.written,
+                        input_version=claim.input_version,
+                        cut=tally,
+                    )
+                except OutputRefused as exc:  # nothing of the finish was written
+                    after = await self._failed(batcher, ctx, tally, exc)
+                    if isinstance(after, GiveUp):
+                        await self._give_up(trigger, batcher, ctx, after)
+                        return
+                    raise TypeError("a refused finish is a final failure") from exc
                 if isinstance(finished, Finished):
                     RUN_DURATION_SECONDS.labels(outcome="done").observe(time.monotonic() - started)
                     log.info("run done run_id=%s attempt=%d", run_id, attempt)
@@ -482,13 +536,23 @@ class RunExecutor:
         self, batcher: ChunkBatcher, ctx: RunContext, tally: CallTally, exc: HandlerError
     ) -> Retry | GiveUp:
         """A handler failure: keep what the attempt said (seq stays contiguous), bill its
-        calls, count the failure in Postgres; what the lifecycle says comes next."""
+        calls, count the failure in Postgres; what the lifecycle says comes next.
+        Output or calls Postgres or Kafka refuse here are passed over (logged): the
+        failure is what the run ends with."""
         fence = batcher.fence
-        await batcher.flush()
+        try:
+            await batcher.flush()
+        except OutputRefused as refused:  # the batch was dropped, its calls passed over
+            log.error("event=output_refused run_id=%s: %s", ctx.run_id, refused)
         # The failed attempt's calls are billed: into the ledger before anything else
         # of the failure (whoever owns the run by now).
-        batcher.futures += await self.billing.record_attempt(fence, ctx, tally, Outcome.FAILED)
-        error = str(exc)
+        try:
+            batcher.futures += await self.billing.record_attempt(fence, ctx, tally, Outcome.FAILED)
+        except Exception as billing_error:
+            if (cause := refusal(billing_error)) is None:
+                raise
+            log.error("event=ledger_rows_refused run_id=%s: %s", ctx.run_id, cause)
+        error = storable(str(exc))
         RETRIES.inc()
         failures = await self.store.record_failure(fence, ctx.run_id)
         if failures is None:
@@ -518,6 +582,7 @@ class RunExecutor:
         error: str = "",
         input_version: int | None = None,
         cut: CallTally | None = None,
+        whole: bool = True,
     ) -> Finished | Superseded:
         """The one finish: the end event, then the trailing chunks, usage, ledger rows and
         the terminal transition in one write; only then the chunks, the transition event
@@ -529,6 +594,12 @@ class RunExecutor:
         went with its chunk batches). A refused finish (:class:`Superseded`) writes
         and produces nothing; its end event is taken back. ``cut``: an attempt whose
         calls go to the ledger as cancelled if the finish is cut off or fenced out.
+
+        A finish Postgres refuses for its data (:func:`refusal`) wrote nothing: its
+        chunks are dropped (their seqs free again), the calls no batch wrote are passed
+        over (``cut``), and :class:`OutputRefused` is raised. Records Kafka refuses
+        after the commit are logged, and the run is then not marked whole (``whole``
+        False too: earlier output was not sent again).
         """
         fence, run_id = batcher.fence, batcher.run_id
         attempts = ctx.attempt if event_attempt is None else event_attempt
@@ -542,7 +613,7 @@ class RunExecutor:
             status,
             final,
             [*billed, *own],
-            error[:ERROR_ROW_CHARS] if status is RunStatus.FAILED else None,
+            storable(error[:ERROR_ROW_CHARS]) if status is RunStatus.FAILED else None,
             first_output=first_output(batcher.streaming, final),
             input_version=input_version,
             ledger=self.billing.calls(ctx, own, outcome, written),
@@ -556,10 +627,23 @@ class RunExecutor:
             if cut is not None:
                 await self.billing.record_cut(fence, ctx, cut)
             raise
+        except Exception as exc:
+            if (cause := refusal(exc)) is None:
+                raise
+            batcher.seq.rewind(final[0].seq)
+            if cut is not None:
+                cut.written = len(cut.usage)
+            raise OutputRefused(f"Postgres refused the run's finish: {cause}") from exc
         if isinstance(finished, Superseded):
             batcher.give_back(final)
             return finished
-        sent = await self.emitter.chunks(fence.partition, final)
+        try:
+            sent = await self.emitter.chunks(fence.partition, final)
+        except Exception as exc:
+            if (cause := refusal(exc)) is None:
+                raise
+            log.error("event=output_refused run_id=%s after its finish: %s", run_id, cause)
+            sent, whole = [], False
         sent.append(
             await self.emitter.event(
                 fence.partition,
@@ -571,8 +655,9 @@ class RunExecutor:
             )
         )
         sent += await self.billing.finish_events(fence, ctx, billed, own, outcome, finished)
-        await asyncio.gather(*sent, *batcher.futures)
-        self.repair.published(run_id, final[-1].seq)
+        delivered = await asyncio.gather(*sent, *batcher.futures, return_exceptions=True)
+        whole = _all_delivered(run_id, delivered) and whole and not batcher.holed
+        self.repair.published(run_id, final[-1].seq, whole=whole)
         RUNS.labels(outcome=status.value).inc()
         return finished
 
@@ -584,35 +669,52 @@ class RunExecutor:
         billed: list[Usage],
         own: list[Usage],
         written: int = 0,
+        *,
+        whole: bool = True,
     ) -> None:
         """End the run ``cancelled``: partial output stays, the calls so far are billed
         (``own``, this attempt's, go to the ledger as ``cancelled`` from call ``written``
         on, an estimated one for output no usage record covered; the earlier ones are
         in it already, ``ok``), a terminal ``cancelled`` event (with the reason) ends
         every viewer's stream."""
-        finished = await self._end(
-            RunStatus.CANCELLED,
-            batcher,
-            ctx,
-            billed=billed,
-            own=own,
-            written=written,
-            reason=reason,
-        )
+        try:
+            finished = await self._end(
+                RunStatus.CANCELLED,
+                batcher,
+                ctx,
+                billed=billed,
+                own=own,
+                written=written,
+                reason=reason,
+                whole=whole,
+            )
+        except OutputRefused as refused:  # ended with its end event alone
+            log.error("event=output_refused run_id=%s: %s", ctx.run_id, refused)
+            finished = await self._end(
+                RunStatus.CANCELLED, batcher, ctx, billed=[], own=[], reason=reason, whole=whole
+            )
         if not isinstance(finished, Finished):
             raise FencedOut(f"run {ctx.run_id}: cancel fenced out")
         log.info("run cancelled run_id=%s attempt=%d", ctx.run_id, ctx.attempt)
 
     async def _give_up(
-        self, trigger: Trigger, batcher: ChunkBatcher, ctx: RunContext, give_up: GiveUp
+        self,
+        trigger: Trigger,
+        batcher: ChunkBatcher,
+        ctx: RunContext,
+        give_up: GiveUp,
+        *,
+        whole: bool = True,
     ) -> None:
-        """Retries exhausted: DLQ record, ``failed``, an ``error`` event, then ack."""
-        await self._dead_letter(
-            trigger.letter() if isinstance(trigger, Predecessor) else trigger,
-            give_up.attempts,
-            "handler_failed",
-            give_up.error,
-        )
+        """Retries exhausted: DLQ record, ``failed``, an ``error`` event, then ack. A
+        final failure (``RunFailed``) is not dead-lettered: its record is not poison."""
+        if give_up.dead_letter:
+            await self._dead_letter(
+                trigger.letter() if isinstance(trigger, Predecessor) else trigger,
+                give_up.attempts,
+                "handler_failed",
+                give_up.error,
+            )
         finished = await self._end(
             RunStatus.FAILED,
             batcher,
@@ -621,9 +723,10 @@ class RunExecutor:
             own=[],
             event_attempt=give_up.attempts,
             error=give_up.error,
+            whole=whole,
         )
         if isinstance(finished, Superseded):  # a cancel request wins over the failure
-            await self._cancel(batcher, ctx, finished.cancel_reason, [], [])
+            await self._cancel(batcher, ctx, finished.cancel_reason, [], [], whole=whole)
             return
         log.warning("run failed run_id=%s attempts=%d", ctx.run_id, give_up.attempts)
 

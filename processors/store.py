@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, TypeVar
 
@@ -23,7 +24,7 @@ from koda_runtime.db import driver_connection, for_driver, send
 from koda_runtime.errors import TransitionRejected
 from koda_runtime.lifecycle.chunks import Chunk, ChunkKind
 from koda_runtime.lifecycle.handler import Usage
-from koda_runtime.lifecycle.ledger import LedgerCall
+from koda_runtime.lifecycle.ledger import Exceeded, LedgerCall, exceeded
 from koda_runtime.lifecycle.states import ACTIVE, OPEN, RunStatus
 from koda_runtime.processors import sql
 from koda_runtime.processors.coalesce import CoalescedReads
@@ -141,12 +142,20 @@ class FinishWrite:
 
 
 class Batched(list[int]):
-    """What a chunk batch wrote: the chunk seqs inserted (the list itself, sorted) and
-    the ledger rows inserted, priced (``ledger``)."""
+    """What a chunk batch wrote: the chunk seqs inserted (the list itself, sorted), the
+    ledger rows inserted, priced (``ledger``), and, when it carried ledger rows, the
+    user's budget its spend has reached (``spent``: read in the same transaction, after
+    them; None when no budget is spent)."""
 
-    def __init__(self, inserted: Sequence[int], ledger: Sequence[PricedCall] = ()) -> None:
+    def __init__(
+        self,
+        inserted: Sequence[int],
+        ledger: Sequence[PricedCall] = (),
+        spent: Exceeded | None = None,
+    ) -> None:
         super().__init__(inserted)
         self.ledger = list(ledger)
+        self.spent = spent
 
 
 @dataclass(frozen=True)
@@ -400,10 +409,12 @@ class RunStore:
                 pricing = await _insert_usage(raw, finishes)
                 moving = await _transition(raw, mine)
                 billing = await _insert_calls(raw, [c for w in mine for c in w.ledger])
+                spending = await _spent_budgets(raw, [w for w in mine if w not in finishes])
             inserted = await inserting()
             costs = await pricing()
             await moving()
             priced = await billing()
+            spent = await spending()
         out: list[GroupResult] = []
         for w in writes:
             if isinstance(w, ClaimWrite):
@@ -421,7 +432,9 @@ class RunStore:
                     )
                 )
             else:
-                out.append(Batched(inserted[w.run_id], [p for p in priced if p.run_id == w.run_id]))
+                run_priced = [p for p in priced if p.run_id == w.run_id]
+                by = spent.get(w.ledger[0].user_id) if w.ledger else None
+                out.append(Batched(inserted[w.run_id], run_priced, by))
         return out
 
     async def record_calls(self, calls: Sequence[LedgerCall]) -> list[PricedCall]:
@@ -538,6 +551,26 @@ async def _insert_calls(
 
     async def read() -> list[PricedCall]:
         return ledger.priced_calls(await rows.fetchall()) if rows is not None else []
+
+    return read
+
+
+async def _spent_budgets(
+    raw: psycopg.AsyncConnection[Any], batches: Sequence[ChunkWrite | FinishWrite]
+) -> Read[dict[str, Exceeded]]:
+    """The budgets spent now (koda_runtime.lifecycle.ledger.exceeded, admission's rule)
+    of the users whose chunk batches carry ledger rows, by user: read after those rows
+    added their cost, in the same transaction. A run streaming past its user's budget
+    stops there (processors/streaming.py)."""
+    users = sorted({c.user_id for w in batches for c in w.ledger})
+    rows = await send(raw, ledger.BUDGETS_OF_DRIVER, {"users": users}) if users else None
+
+    async def read() -> dict[str, Exceeded]:
+        if rows is None:
+            return {}
+        now = datetime.now(UTC)
+        reads = ledger.budget_reads(await rows.fetchall())
+        return {u: by for u, r in reads.items() if (by := exceeded(r.state, now)) is not None}
 
     return read
 

@@ -5,6 +5,14 @@ first (through the group writer), then the chunk topic; :class:`CallTally` keeps
 attempt's billable calls, so a failed, stopped or cut attempt still knows them. A call
 whose usage came is written to the ledger by the next batch (its :class:`CallBook`),
 in the chunks' fenced transaction: a worker killed later in the attempt has billed it.
+
+Output is made storable before it is batched: NUL and surrogates become U+FFFD, a
+text chunk over :data:`~koda_runtime.lifecycle.chunks.MAX_CHUNK_BYTES` is written as
+several, and any other event over it ends the run ``failed``. What Postgres or Kafka
+refuses all the same (:func:`refusal`) ends the run ``failed`` naming the cause
+(:class:`OutputRefused`), never an attempt tried again. :class:`AttemptLimits` end an
+attempt at its deadline (``KODA_MAX_RUN_S``), past ``KODA_MAX_OUTPUT_BYTES`` of output,
+or at the first batch whose ledger rows find the user's budget spent.
 """
 
 from __future__ import annotations
@@ -17,17 +25,36 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+import psycopg
+import sqlalchemy.exc
+
 from koda_runtime.errors import HandlerError, KodaError
 from koda_runtime.lifecycle.attempts import first_output
-from koda_runtime.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
-from koda_runtime.lifecycle.handler import Item, RunContext, ToolActivity, Usage
+from koda_runtime.lifecycle.chunks import (
+    MAX_CHUNK_BYTES,
+    Chunk,
+    ChunkKind,
+    SeqCounter,
+    content_bytes,
+    split_content,
+    storable,
+)
+from koda_runtime.lifecycle.handler import (
+    Item,
+    RunContext,
+    RunFailed,
+    Status,
+    ToolActivity,
+    Usage,
+)
 from koda_runtime.metrics import TIME_TO_FIRST_CHUNK_SECONDS
 from koda_runtime.processors.control import RunControl
+from koda_runtime.processors.emitter import REFUSALS
 from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.store import ChunkWrite, Fence
 
 if TYPE_CHECKING:
-    from koda_runtime.lifecycle.ledger import LedgerCall
+    from koda_runtime.lifecycle.ledger import Exceeded, LedgerCall
     from koda_runtime.processors.ports import RunOutput
     from koda_runtime.schemas.ledger import PricedCall
 
@@ -39,6 +66,67 @@ _STOP = object()  # a cancel or a merge stopped the attempt
 
 class FencedOut(KodaError):
     """This worker lost the partition: its writes match zero rows; do not ack."""
+
+
+class OutputRefused(RunFailed):
+    """Postgres or Kafka refused the attempt's output (or its ledger rows) for what it
+    is: the same bytes would be refused on every attempt, so the run ends ``failed``
+    with the cause named, without a retry."""
+
+
+# What Postgres or the client refuses for the data itself: a value out of range, text
+# it cannot hold, a string UTF-8 cannot encode. With the producer's refusals
+# (processors/emitter.py: a record too large...), trying again cannot help.
+_DATA_ERRORS: tuple[type[BaseException], ...] = (
+    psycopg.DataError,
+    sqlalchemy.exc.DataError,
+    UnicodeEncodeError,
+    *REFUSALS,
+)
+
+
+def refusal(exc: BaseException) -> str | None:
+    """The refusal of the data itself in ``exc`` or what it wraps, as ``<type>: <text>``;
+    None for anything else (an outage, a lost connection: the chain retries those)."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a short chain of causes; never loop on a cycle
+        if seen is None:
+            return None
+        if isinstance(seen, _DATA_ERRORS):
+            return f"{type(seen).__name__}: {storable(str(seen))[:300]}"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+@dataclass(frozen=True)
+class AttemptLimits:
+    """What one attempt may use: it ends at ``deadline`` (``time.monotonic()``; its claim
+    plus ``max_run_s``, ``KODA_MAX_RUN_S``) and after ``max_output_bytes`` of output
+    (``KODA_MAX_OUTPUT_BYTES``: text and tool events, UTF-8, as cleaned). Crossing
+    either ends the run ``failed``, its error naming it."""
+
+    deadline: float
+    max_run_s: float
+    max_output_bytes: int
+
+    def past_deadline(self) -> RunFailed:
+        return RunFailed(
+            f"deadline: the attempt ran for {self.max_run_s:g} s without finishing (KODA_MAX_RUN_S)"
+        )
+
+    def output_over(self, total: int) -> RunFailed:
+        return RunFailed(
+            f"output_bytes: the attempt's output reached {total} bytes, over the cap of "
+            f"{self.max_output_bytes} (KODA_MAX_OUTPUT_BYTES)"
+        )
+
+
+def budget_spent(by: Exceeded) -> RunFailed:
+    """The failure of a run whose calls spent its user's budget mid-way."""
+    return RunFailed(
+        f"budget_exceeded: the user's {by.period.value} budget of {by.limit_usd} USD is "
+        f"spent ({by.spend_usd} USD); the run stopped after the call that crossed it"
+    )
 
 
 @dataclass
@@ -74,6 +162,10 @@ class CallBook(Protocol):
         self, fence: Fence, calls: list[LedgerCall], priced: list[PricedCall]
     ) -> list[asyncio.Future[Any]]:
         """``calls`` are in the ledger (``priced``: the rows inserted); their events."""
+        ...
+
+    def refused(self, calls: list[LedgerCall], cause: str) -> None:
+        """Postgres refused the batch carrying ``calls``: they are not tried again."""
         ...
 
 
@@ -118,8 +210,29 @@ class ChunkBatcher:
         self.pending: list[Chunk] = []
         self.streaming = False
         self.book: CallBook | None = None
+        # The budget the last batch's ledger rows found spent (processors/store.py).
+        self.spent: Exceeded | None = None
+        # Kafka refused a batch Postgres holds: the run is never marked whole on the topic.
+        self.holed = False
 
     def add(self, kind: ChunkKind, content: str) -> None:
+        """Add one event; ``content`` is :func:`storable` (:func:`stream` cleans the
+        handler's output). A text chunk over :data:`MAX_CHUNK_BYTES` becomes several
+        (same kind, consecutive seqs: a viewer joins them as it joins tokens); any other
+        event over it raises :class:`RunFailed` (a tool event is one JSON value: it
+        cannot be cut)."""
+        if kind is ChunkKind.CHUNK:
+            for piece in split_content(content):
+                self._add(kind, piece)
+            return
+        if len(content) * 4 > MAX_CHUNK_BYTES and content_bytes(content) > MAX_CHUNK_BYTES:
+            raise RunFailed(
+                f"chunk_size: a {kind.value} event of {content_bytes(content)} bytes is over "
+                f"the cap of {MAX_CHUNK_BYTES} bytes per event"
+            )
+        self._add(kind, content)
+
+    def _add(self, kind: ChunkKind, content: str) -> None:
         last = self.pending[-1] if self.pending else None
         if (
             self.coalesce
@@ -159,16 +272,37 @@ class ChunkBatcher:
             return
         batch = self.take()
         first = first_output(self.streaming, batch)
-        written = await self.writer.chunks(
-            ChunkWrite(self.fence, self.run_id, batch, first, self.input_version, calls)
-        )
+        try:
+            written = await self.writer.chunks(
+                ChunkWrite(self.fence, self.run_id, batch, first, self.input_version, calls)
+            )
+        except Exception as exc:
+            cause = refusal(exc)
+            if cause is None:
+                raise
+            # Nothing of the batch was written (its transaction rolled back): its seqs
+            # are free again, and its calls, refused as they are, are not tried again.
+            if batch:
+                self.seq.rewind(batch[0].seq)
+            if calls and self.book is not None:
+                self.book.refused(calls, cause)
+            raise OutputRefused(f"Postgres refused the run's output: {cause}") from exc
         if written is None:
             raise FencedOut(f"run {self.run_id}: chunk write fenced out")
         if first:
             self.streaming = True
+        if written.spent is not None:
+            self.spent = written.spent
         # The whole batch, also seqs that were in Postgres already: only this owner writes
         # them, so they are this batch (its group committed, then the answer was lost).
-        self.futures += await self.emitter.chunks(self.fence.partition, batch)
+        try:
+            self.futures += await self.emitter.chunks(self.fence.partition, batch)
+        except Exception as exc:
+            cause = refusal(exc)
+            if cause is None:
+                raise
+            self.holed = True
+            raise OutputRefused(f"Kafka refused the run's output: {cause}") from exc
         if calls and self.book is not None:
             self.futures += await self.book.written(self.fence, calls, written.ledger)
 
@@ -182,13 +316,17 @@ async def stream(
     ctx: RunContext,
     window_s: float,
     started: float,
+    limits: AttemptLimits | None = None,
 ) -> None:
     """Pump the handler's ``source`` into ``batcher``; flush by size or ``window_s``
     seconds after the first unflushed chunk (0: every chunk at once).
 
     A cancel or a merge (``control``) stops the attempt at once: the handler's task
     is cancelled and what it said so far stays in the batcher. Usage records go to
-    ``tally`` as they come. Raises :class:`HandlerError` when the handler fails.
+    ``tally`` as they come. Raises :class:`HandlerError` when the handler fails, and
+    :class:`RunFailed` when the attempt crosses one of its ``limits`` or a batch finds
+    the user's budget spent: the handler's task is cancelled, what it said before
+    stays in the batcher (the call in flight is billed as estimated, as a cut one).
     """
     queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=4 * batcher.max_size)
     pump = asyncio.create_task(_pump(source, queue))
@@ -199,22 +337,34 @@ async def stream(
         with contextlib.suppress(asyncio.QueueFull):  # full: the loop is not waiting
             queue.put_nowait(_STOP)
 
+    async def flush() -> None:
+        await batcher.flush()
+        if batcher.spent is not None:  # this batch's calls spent the user's budget
+            raise budget_spent(batcher.spent)
+
     control.on_stop(stop)
     deadline: float | None = None
+    ends = None if limits is None else limits.deadline  # the attempt's own deadline
+    output = 0  # bytes of output so far, against limits.max_output_bytes
     first = True
     try:
         while True:
+            if limits is not None and time.monotonic() >= limits.deadline:
+                raise limits.past_deadline()
             try:
                 # What the handler already queued is taken without a wait_for task
                 # and without yielding to the loop per chunk: on a busy worker each
                 # yield could outlast the window and split the batch.
                 item = queue.get_nowait()
             except asyncio.QueueEmpty:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                wake = min((t for t in (deadline, ends) if t is not None), default=None)
+                timeout = None if wake is None else max(0.0, wake - time.monotonic())
                 try:
                     item = await asyncio.wait_for(queue.get(), timeout)
                 except TimeoutError:
-                    await batcher.flush()
+                    if ends is not None and time.monotonic() >= ends:
+                        continue  # the attempt's deadline, raised above
+                    await flush()
                     deadline = None
                     continue
             if item is _END or item is _STOP or control.stopping:
@@ -227,7 +377,8 @@ async def stream(
                     raise item
                 raise HandlerError(f"{type(item).__name__}: {item}") from item
             if isinstance(item, Usage):
-                tally.usage.append(item)
+                model = storable(item.model)  # a model name is output too
+                tally.usage.append(item if model == item.model else replace(item, model=model))
                 tally.unreported_chunks = 0
                 # The call goes to the ledger with the window's batch, or alone when
                 # no chunk follows within the window (a tool call, a slow next step).
@@ -235,17 +386,27 @@ async def stream(
                     deadline = time.monotonic() + window_s
                 continue
             if isinstance(item, ToolActivity):
-                batcher.add(ChunkKind.TOOL, item.content)
+                kind, content = ChunkKind.TOOL, item.content
+            elif isinstance(item, Status):
+                kind, content = ChunkKind.STATUS, item.content
             else:
+                kind, content = ChunkKind.CHUNK, str(item)
+            # Cleaned once, here, before anything is batched or counted.
+            content = storable(content)
+            if limits is not None:
+                output += content_bytes(content)
+                if output > limits.max_output_bytes:
+                    raise limits.output_over(output)
+            if kind is ChunkKind.CHUNK:
                 if first:
                     TIME_TO_FIRST_CHUNK_SECONDS.observe(time.monotonic() - started)
                     first = False
-                batcher.add(ChunkKind.CHUNK, str(item))
                 tally.unreported_chunks += 1
+            batcher.add(kind, content)
             # A run's first output is written at once: the time to first token is the
             # wait a user feels, and the window would add up to window_s to it.
             if batcher.full or window_s == 0 or batcher.first_output_pending:
-                await batcher.flush()
+                await flush()
                 deadline = None
             elif deadline is None:
                 deadline = time.monotonic() + window_s

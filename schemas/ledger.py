@@ -7,7 +7,10 @@ reports), so the rules cannot drift apart:
 * a call is priced in the statement that writes it, from the newest price of its model
   whose ``effective_from`` is not after the transaction's time; the row keeps that cost
   and the price's id for ever (a price set later never changes it). A model without a
-  price costs 0 and has ``price_id`` NULL, so reports can count unpriced calls;
+  price costs 0 and has ``price_id`` NULL, so reports can count unpriced calls. Cached
+  input tokens and reasoning tokens are parts of the prompt and completion counts,
+  priced at the price's cached and reasoning rates (NULL: the prompt or completion
+  rate), the rest of each count at the full rate;
 * the same statement adds the rows it inserted (not the duplicates it skipped) to the
   user's month and day rows of ``spend_periods``, so spend is exactly the ledger's sum
   and admission reads one row;
@@ -42,18 +45,25 @@ INSERT_CALLS = text(
                              CAST(:attempts AS int[]), CAST(:idx AS int[]),
                              CAST(:models AS text[]), CAST(:kinds AS text[]),
                              CAST(:pt AS int[]), CAST(:ct AS int[]),
-                             CAST(:outcomes AS text[]), CAST(:est AS bool[]))
+                             CAST(:outcomes AS text[]), CAST(:est AS bool[]),
+                             CAST(:cached AS int[]), CAST(:reasoning AS int[]))
               AS q(user_id, run_id, attempt, call_index, model, kind, pt, ct, outcome,
-                   estimated)
+                   estimated, cached, reasoning)
     ), ins AS (
         INSERT INTO ledger (user_id, run_id, attempt, call_index, model, kind, prompt_tokens,
-                            completion_tokens, cost_usd, price_id, outcome, estimated)
+                            completion_tokens, cost_usd, price_id, outcome, estimated,
+                            cached_tokens, reasoning_tokens)
         SELECT q.user_id, q.run_id, q.attempt, q.call_index, q.model, q.kind, q.pt, q.ct,
-               COALESCE((q.pt * p.prompt_usd_per_mtok
-                         + q.ct * p.completion_usd_per_mtok) / 1000000, 0),
-               p.id, q.outcome, q.estimated
+               COALESCE(((q.pt - q.cached) * p.prompt_usd_per_mtok
+                         + q.cached * COALESCE(p.cached_prompt_usd_per_mtok,
+                                               p.prompt_usd_per_mtok)
+                         + (q.ct - q.reasoning) * p.completion_usd_per_mtok
+                         + q.reasoning * COALESCE(p.reasoning_usd_per_mtok,
+                                                  p.completion_usd_per_mtok)) / 1000000, 0),
+               p.id, q.outcome, q.estimated, q.cached, q.reasoning
           FROM q LEFT JOIN LATERAL (
-                SELECT id, prompt_usd_per_mtok, completion_usd_per_mtok FROM prices
+                SELECT id, prompt_usd_per_mtok, completion_usd_per_mtok,
+                       cached_prompt_usd_per_mtok, reasoning_usd_per_mtok FROM prices
                  WHERE model = q.model AND effective_from <= now()
                  ORDER BY effective_from DESC LIMIT 1) p ON true
         ON CONFLICT (run_id, attempt, call_index) DO NOTHING
@@ -107,6 +117,8 @@ def calls_params(calls: Sequence[LedgerCall]) -> dict[str, list[Any]]:
         "ct": [c.usage.completion_tokens for c in calls],
         "outcomes": [c.outcome.value for c in calls],
         "est": [c.usage.estimated for c in calls],
+        "cached": [c.usage.cached_tokens for c in calls],
+        "reasoning": [c.usage.reasoning_tokens for c in calls],
     }
 
 
@@ -388,11 +400,17 @@ async def list_budgets(conn: AsyncConnection, user_id: str | None = None) -> lis
 
 @dataclass(frozen=True)
 class Price:
+    """A model's price from a time on. ``cached_prompt_usd_per_mtok`` and
+    ``reasoning_usd_per_mtok`` price cached input and reasoning tokens; None: the prompt
+    or completion price applies to them."""
+
     id: int
     model: str
     effective_from: datetime
     prompt_usd_per_mtok: Decimal
     completion_usd_per_mtok: Decimal
+    cached_prompt_usd_per_mtok: Decimal | None = None
+    reasoning_usd_per_mtok: Decimal | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -401,7 +419,13 @@ class Price:
             "effective_from": self.effective_from.isoformat(),
             "prompt_usd_per_mtok": f"{self.prompt_usd_per_mtok:f}",
             "completion_usd_per_mtok": f"{self.completion_usd_per_mtok:f}",
+            "cached_prompt_usd_per_mtok": _rate(self.cached_prompt_usd_per_mtok),
+            "reasoning_usd_per_mtok": _rate(self.reasoning_usd_per_mtok),
         }
+
+
+def _rate(value: Decimal | None) -> str | None:
+    return None if value is None else f"{value:f}"
 
 
 class PriceRefused(ValueError):
@@ -410,11 +434,14 @@ class PriceRefused(ValueError):
 
 _SET_PRICE = text(
     """
-    INSERT INTO prices (model, effective_from, prompt_usd_per_mtok, completion_usd_per_mtok)
-    SELECT :model, COALESCE(CAST(:at AS timestamptz), now()), :prompt, :completion
+    INSERT INTO prices (model, effective_from, prompt_usd_per_mtok, completion_usd_per_mtok,
+                        cached_prompt_usd_per_mtok, reasoning_usd_per_mtok)
+    SELECT :model, COALESCE(CAST(:at AS timestamptz), now()), :prompt, :completion,
+           CAST(:cached AS numeric), CAST(:reasoning AS numeric)
      WHERE COALESCE(CAST(:at AS timestamptz), now()) >= now()
     ON CONFLICT (model, effective_from) DO NOTHING
-    RETURNING id, model, effective_from, prompt_usd_per_mtok, completion_usd_per_mtok
+    RETURNING id, model, effective_from, prompt_usd_per_mtok, completion_usd_per_mtok,
+              cached_prompt_usd_per_mtok, reasoning_usd_per_mtok
     """
 )
 
@@ -425,8 +452,12 @@ async def set_price(
     prompt_usd_per_mtok: Decimal,
     completion_usd_per_mtok: Decimal,
     effective_from: datetime | None,
+    *,
+    cached_prompt_usd_per_mtok: Decimal | None = None,
+    reasoning_usd_per_mtok: Decimal | None = None,
 ) -> Price:
-    """Add a price for ``model`` from ``effective_from`` (None: now) on.
+    """Add a price for ``model`` from ``effective_from`` (None: now) on; the cached input
+    and reasoning rates are optional (None: the prompt or completion rate).
 
     Raises PriceRefused for a time already past (the calls of that time are priced;
     history is never rewritten) or when the model already has a price at that time.
@@ -439,6 +470,8 @@ async def set_price(
                 "at": effective_from,
                 "prompt": prompt_usd_per_mtok,
                 "completion": completion_usd_per_mtok,
+                "cached": cached_prompt_usd_per_mtok,
+                "reasoning": reasoning_usd_per_mtok,
             },
         )
     ).first()
@@ -465,7 +498,8 @@ async def list_prices(conn: AsyncConnection, model: str | None = None) -> list[P
     rows = await conn.execute(
         text(
             """
-            SELECT id, model, effective_from, prompt_usd_per_mtok, completion_usd_per_mtok
+            SELECT id, model, effective_from, prompt_usd_per_mtok, completion_usd_per_mtok,
+                   cached_prompt_usd_per_mtok, reasoning_usd_per_mtok
               FROM prices WHERE CAST(:model AS text) IS NULL OR model = :model
              ORDER BY model, effective_from
             """
@@ -489,6 +523,14 @@ _FIGURES = """
     COALESCE(sum(cost_usd), 0) AS cost_usd,
     COALESCE(sum(prompt_tokens), 0) AS prompt_tokens,
     COALESCE(sum(completion_tokens), 0) AS completion_tokens,
+    COALESCE(sum(cached_tokens), 0) AS cached_tokens,
+    COALESCE(sum(reasoning_tokens), 0) AS reasoning_tokens,
+    COALESCE(sum(CASE WHEN cached_tokens > 0 THEN cached_tokens * (
+        SELECT COALESCE(p.cached_prompt_usd_per_mtok, p.prompt_usd_per_mtok)
+          FROM prices p WHERE p.id = ledger.price_id) END) / 1000000, 0) AS cached_cost_usd,
+    COALESCE(sum(CASE WHEN reasoning_tokens > 0 THEN reasoning_tokens * (
+        SELECT COALESCE(p.reasoning_usd_per_mtok, p.completion_usd_per_mtok)
+          FROM prices p WHERE p.id = ledger.price_id) END) / 1000000, 0) AS reasoning_cost_usd,
     count(*) AS calls,
     count(DISTINCT run_id) AS runs,
     count(DISTINCT user_id) AS users,
@@ -523,6 +565,10 @@ def _figures(row: Any) -> dict[str, Any]:
         "cost_usd": money(cost),
         "prompt_tokens": int(row.prompt_tokens),
         "completion_tokens": int(row.completion_tokens),
+        "cached_tokens": int(row.cached_tokens),
+        "reasoning_tokens": int(row.reasoning_tokens),
+        "cached_cost_usd": money(row.cached_cost_usd),
+        "reasoning_cost_usd": money(row.reasoning_cost_usd),
         "calls": int(row.calls),
         "runs": int(row.runs),
         "active_users": int(row.users),

@@ -169,6 +169,9 @@ prices = Table(
     Column("completion_usd_per_mtok", Numeric(18, 8), nullable=False),
     # The id a ledger row names (0008); an identity, so inserts without it get one.
     Column("id", BigInteger, Identity(), nullable=False),
+    # Cached input and reasoning tokens (0011); NULL: the prompt or completion price.
+    Column("cached_prompt_usd_per_mtok", Numeric(18, 8), nullable=True),
+    Column("reasoning_usd_per_mtok", Numeric(18, 8), nullable=True),
     PrimaryKeyConstraint("model", "effective_from", name="pk_prices"),
     UniqueConstraint("id", name="uq_prices_id"),
 )
@@ -191,12 +194,21 @@ ledger = Table(
     Column("outcome", Text, nullable=False),
     Column("estimated", Boolean, nullable=False, server_default=text("false")),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # The parts of prompt_tokens served from the provider's cache and of completion_tokens
+    # spent on reasoning (0011), priced apart.
+    Column("cached_tokens", Integer, nullable=False, server_default=text("0")),
+    Column("reasoning_tokens", Integer, nullable=False, server_default=text("0")),
     UniqueConstraint("run_id", "attempt", "call_index", name="uq_ledger_call"),
     CheckConstraint("kind IN ('chat', 'embedding')", name="ck_ledger_kind"),
     CheckConstraint("outcome IN ('ok', 'failed', 'cancelled')", name="ck_ledger_outcome"),
     CheckConstraint(
         "prompt_tokens >= 0 AND completion_tokens >= 0 AND attempt >= 0 AND call_index >= 0",
         name="ck_ledger_counts",
+    ),
+    CheckConstraint(
+        "cached_tokens BETWEEN 0 AND prompt_tokens"
+        " AND reasoning_tokens BETWEEN 0 AND completion_tokens",
+        name="ck_ledger_token_parts",
     ),
     Index("ix_ledger_created_at", "created_at", postgresql_using="brin"),
     Index("ix_ledger_user_id_created_at", "user_id", "created_at"),

@@ -53,10 +53,13 @@ class Retry:
 
 @dataclass(frozen=True)
 class GiveUp:
-    """End the run ``failed`` (and dead-letter its record) after ``attempts`` attempts."""
+    """End the run ``failed`` after ``attempts`` attempts, dead-lettering its record
+    unless the handler said the run cannot succeed (``dead_letter`` False: the record
+    is not poison, replaying it would fail the same way, e.g. a provider's 401)."""
 
     attempts: int
     error: str
+    dead_letter: bool = True
 
 
 def after_claim(
@@ -85,7 +88,9 @@ def after_failure(
 ) -> Retry | GiveUp:
     """What a handler failure of attempt ``attempt`` leads to, ``failures`` counting it.
     ``final``: the handler said trying again cannot help (``RunFailed``)."""
-    if final or policy.exhausted(failures):
+    if final:
+        return GiveUp(attempt, error, dead_letter=False)
+    if policy.exhausted(failures):
         return GiveUp(attempt, error)
     return Retry(policy.backoff_s(failures, rng))
 

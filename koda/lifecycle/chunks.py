@@ -7,6 +7,7 @@ partial answer, then keeps counting.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -47,6 +48,51 @@ def end_kind(status: RunStatus) -> ChunkKind:
         return END_KIND[status]
     except KeyError:
         raise ValueError(f"{status.value} is not a terminal status: no event ends it") from None
+
+
+# The most UTF-8 bytes one chunk's content holds. A longer text chunk is written as
+# several chunks of the same kind with consecutive seqs (:func:`split_content`); any
+# other kind (a tool event is one JSON value) over it ends the run ``failed``. As a
+# ``run.chunk/1`` record (JSON, escapes included) a chunk stays far below the
+# producer's 1 MiB request limit.
+MAX_CHUNK_BYTES = 64 * 1024
+
+# What Postgres text and UTF-8 cannot hold: NUL and surrogate code points (a Python str
+# can carry lone ones). :func:`storable` replaces each by U+FFFD.
+_UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def storable(text: str) -> str:
+    """``text`` with every NUL and surrogate code point replaced by U+FFFD: what Postgres
+    text and a UTF-8 record can hold. Handler output is cleaned once, before batching."""
+    return _UNSTORABLE.sub(REPLACEMENT_CHAR, text)
+
+
+def split_content(text: str, limit: int = MAX_CHUNK_BYTES) -> list[str]:
+    """``text`` cut into pieces of at most ``limit`` UTF-8 bytes, between code points;
+    joined, the pieces are ``text``. ``text`` must be :func:`storable`."""
+    if limit < 4:
+        raise ValueError(f"limit must hold one code point (4 bytes), got {limit}")
+    if len(text) * 4 <= limit:  # no code point is longer than 4 bytes
+        return [text]
+    data = text.encode()
+    if len(data) <= limit:
+        return [text]
+    pieces = []
+    start = 0
+    while start < len(data):
+        end = min(start + limit, len(data))
+        while end < len(data) and data[end] & 0xC0 == 0x80:  # inside a code point
+            end -= 1
+        pieces.append(data[start:end].decode())
+        start = end
+    return pieces
+
+
+def content_bytes(text: str) -> int:
+    """The UTF-8 size of a storable ``text``."""
+    return len(text) if text.isascii() else len(text.encode())
 
 
 SEQ_WIDTH = 10  # zero padding of seq in chunk keys: <run_id>:0000000042
@@ -112,6 +158,12 @@ class SeqCounter:
         """Return the last seq taken (its event was never written)."""
         if seq != self._next - 1:
             raise ValueError(f"only the last seq taken ({self._next - 1}) can be given back")
+        self._next = seq
+
+    def rewind(self, seq: int) -> None:
+        """Return every seq taken from ``seq`` on (none of their events was written)."""
+        if not 0 <= seq <= self._next:
+            raise ValueError(f"cannot rewind to {seq}: the next seq is {self._next}")
         self._next = seq
 
 

@@ -1,8 +1,9 @@
 """The pluggable job: an async iterator of chunk texts and usage records.
 
 A handler gets a :class:`RunContext` and yields ``str`` (a chunk of the answer),
-:class:`Usage` (one model or embedding call's token counts) or :class:`ToolActivity`
-(a ``tool`` chunk: a tool call or its result, for viewers). It must check
+:class:`Usage` (one model or embedding call's token counts), :class:`ToolActivity`
+(a ``tool`` chunk: a tool call or its result, for viewers) or :class:`Status` (a
+``status`` chunk). It must check
 ``ctx.cancel.cancelled`` between steps and return early when set (a user's cancel,
 or a merged message that makes the worker start over); the worker also cancels the
 task then, and at the handoff ceiling.
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from koda_runtime.errors import HandlerError
+from koda_runtime.lifecycle.turns import Turn
 
 
 class CancelToken:
@@ -50,6 +52,10 @@ class Usage:
     model reported its usage, so the counts are what the handler saw (chunks streamed,
     its own guess at the prompt); a handler whose stream breaks yields such a record
     before it raises.
+
+    ``cached_tokens`` is the part of ``prompt_tokens`` the provider served from its
+    prompt cache, ``reasoning_tokens`` the part of ``completion_tokens`` spent on
+    reasoning: parts of the totals (as the OpenAI API reports them), priced apart.
     """
 
     model: str
@@ -57,12 +63,18 @@ class Usage:
     completion_tokens: int
     kind: str = "chat"
     estimated: bool = False
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in CALL_KINDS:
             raise ValueError(f"usage kind {self.kind!r} is not one of {', '.join(CALL_KINDS)}")
         if self.prompt_tokens < 0 or self.completion_tokens < 0:
             raise ValueError("token counts cannot be negative")
+        if not 0 <= self.cached_tokens <= self.prompt_tokens:
+            raise ValueError("cached_tokens must be between 0 and prompt_tokens")
+        if not 0 <= self.reasoning_tokens <= self.completion_tokens:
+            raise ValueError("reasoning_tokens must be between 0 and completion_tokens")
 
 
 @dataclass(frozen=True)
@@ -72,12 +84,20 @@ class ToolActivity:
     content: str
 
 
+@dataclass(frozen=True)
+class Status:
+    """A visible ``status`` chunk: JSON about how the answer is being made (e.g. the
+    model a fallback switched to; docs/design.md, section 5), not part of the answer."""
+
+    content: str
+
+
 class RunFailed(HandlerError):
     """The run cannot succeed by trying again (e.g. the tool-turn limit): it ends
     ``failed`` with this message at once, without using the retry budget."""
 
 
-Item = str | Usage | ToolActivity
+Item = str | Usage | ToolActivity | Status
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,10 @@ class RunContext:
 
     ``input`` is the submitted JSON object; ``attempt`` numbers the run's attempts from
     1; ``cancel`` is set when the attempt must stop (see the module docstring).
+    ``turns``: the session's earlier turns, oldest first, within the context budget
+    (koda/lifecycle/turns.py); the run's own input is not among them.
+    ``max_output_tokens`` (``KODA_MAX_OUTPUT_TOKENS``; None: no limit): the most tokens
+    a handler asks its model to write per call (OpenAI's ``max_completion_tokens``).
     """
 
     run_id: str
@@ -93,6 +117,8 @@ class RunContext:
     input: dict[str, Any]
     attempt: int
     cancel: CancelToken = field(default_factory=CancelToken)
+    turns: tuple[Turn, ...] = ()
+    max_output_tokens: int | None = None
 
 
 class Handler(Protocol):

@@ -91,8 +91,10 @@ class Exceeded:
 def exceeded(state: BudgetState, now: datetime) -> Exceeded | None:
     """The first budget whose period has spent its limit, or None: a run may start.
 
-    A run is refused once spend >= limit. A run admitted below the limit may finish past
-    it: the check is at admission, and an attempt in flight is never stopped for money.
+    A run is refused once spend >= limit. A run admitted below the limit is checked
+    again with every usage record it writes: once spend reaches the limit it stops
+    after the current model call (``budget_exceeded``, processors/streaming.py), so it
+    passes the limit by at most that call.
     """
     for period, limit, spend in (
         (Period.DAY, state.daily_usd, state.day_spend_usd),

@@ -26,6 +26,7 @@ def _demo(settings: Settings, memory: MemoryService | None) -> Handler:
 
 def _openai(settings: Settings, memory: MemoryService | None) -> Handler:
     from koda_runtime.processors.handlers.openai import OpenAIHandler
+    from koda_runtime.processors.handlers.provider import CallPolicy
 
     return OpenAIHandler(
         base_url=settings.openai_base_url,
@@ -34,6 +35,15 @@ def _openai(settings: Settings, memory: MemoryService | None) -> Handler:
         memory=memory,
         max_tool_turns=settings.max_tool_turns,
         max_connections=settings.model_concurrency or settings.max_inflight,
+        fallback_model=settings.fallback_model,
+        call_policy=CallPolicy(
+            window_s=settings.model_retry_window_s,
+            base_s=settings.model_retry_base_s,
+            cap_s=settings.model_retry_cap_s,
+            retry_after_cap_s=settings.model_retry_after_cap_s,
+            breaker_failures=settings.model_breaker_failures,
+            breaker_open_s=settings.model_breaker_open_s,
+        ),
     )
 
 

@@ -7,7 +7,11 @@ Switches, read from ``input["demo"]`` (all optional):
     fail_attempts   attempts 1..N raise after emitting half their chunks, reporting
                     an estimated usage record for them first (default 0)
     hang            never finish (until cancelled)
-    token_bytes     approximate size of each chunk (default 6)
+    token_bytes     approximate size of each chunk (default 6); 2000000 with
+                    ``tokens: 1`` is one 2 MB chunk, which the worker writes as several
+    dirty           each chunk carries a NUL and a lone surrogate (``\x00``, ``\ud800``)
+                    after its first character, as a broken model's output may: the
+                    worker stores them as U+FFFD (default false)
     usage_each      one model call per chunk: a usage record (1 prompt token, 1
                     completion token) after each chunk, as an agent making a call
                     per step reports them (default false)
@@ -21,6 +25,9 @@ Switches, read from ``input["demo"]`` (all optional):
                     seconds) every chunk fails (``outage: "fail"``, the default) or
                     waits ``outage_delay_ms`` more (``outage: "slow"``, default 1000);
                     after it the handler is healthy again, with no action by anyone
+    echo_turns      first chunk says what the run sees of its session: the number of
+                    earlier turns and each turn's user text (``turns=2 | a | b``
+                    then a newline); the other chunks are as without it
 
 After its chunks the demo handler remembers the first-person statements of the input
 (processors/memory/distil.py has the rule) when memory is on.
@@ -60,7 +67,8 @@ def prompt_text(inp: dict[str, Any]) -> str:
 
 
 def demo_tokens(inp: dict[str, Any]) -> list[str]:
-    """The exact chunks the demo model produces for ``inp`` (any attempt)."""
+    """The exact chunks the demo model produces for ``inp`` (any attempt), ``dirty``
+    ones as they are yielded (before the worker cleans them)."""
     opts = _opts(inp.get("demo"))
     n = int(opts.get("tokens", 12))
     size = int(opts.get("token_bytes", 6))
@@ -70,8 +78,14 @@ def demo_tokens(inp: dict[str, Any]) -> list[str]:
     for _ in range(n):
         word = WORDS[rng.randrange(len(WORDS))]
         token = (word + " ") if size <= len(word) + 1 else (word + " ") * (size // (len(word) + 1))
-        out.append(token)
+        out.append(token[:1] + "\x00\ud800" + token[1:] if opts.get("dirty") else token)
     return out
+
+
+def echo_turns(ctx: RunContext) -> str:
+    """The ``echo_turns`` chunk: the earlier turns the run was given."""
+    said = "".join(f" | {t.user_text}{' (cut)' if t.cut else ''}" for t in ctx.turns)
+    return f"turns={len(ctx.turns)}{said}\n"
 
 
 class DemoHandler:
@@ -92,6 +106,8 @@ class DemoHandler:
         outage_until = float(opts.get("outage_until", 0))
         slow_outage = opts.get("outage") == "slow"
         outage_delay = float(opts.get("outage_delay_ms", 1000)) / 1000.0
+        if opts.get("echo_turns"):
+            yield echo_turns(ctx)
         for i, token in enumerate(tokens):
             if ctx.cancel.cancelled:
                 return

@@ -5,7 +5,9 @@ Usage comes from the final chunk (``stream_options.include_usage``): one usage r
 per model call, plus one per embedding call (kind ``embedding``). A stream cut before
 its usage (a broken connection, a stream ending without ``[DONE]``) is still billed:
 the handler yields an estimated usage record (completion tokens = content pieces
-streamed, prompt tokens ~ 4 characters each) and then fails the attempt.
+streamed, prompt tokens ~ 4 characters each) and then fails the attempt. A provider's
+faults (429, 5xx, a 4xx, a cut) and the fallback model are handled per call by the
+rules of processors/handlers/provider.py.
 
 With memory on (``KODA_MEMORY``, the default) the model is offered the built-in
 ``memory_search`` tool, may get the user's most relevant memories in a system message
@@ -15,15 +17,29 @@ the user said into memories.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
 from koda_runtime.errors import ConfigError, HandlerError
-from koda_runtime.lifecycle.handler import Item, RunContext, RunFailed, ToolActivity, Usage
+from koda_runtime.lifecycle.handler import Item, RunContext, RunFailed, Status, ToolActivity, Usage
+from koda_runtime.metrics import MODEL_CALL_SECONDS, MODEL_CALLS, MODEL_TIME_TO_FIRST_TOKEN_SECONDS
+from koda_runtime.processors.handlers.conversation import with_turns
+from koda_runtime.processors.handlers.provider import (
+    Breaker,
+    CallOutcome,
+    CallPolicy,
+    Route,
+    classify,
+    error_excerpt,
+    retry_after_s,
+)
 from koda_runtime.processors.handlers.tools import ToolCall, ToolCallAssembler, activity
 from koda_runtime.processors.memory import tool as tool_module
 from koda_runtime.processors.memory.service import MemoryService
@@ -32,6 +48,9 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
+# The most UTF-8 bytes of arguments one tool call may have: a call over it ends the run
+# `failed` naming this cap (its `tool` event must stay one storable chunk).
+MAX_TOOL_ARGUMENT_BYTES = 16 * 1024
 
 
 def request_messages(inp: dict[str, Any]) -> list[dict[str, str]]:
@@ -68,9 +87,21 @@ class OpenAIHandler:
         memory: MemoryService | None = None,
         max_tool_turns: int = 8,
         max_connections: int = 256,
+        fallback_model: str | None = None,
+        call_policy: CallPolicy | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"KODA_OPENAI_BASE_URL={base_url!r} must be an http(s) URL")
+        if fallback_model is not None and fallback_model == model:
+            raise ConfigError(
+                f"KODA_FALLBACK_MODEL={fallback_model!r} is KODA_OPENAI_MODEL itself: name "
+                "another model, or leave it unset for no fallback"
+            )
+        self._policy = call_policy or CallPolicy()
+        self._breaker = Breaker(model, fallback_model, self._policy)
+        # The model each attempt's last call went to, by (run_id, attempt), so a switch is
+        # announced once (a `status` chunk); bounded, oldest forgotten first.
+        self._announced: OrderedDict[tuple[str, int], str] = OrderedDict()
         self._model = model
         self._memory = memory
         self._max_turns = max_tool_turns
@@ -91,7 +122,7 @@ class OpenAIHandler:
         """The model loop: stream a completion; when it asks for tools, run them, feed
         the results back and stream the next completion, up to ``max_tool_turns``
         completions. Then distil what the user said into memories."""
-        messages: list[dict[str, Any]] = list(request_messages(ctx.input))
+        messages: list[dict[str, Any]] = with_turns(ctx.turns, request_messages(ctx.input))
         tools = [tool_module.DEFINITION] if self._memory is not None else []
         if self._memory is not None:
             recalled, usage = await self._memory.for_prompt(ctx, _last_user_text(messages))
@@ -119,6 +150,7 @@ class OpenAIHandler:
             calls = assembler.calls()
             if not calls:
                 break
+            _check_arguments(calls)
             messages.append(
                 {
                     "role": "assistant",
@@ -169,62 +201,169 @@ class OpenAIHandler:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]],
         assembler: ToolCallAssembler,
-    ) -> AsyncIterator[str | Usage]:
+    ) -> AsyncIterator[str | Usage | Status]:
         body: dict[str, Any] = {
             "model": self._model,
             "messages": messages,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if ctx.max_output_tokens is not None:  # KODA_MAX_OUTPUT_TOKENS
+            body["max_completion_tokens"] = ctx.max_output_tokens
         if tools:
             body["tools"] = tools
-        streamed = 0
-        reported = False
+        async for item in self._call(ctx, body, assembler):
+            yield item
+
+    # -- one model call: tries, faults, the fallback (processors/handlers/provider.py) --
+
+    async def _call(
+        self, ctx: RunContext, body: dict[str, Any], assembler: ToolCallAssembler
+    ) -> AsyncIterator[str | Usage | Status]:
+        """Stream one completion of ``body``, trying again after a 429, a 5xx or a
+        connection error within ``KODA_MODEL_RETRY_WINDOW``, on the model the breaker
+        routes each try to (a switch is announced in a ``status`` chunk). RunFailed for
+        a refusal (4xx); HandlerError for a stream cut mid-answer or a window spent."""
+        deadline = time.monotonic() + self._policy.window_s
+        tries = backoffs = 0
+        while True:
+            route = self._breaker.route()
+            switched = self._announce(ctx, route)
+            if switched is not None:
+                yield switched
+            tries += 1
+            t = _Try()
+            started = time.monotonic()
+            try:
+                async for item in self._try(ctx, {**body, "model": route.model}, assembler, t):
+                    yield item
+            except BaseException:
+                t.outcome = CallOutcome.CANCELLED if ctx.cancel.cancelled else CallOutcome.CUT
+                self._tried(route, t.outcome, started)
+                raise
+            self._tried(route, t.outcome, started)
+            if t.outcome in (CallOutcome.OK, CallOutcome.CANCELLED):
+                return
+            if t.outcome is CallOutcome.REFUSED:
+                raise RunFailed(
+                    f"model provider refused the call (model {route.model}): HTTP {t.detail}"
+                    " (not retried: the request or the API key must change)"
+                )
+            if t.outcome is CallOutcome.CUT:
+                raise HandlerError(
+                    f"model stream stopped mid-answer (model {route.model}): {t.detail}"
+                )
+            now = time.monotonic()
+            if now >= deadline:
+                raise HandlerError(
+                    f"model endpoint still failing after {tries} tries in "
+                    f"{self._policy.window_s:g} s (KODA_MODEL_RETRY_WINDOW): model "
+                    f"{route.model} {t.outcome.value}: {t.detail}"
+                )
+            if route.primary and self._breaker.open and self._breaker.fallback is not None:
+                wait, backoffs = 0.0, 0  # the breaker is open: on to the fallback at once
+            else:
+                backoffs += 1
+                wait = self._policy.wait_s(t.outcome, backoffs, t.retry_after)
+            wait = min(wait, deadline - now)
+            log.warning(
+                "model call failed run_id=%s model=%s outcome=%s try=%d retry_in=%.2fs: %s",
+                ctx.run_id,
+                route.model,
+                t.outcome.value,
+                tries,
+                wait,
+                t.detail[:200],
+            )
+            if await _cancelled_within(ctx, wait):
+                return
+
+    async def _try(
+        self, ctx: RunContext, body: dict[str, Any], assembler: ToolCallAssembler, t: _Try
+    ) -> AsyncIterator[str | Usage]:
+        """One HTTP request of a call; what it came to goes to ``t``. A stream cut after
+        it said something yields its estimated usage (unless the provider reported it)."""
+        model = str(body["model"])
+        watched = _Watched(assembler)
+        started = time.monotonic()
         try:
             async with self._client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 if resp.status_code != 200:
-                    detail = (await resp.aread())[:300].decode("utf-8", "replace")
-                    raise HandlerError(f"model endpoint answered {resp.status_code}: {detail}")
+                    t.outcome = classify(resp.status_code)
+                    t.detail = f"{resp.status_code}: {error_excerpt(await resp.aread())}"
+                    t.retry_after = retry_after_s(resp.headers)
+                    return
                 async for line in resp.aiter_lines():
                     if ctx.cancel.cancelled:
-                        if streamed and not reported:
-                            yield self._estimate(body, streamed)
+                        t.outcome = CallOutcome.CANCELLED
+                        if t.streamed and not t.reported:
+                            yield self._estimate(body, t.streamed)
                         return
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
                         return
-                    for item in parse_event(data, self._model, assembler):
+                    for item in parse_event(data, model, watched):
                         if isinstance(item, Usage):
-                            reported = True
+                            t.reported = True
                         else:
-                            streamed += 1
+                            if not t.streamed:
+                                MODEL_TIME_TO_FIRST_TOKEN_SECONDS.labels(model=model).observe(
+                                    time.monotonic() - started
+                                )
+                            t.streamed += 1
                         yield item
-                cut = "the stream ended before [DONE]"
+                    t.fed = watched.fed
+                t.detail = "the stream ended before [DONE]"
         except httpx.HTTPError as exc:
-            cut = f"model endpoint failed: {type(exc).__name__}: {exc}"
-        if streamed and not reported:
-            yield self._estimate(body, streamed)
-        raise HandlerError(cut)
+            t.detail = f"{type(exc).__name__}: {str(exc)[:200]}"
+        # Cut: before anything was said, the call can simply be made again.
+        t.outcome = CallOutcome.CUT if t.progressed else CallOutcome.CONNECTION_ERROR
+        if t.streamed and not t.reported:
+            yield self._estimate(body, t.streamed)
+
+    def _tried(self, route: Route, outcome: CallOutcome, started: float) -> None:
+        """A try's outcome on the metrics and in the breaker."""
+        MODEL_CALLS.labels(model=route.model, outcome=outcome.value).inc()
+        MODEL_CALL_SECONDS.labels(model=route.model).observe(time.monotonic() - started)
+        self._breaker.record(route, outcome)
+
+    def _announce(self, ctx: RunContext, route: Route) -> Status | None:
+        """A ``status`` chunk when this attempt's call goes to another model than its
+        last one did (the primary, at first): which model now answers, and why."""
+        key = (ctx.run_id, ctx.attempt)
+        last = self._announced.get(key, self._model)
+        if route.model == last:
+            return None
+        self._announced[key] = route.model
+        self._announced.move_to_end(key)
+        while len(self._announced) > ANNOUNCED_KEPT:
+            self._announced.popitem(last=False)
+        content: dict[str, Any] = {"model": route.model, "fallback": not route.primary}
+        if not route.primary:
+            content["reason"] = f"the primary model {self._model} is failing"
+        return Status(json.dumps(content))
 
     def _estimate(self, body: dict[str, Any], streamed: int) -> Usage:
         chars = sum(len(str(m.get("content") or "")) for m in body["messages"])
-        return Usage(self._model, (chars + 3) // 4, streamed, estimated=True)
+        return Usage(str(body["model"]), (chars + 3) // 4, streamed, estimated=True)
 
     async def _distil(self, ctx: RunContext) -> tuple[list[str], list[Usage]]:
         """One model call: the statements worth remembering from the user's messages."""
         said = [m["content"] for m in request_messages(ctx.input) if m["role"] == "user"]
         if not any(s.strip() for s in said):
             return [], []
-        body = {
-            "model": self._model,
+        body: dict[str, Any] = {
+            "model": self._breaker.current_model(),
             "messages": [
                 {"role": "system", "content": DISTIL_PROMPT},
                 {"role": "user", "content": "\n\n".join(said)},
             ],
             "response_format": {"type": "json_object"},
         }
+        if ctx.max_output_tokens is not None:  # KODA_MAX_OUTPUT_TOKENS
+            body["max_completion_tokens"] = ctx.max_output_tokens
         try:
             resp = await self._client.post("/v1/chat/completions", json=body)
         except httpx.HTTPError as exc:
@@ -242,13 +381,7 @@ class OpenAIHandler:
         raw_usage = obj.get("usage")
         usage_obj: dict[str, Any] = raw_usage if isinstance(raw_usage, dict) else {}
         # The call was made and answered: it is a usage row whatever its content.
-        usage = [
-            Usage(
-                str(obj.get("model") or self._model),
-                int(usage_obj.get("prompt_tokens", 0)),
-                int(usage_obj.get("completion_tokens", 0)),
-            )
-        ]
+        usage = [usage_of(usage_obj, str(obj.get("model") or body["model"]))]
         try:
             content = obj["choices"][0]["message"]["content"]
             statements = json.loads(content)["statements"]
@@ -265,6 +398,17 @@ class OpenAIHandler:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def _check_arguments(calls: list[ToolCall]) -> None:
+    """RunFailed naming the cap when a call's arguments are over MAX_TOOL_ARGUMENT_BYTES."""
+    for call in calls:
+        size = len(call.arguments.encode("utf-8", "replace"))
+        if size > MAX_TOOL_ARGUMENT_BYTES:
+            raise RunFailed(
+                f"tool_arguments: the model's call of {call.name[:80]!r} has {size} bytes of "
+                f"arguments, over the cap of {MAX_TOOL_ARGUMENT_BYTES} bytes per tool call"
+            )
 
 
 def _last_user_text(messages: list[dict[str, Any]]) -> str:
@@ -295,11 +439,69 @@ def parse_event(
             assembler.feed(delta["tool_calls"])
     usage = obj.get("usage")
     if usage:
-        out.append(
-            Usage(
-                str(obj.get("model") or default_model),
-                int(usage.get("prompt_tokens", 0)),
-                int(usage.get("completion_tokens", 0)),
-            )
-        )
+        out.append(usage_of(usage, str(obj.get("model") or default_model)))
     return out
+
+
+# -- a model provider's faults (the rules are processors/handlers/provider.py's) --------
+
+# How many attempts' last model (for the `status` chunk of a switch) a worker keeps.
+ANNOUNCED_KEPT = 4096
+
+
+def usage_of(usage: Any, model: str) -> Usage:
+    """A call's ``usage`` object as a record: prompt and completion tokens, and the
+    cached input (``prompt_tokens_details.cached_tokens``) and reasoning
+    (``completion_tokens_details.reasoning_tokens``) parts of them. A missing or
+    malformed count is 0; a part is never more than its total."""
+    if not isinstance(usage, dict):
+        usage = {}
+
+    def count(obj: Any, key: str) -> int:
+        value = obj.get(key) if isinstance(obj, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    pt, ct = count(usage, "prompt_tokens"), count(usage, "completion_tokens")
+    cached = count(usage.get("prompt_tokens_details"), "cached_tokens")
+    reasoning = count(usage.get("completion_tokens_details"), "reasoning_tokens")
+    return Usage(model, pt, ct, cached_tokens=min(cached, pt), reasoning_tokens=min(reasoning, ct))
+
+
+class _Try:
+    """What one try of a model call came to (filled in by ``OpenAIHandler._try``)."""
+
+    def __init__(self) -> None:
+        self.outcome = CallOutcome.OK
+        self.detail = ""
+        self.retry_after: float | None = None
+        self.streamed = 0  # content pieces yielded
+        self.reported = False  # the usage came
+        self.fed = False  # tool-call fragments came
+
+    @property
+    def progressed(self) -> bool:
+        """Whether the try said anything: then it cannot be made again unseen."""
+        return bool(self.streamed or self.reported or self.fed)
+
+
+class _Watched(ToolCallAssembler):
+    """Feeds ``inner`` and notes that a tool-call fragment came."""
+
+    def __init__(self, inner: ToolCallAssembler) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fed = False
+
+    def feed(self, fragments: Any) -> None:
+        self.fed = True
+        self.inner.feed(fragments)
+
+
+async def _cancelled_within(ctx: RunContext, seconds: float) -> bool:
+    """Wait ``seconds`` unless the attempt is cancelled first; whether it was."""
+    if seconds > 0:
+        try:
+            await asyncio.wait_for(ctx.cancel.wait(), timeout=seconds)
+        except TimeoutError:
+            pass
+    return ctx.cancel.cancelled

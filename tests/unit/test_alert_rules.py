@@ -47,7 +47,8 @@ def test_every_rule_is_tested_firing_and_quiet() -> None:
     assert names == {"KodaWorkerStale", "KodaWorkersMissing", "KodaConsumerLagGrowing",
                      "KodaDeadLetters", "KodaRunFailureRatio", "KodaQueueAgeHigh",
                      "KodaPartitionQueueStuck",
-                     "KodaBudgetExhausted", "KodaRecordsSkipped"}  # fmt: skip
+                     "KodaBudgetExhausted", "KodaRecordsSkipped",
+                     "KodaModelErrorRate", "KodaModelCostHigh"}  # fmt: skip
     fired = {c["alertname"] for c in cases if c["exp_alerts"]}
     quiet = {c["alertname"] for c in cases if not c["exp_alerts"]}
     assert names - fired == set(), "rules never tested firing"

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from koda_runtime.lifecycle.attempts import MAX_CLAIMS_PER_ATTEMPT
-from koda_runtime.lifecycle.handler import CancelToken, RunFailed, Usage
+from koda_runtime.lifecycle.handler import CancelToken, RunFailed, Status, Usage
 from koda_runtime.lifecycle.ledger import Outcome
 from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.naming import AppEnv
@@ -136,6 +136,9 @@ async def test_a_final_failure_is_not_retried() -> None:
     await w.run("r1")
     assert (w.store.runs["r1"].status, w.store.runs["r1"].attempt) == (RunStatus.FAILED, 1)
     assert [ctx.attempt for ctx in w.handler.contexts] == [1]
+    # Not poison: replaying the record would fail the same way, so no dead letter.
+    assert w.out.letters() == []
+    assert w.store.kinds("r1")[-1] == "error"
 
 
 async def test_a_run_claimed_too_often_is_given_up_without_running() -> None:
@@ -347,3 +350,37 @@ async def test_a_database_failure_reaches_the_chain_and_the_record_can_run_again
     await w.run("r1")
     assert w.store.runs["r1"].status is RunStatus.DONE
     assert w.store.kinds("r1") == ["chunk", "chunk", "done"]
+
+
+async def test_a_status_item_is_a_status_chunk_in_order_and_not_output() -> None:
+    """A fallback model's announcement: a `status` event between the answer's chunks."""
+    note = json.dumps({"model": "m-b", "fallback": True})
+    w = World(ScriptedHandler([Status(note), "a", "b", Usage("m-b", 2, 2)]))
+    w.store.add("r1")
+    await w.run("r1")
+    assert w.store.kinds("r1") == ["status", "chunk", "chunk", "done"]
+    assert w.store.messages_of["r1"][0].content == note
+    assert w.store.runs["r1"].status is RunStatus.DONE
+
+
+async def test_a_billed_call_counts_its_tokens_and_cost_by_model() -> None:
+    from koda_runtime.metrics import REGISTRY
+
+    def value(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = (
+        value("koda_model_tokens_total", model="m-metrics", direction="in"),
+        value("koda_model_tokens_total", model="m-metrics", direction="out"),
+        value("koda_model_cost_usd_total", model="m-metrics"),
+    )
+    w = World(ScriptedHandler(["a", Usage("m-metrics", 30, 4)]))
+    w.store.add("r1")
+    await w.run("r1")
+    after = (
+        value("koda_model_tokens_total", model="m-metrics", direction="in"),
+        value("koda_model_tokens_total", model="m-metrics", direction="out"),
+        value("koda_model_cost_usd_total", model="m-metrics"),
+    )
+    # The fake ledger prices every call at 0.001 USD.
+    assert [a - b for a, b in zip(after, before, strict=True)] == pytest.approx([30, 4, 0.001])

@@ -112,7 +112,9 @@ def test_a_failure_is_retried_with_backoff_until_the_budget_is_spent() -> None:
 
 
 def test_a_final_failure_gives_up_at_once() -> None:
-    assert after_failure(1, 1, "tool turns", final=True, policy=POLICY) == GiveUp(1, "tool turns")
+    assert after_failure(1, 1, "tool turns", final=True, policy=POLICY) == GiveUp(
+        1, "tool turns", dead_letter=False
+    )
 
 
 def test_backoff_doubles_and_is_capped() -> None:
