@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,13 +26,18 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from koda_runtime import metrics
 from koda_runtime.errors import DatabaseError
-from koda_runtime.gateway.control_store import ControlStore
+from koda_runtime.gateway.control_store import ControlStore, MergeCaps
 from koda_runtime.gateway.exceptions import PublishError
 from koda_runtime.gateway.intake import RunRequest
 from koda_runtime.gateway.publisher import Delivery, RunPublisher
 from koda_runtime.gateway.store import AdmittedRun, NewRun, RunStore
 from koda_runtime.lifecycle.control import MERGE, ControlRecord
-from koda_runtime.lifecycle.ids import derived_idempotency_key, scoped_idempotency_key, uuid7
+from koda_runtime.lifecycle.ids import (
+    dedup_bucket,
+    derived_idempotency_key,
+    scoped_idempotency_key,
+    uuid7,
+)
 from koda_runtime.lifecycle.ledger import Period
 from koda_runtime.naming import Names
 from koda_runtime.schemas.records import RunRequested
@@ -47,15 +53,32 @@ MARK_BATCH = 500
 ADMIT_BATCH = 256
 # Times a request is tried again when its key conflicted with a run that then vanished.
 ADMIT_ATTEMPTS = 3
+# KODA_DEDUP_WINDOW_S's default: a body repeated without a key is one run within it.
+DEDUP_WINDOW_S = 10.0
 
 
-def idempotency_key_for(user_id: str, request: RunRequest, client_key: str | None) -> str:
-    """The stored key: the client's own scoped to the user, else one derived from intent."""
+def idempotency_key_for(
+    user_id: str,
+    request: RunRequest,
+    client_key: str | None,
+    now_s: float | None = None,
+    window_s: float = DEDUP_WINDOW_S,
+) -> tuple[str, str | None]:
+    """The stored key: the client's own scoped to the user, else one derived from intent
+    (koda/lifecycle/ids.py); and, for a key derived from the body alone (no
+    client_message_id), the key of the previous dedup window, else None.
+
+    A repeat in the next window is the same run only if the previous window's run is
+    younger than ``window_s`` (:meth:`Admissions.admit` asks): so a double click that
+    straddles two windows is still one run, and a repeat ``window_s`` later never is.
+    """
     if client_key is not None:
-        return scoped_idempotency_key(user_id, client_key)
-    return derived_idempotency_key(
-        user_id, request.session_id, request.client_message_id, request.canonical()
-    )
+        return scoped_idempotency_key(user_id, client_key), None
+    args = (user_id, request.session_id, request.client_message_id, request.canonical())
+    if request.client_message_id is not None:
+        return derived_idempotency_key(*args), None
+    bucket = dedup_bucket(time.time() if now_s is None else now_s, window_s)
+    return derived_idempotency_key(*args, bucket), derived_idempotency_key(*args, bucket - 1)
 
 
 class PublishedMarks:
@@ -246,12 +269,14 @@ class Admissions:
         publish_wait_s: float = PUBLISH_WAIT_S,
         control: ControlStore | None = None,
         merge_window_s: float = 30.0,
+        dedup_window_s: float = DEDUP_WINDOW_S,
         names: Names | None = None,
         budgets: bool = True,
         max_active: int = 0,
     ) -> None:
         self.control = control
         self.merge_window_s = merge_window_s
+        self.dedup_window_s = dedup_window_s
         self.max_claims = max_claims
         self.control_topic = None if names is None else names.topic(RUN_CONTROL)
         self.store = store
@@ -267,7 +292,12 @@ class Admissions:
         )
 
     async def submit(
-        self, user_id: str, request: RunRequest, client_key: str | None
+        self,
+        user_id: str,
+        request: RunRequest,
+        client_key: str | None,
+        *,
+        merge_caps: MergeCaps | None = None,
     ) -> AdmittedRun:
         """Persist the run for this key (or find the existing one) and publish a new one.
 
@@ -280,12 +310,19 @@ class Admissions:
         Into a session whose latest run is running or streaming and younger than
         ``merge_window_s``, the message is merged into that run instead (the answer
         names that run, ``merged``); the worker executing it is signalled to start
-        over on the merged input. A merge is not a new run, so neither a budget nor the
-        cap on active runs refuses it: like a run already running, it may take the user
-        past the budget. A run that has had ``max_claims`` claims takes no more merges
-        (its rerun would be given up).
+        over on the merged input. The rerun bills the whole input again, so a spent
+        budget refuses a merge as it refuses a new run (OverBudget), and ``merge_caps``
+        bound the merges into one run and the merged input's bytes (CapReached). A merge
+        is not a new run, so the cap on active runs does not refuse it. A run that has
+        had ``max_claims`` claims takes no more merges (its rerun would be given up).
         """
-        key = idempotency_key_for(user_id, request, client_key)
+        key, previous = idempotency_key_for(
+            user_id, request, client_key, window_s=self.dedup_window_s
+        )
+        if previous is not None and (
+            await self.store.recent_by_key(previous, self.dedup_window_s) is not None
+        ):
+            key = previous  # the same body within the window: that run answers
         if request.session_id is not None and self.control is not None:
             merged = await self.control.merge(
                 user_id,
@@ -294,6 +331,8 @@ class Admissions:
                 request.input,
                 self.merge_window_s,
                 self.max_claims,
+                budgets=self.budgets,
+                caps=merge_caps,
             )
             if merged is not None:
                 if not merged.replayed:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import uuid
 from typing import Any, NoReturn
 
 import httpx
@@ -40,6 +41,11 @@ def _explain(response: httpx.Response) -> str:
         return f"HTTP {response.status_code}: {response.text[:200]}"
 
 
+def new_message_id() -> str:
+    """A client_message_id for one new message (a random UUID)."""
+    return str(uuid.uuid4())
+
+
 def call(client: httpx.Client, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
     try:
         response = client.request(method, url, **kwargs)
@@ -57,6 +63,12 @@ def submit(
     user: str = typer.Option(..., "--user", help="Submit as this user (dev token dev:<user>)."),
     session: str | None = typer.Option(None, "--session", help="Session id; default: new."),
     key: str | None = typer.Option(None, "--key", help="Idempotency-Key header."),
+    message_id: str | None = typer.Option(
+        None,
+        "--message-id",
+        help="client_message_id of the message; default: a new one, so the same text "
+        "submitted twice is two runs.",
+    ),
     gateway: str = typer.Option(DEFAULT_GATEWAY, "--gateway", help="Gateway base URL."),
     wait: bool = typer.Option(False, "--wait", help="Poll until the run ends; print output."),
     timeout: float = typer.Option(300.0, "--timeout", help="With --wait: give up after (s)."),
@@ -65,7 +77,7 @@ def submit(
     headers = {"Authorization": f"Bearer dev:{user}"}
     if key is not None:
         headers["Idempotency-Key"] = key
-    body: dict[str, Any] = {"input": text}
+    body: dict[str, Any] = {"input": text, "client_message_id": message_id or new_message_id()}
     if session is not None:
         body["session_id"] = session
     with httpx.Client(base_url=gateway, headers=headers, timeout=10.0) as client:

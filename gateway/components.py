@@ -140,6 +140,7 @@ def build_components(
             partitions=settings.partitions,
             control=control,
             merge_window_s=settings.merge_window_s,
+            dedup_window_s=settings.dedup_window_s,
             max_claims=claim_bound(settings.max_attempts),
             names=settings.names,
             budgets=settings.cost_ledger,

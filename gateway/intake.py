@@ -25,6 +25,8 @@ MAX_DEPTH = 32
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 MAX_CLIENT_MESSAGE_ID_CHARS = 200
 SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+# A client's id of one message (a UUID, a ULID, a counter): printable ASCII, no space.
+CLIENT_MESSAGE_ID = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_CLIENT_MESSAGE_ID_CHARS)
 FIELDS = ("session_id", "input", "metadata", "client_message_id")
 # Postgres jsonb cannot hold NUL, and lone surrogates cannot be encoded as UTF-8.
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
@@ -254,11 +256,10 @@ def parse_run_request(obj: Any) -> RunRequest:
         )
 
     client_message_id = _optional_str(obj, "client_message_id")
-    if client_message_id is not None and not (
-        0 < len(client_message_id) <= MAX_CLIENT_MESSAGE_ID_CHARS
-    ):
+    if client_message_id is not None and not CLIENT_MESSAGE_ID.fullmatch(client_message_id):
         raise InvalidField(
-            f"client_message_id must be 1-{MAX_CLIENT_MESSAGE_ID_CHARS} chars",
+            f"client_message_id must be 1-{MAX_CLIENT_MESSAGE_ID_CHARS} printable ASCII "
+            f"characters without spaces (got {len(client_message_id)} chars)",
             field="client_message_id",
         )
     return RunRequest(

@@ -31,8 +31,12 @@ class RunSubmission(BaseModel):
     metadata: dict[str, Any] | None = Field(None, description="Opaque to koda; stored as given.")
     client_message_id: str | None = Field(
         None,
-        max_length=200,
-        description="Without an Idempotency-Key header, part of the derived key.",
+        pattern=r"^[\x21-\x7e]{1,200}$",
+        description="The client's id of this message (1-200 printable ASCII chars, no "
+        "spaces; a new one per message, the same one when resending it). Without an "
+        "Idempotency-Key header the key is derived from it, so a repeated message with a "
+        "new id is a new run. Without either, the same body is one run only within "
+        "KODA_DEDUP_WINDOW_S (10 s by default).",
     )
 
 

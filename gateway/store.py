@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -476,6 +476,31 @@ class RunStore:
                 return await ledger.spent_user_count(conn)
         except SQLAlchemyError as exc:
             raise DatabaseError(f"counting spent budgets failed: {type(exc).__name__}") from exc
+
+    async def recent_by_key(self, idempotency_key: str, within_s: float) -> AdmittedRun | None:
+        """The run stored under ``idempotency_key`` if Postgres created it less than
+        ``within_s`` seconds ago (a derived key's dedup window), else None."""
+        try:
+            async with self.engine.connect() as conn:
+                row = (
+                    await conn.execute(
+                        select(
+                            runs.c.id,
+                            runs.c.user_id,
+                            runs.c.session_id,
+                            runs.c.status,
+                            runs.c.created_at,
+                        ).where(
+                            runs.c.idempotency_key == idempotency_key,
+                            runs.c.created_at > func.now() - timedelta(seconds=within_s),
+                        )
+                    )
+                ).first()
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"reading a run by key failed: {type(exc).__name__}") from exc
+        if row is None:
+            return None
+        return AdmittedRun(row.id, row.user_id, row.session_id, row.status, row.created_at, False)
 
     async def _by_key(self, idempotency_key: str) -> AdmittedRun | None:
         async with self.engine.connect() as conn:

@@ -178,6 +178,10 @@ async function chatView(root) {
   const output = el("div", { id: "chat-output", class: "output" });
   const error = el("p", { id: "chat-error", class: "error" });
   const history = el("div", { id: "chat-history" });
+  // The session as a conversation: its earlier turns, oldest first, then the run
+  // followed (its messages above its streaming answer), then the form.
+  const conversation = el("div", { id: "chat-conversation" });
+  const liveUser = el("div", { id: "chat-live-user", class: "turn-user" });
   let follow = null;
 
   const form = el("form", { class: "card" },
@@ -185,23 +189,47 @@ async function chatView(root) {
     text,
     el("details", {}, el("summary", { class: "muted" }, "Input as JSON (optional, replaces the text)"), json),
     el("div", { class: "row" }, send, stop, error));
-  root.append(form,
-    el("div", { class: "card" }, el("div", { class: "row" }, "Run ", runId, status, attempt), notes, output),
-    history);
+  root.append(conversation,
+    el("div", { class: "card turn live" }, liveUser, el("div", { class: "row" }, "Run ", runId, status, attempt), notes, output),
+    form, history);
+
+  async function showConversation() {
+    if (!pick.value) {
+      conversation.replaceChildren();
+      return;
+    }
+    const session = pick.value;
+    const data = await api(`/v1/sessions/${encodeURIComponent(session)}/turns`);
+    if (pick.value !== session) return;
+    const live = follow ? follow.id : null;
+    conversation.replaceChildren(...data.turns.filter((t) => t.run_id !== live).map(turnView));
+    const mine = data.turns.find((t) => t.run_id === live);
+    if (mine) liveUser.replaceChildren(...userMessages(mine.messages));
+  }
 
   async function showHistory() {
     history.replaceChildren();
+    await showConversation();
     if (!pick.value) return;
     const runs = await api(`/v1/sessions/${encodeURIComponent(pick.value)}/runs?limit=20`);
     history.append(el("h3", {}, "This session's runs"), table(["Run", "Status", "Attempt", "Created"],
       runs.runs.map((r) => [runLink(r.run_id), statusBadge(r.status), String(r.attempt), when(r.created_at)])));
   }
-  pick.addEventListener("change", () => showHistory().catch((err) => history.replaceChildren(failure(err))));
+  pick.addEventListener("change", () => {
+    if (follow) follow.close();
+    follow = null;
+    liveUser.replaceChildren();
+    output.textContent = "";
+    runId.replaceChildren();
+    status.replaceChildren();
+    showHistory().catch((err) => history.replaceChildren(failure(err)));
+  });
 
   function watch(id) {
     if (follow && follow.id === id) return;
     if (follow) follow.close();
     output.textContent = "";
+    delete output.dataset.finished;
     notes.replaceChildren();
     attempt.textContent = "";
     runId.replaceChildren(runLink(id));
@@ -246,8 +274,10 @@ async function chatView(root) {
         return;
       }
     }
-    const body = { input };
+    // A new id for every message: the same text sent again is a new message.
+    const body = { input, client_message_id: messageId() };
     if (pick.value) body.session_id = pick.value;
+    const said = typeof input === "string" ? input : String((input && (input.text ?? input.prompt)) ?? JSON.stringify(input));
     try {
       const accepted = await api("/v1/runs", { method: "POST", body });
       const run = await api(`/v1/runs/${encodeURIComponent(accepted.run_id)}`);
@@ -259,6 +289,8 @@ async function chatView(root) {
         notes.append(el("li", { class: "merged" }, `merged into run ${accepted.run_id}: it starts over on both messages`));
       }
       text.value = "";
+      if (accepted.merged && follow && follow.id === accepted.run_id) liveUser.append(...userMessages([said], true));
+      else if (!follow || follow.id !== accepted.run_id) liveUser.replaceChildren(...userMessages([said]));
       watch(accepted.run_id);
       showHistory().catch(() => {});
     } catch (err) {
@@ -278,9 +310,32 @@ async function chatView(root) {
   await showHistory();
 }
 
-// One run's events, in seq order, each once: EventSource resumes by itself with
-// Last-Event-ID; if the browser gives up (the gateway refused a reconnect while it
-// was down), a new EventSource resumes after the last seq seen.
+// A client_message_id: 128 random bits as hex (crypto.randomUUID needs a secure context).
+function messageId() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return [...bytes].map((b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+// A run's user messages: the first, then each merged into it.
+function userMessages(messages, merged = false) {
+  return messages.map((m, i) => el("p", { class: i || merged ? "message merged" : "message" }, m));
+}
+
+// One earlier turn of a session: the user's messages, then the answer (a cut one marked).
+function turnView(t) {
+  return el("div", { class: "card turn", "data-run": t.run_id, "data-status": t.status },
+    el("div", { class: "turn-user" }, userMessages(t.messages)),
+    el("div", { class: "turn-answer output" }, t.answer,
+      t.cut ? el("span", { class: "cut" }, "[cut: stopped here]") : null),
+    t.error ? el("p", { class: "error" }, t.error) : null,
+    el("div", { class: "row muted" }, runLink(t.run_id), statusBadge(t.status)));
+}
+
+// One run's events, in seq order, each once. EventSource cannot send a header, so
+// each connection opens with a stream ticket (60 s, this run only) rather than the
+// token: EventSource resumes by itself with Last-Event-ID while its ticket is valid;
+// once the browser gives up (the gateway refused a reconnect: down, or the ticket
+// expired), a new ticket and a new EventSource resume after the last seq seen.
 function followRun(id, on) {
   let last = -1;
   let shownAttempt = 0;
@@ -288,9 +343,19 @@ function followRun(id, on) {
   let closed = false;
   let timer = null;
   const state = { id, close };
-  function open() {
+  async function open() {
+    let ticket;
+    try {
+      ticket = await api(`/v1/runs/${encodeURIComponent(id)}/stream-ticket`, { method: "POST" });
+    } catch (err) {
+      if (closed) return;
+      on.dropped();
+      timer = setTimeout(open, 1000);
+      return;
+    }
+    if (closed) return;
     const after = last >= 0 ? `&after=${last}` : "";
-    es = new EventSource(`/v1/runs/${encodeURIComponent(id)}/events?access_token=${encodeURIComponent(auth.token)}${after}`);
+    es = new EventSource(`${ticket.events_url}${after}`);
     for (const kind of KINDS) {
       es.addEventListener(kind, (e) => {
         // A dropped connection fires the same "error" name without data: not a run event.

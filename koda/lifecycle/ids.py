@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 import uuid
@@ -22,16 +23,32 @@ def uuid7() -> str:
     return str(uuid.UUID(int=value))
 
 
+def dedup_bucket(now_s: float, window_s: float) -> int:
+    """The number of the ``window_s``-second dedup window holding unix time ``now_s``."""
+    if not window_s > 0:
+        raise ValueError(f"the dedup window must be positive, got {window_s}")
+    return math.floor(now_s / window_s)
+
+
 def derived_idempotency_key(
-    user_id: str, session_id: str | None, client_message_id: str | None, body: Any
+    user_id: str,
+    session_id: str | None,
+    client_message_id: str | None,
+    body: Any,
+    bucket: int | None = None,
 ) -> str:
-    """Key for a request that sent no ``Idempotency-Key``: same intent, same key."""
-    canonical = json.dumps(
-        {"u": user_id, "s": session_id, "m": client_message_id, "b": body},
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-    )
+    """Key for a request that sent no ``Idempotency-Key``: same intent, same key.
+
+    With a ``client_message_id`` the message is its id (with the user, session and
+    body): the same key for ever, so a client's retry of a message is one run and a
+    repeated message with a new id is a new one. Without one, ``bucket`` (see
+    :func:`dedup_bucket`) is part of the key: the same body is the same run only
+    within a short window (``KODA_DEDUP_WINDOW_S``, a double click).
+    """
+    fields: dict[str, Any] = {"u": user_id, "s": session_id, "m": client_message_id, "b": body}
+    if client_message_id is None and bucket is not None:
+        fields["w"] = bucket
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return "derived:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 

@@ -91,8 +91,10 @@ def browser() -> Iterator[Browser]:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
         data_dir = tempfile.mkdtemp(prefix="koda-chromium-")
+        # wait_for_function evaluates its string in the page, which the console's CSP
+        # forbids (no eval); tests/e2e/test_console_csp.py runs the console under it.
         context = pw.chromium.launch_persistent_context(
-            data_dir, executable_path=str(CHROMIUM), headless=True, args=ARGS
+            data_dir, executable_path=str(CHROMIUM), headless=True, args=ARGS, bypass_csp=True
         )
         try:
             yield context  # type: ignore[misc]
@@ -213,6 +215,45 @@ def test_a_second_message_merges_as_a_reset_then_the_merged_answer(browser, stac
     want = "".join(demo_tokens(merge_inputs(first, {"text": "and in French"})))
     assert c.page.text_content("#chat-output") == want
     assert stack.api("grace", "GET", f"/v1/runs/{run_id}").json()["output"] == want
+    # The merged message is shown inside its run's turn, after the first one.
+    c.page.wait_for_function(
+        "[...document.querySelectorAll('#chat-live-user .message')].map(m => m.textContent)"
+        ".join('|') === 'first question|and in French'"
+    )
+    assert c.page.text_content("#chat-live-user .message.merged") == "and in French"
+    c.close()
+
+
+def test_the_chat_shows_the_session_as_a_conversation(browser, stack) -> None:
+    """Each earlier message and its answer, oldest first, the followed run at the bottom;
+    the demo model's echo_turns shows the worker gave the new run the earlier turn."""
+    c = Console(browser, stack, "heidi")
+    first = {"text": "my name is Ada", "demo": {"tokens": 3, "delay_ms": 0}}
+    c.send(first)
+    first_id = c.run_id()
+    c.page.wait_for_selector("#chat-output[data-finished='true']", timeout=60_000)
+    second = {"text": "what is my name?", "demo": {"tokens": 3, "delay_ms": 0, "echo_turns": True}}
+    c.page.fill("#chat-input-json", json.dumps(second))  # the JSON box is still open
+    c.page.click("#chat-send")  # the same session, still picked
+    c.page.wait_for_function(
+        "old => document.querySelector('#chat-run a').textContent !== old", arg=first_id
+    )
+    c.page.wait_for_selector("#chat-output[data-finished='true']", timeout=60_000)
+    answer = "".join(demo_tokens(second))
+    assert c.page.text_content("#chat-output") == f"turns=1 | my name is Ada\n{answer}"
+    c.page.wait_for_function("document.querySelectorAll('#chat-conversation .turn').length === 1")
+    turn = c.page.locator("#chat-conversation .turn")
+    assert turn.get_attribute("data-run") == first_id
+    assert turn.locator(".turn-user .message").all_text_contents() == ["my name is Ada"]
+    assert turn.locator(".turn-answer").text_content() == "".join(demo_tokens(first))
+    assert c.page.locator("#chat-live-user .message").all_text_contents() == ["what is my name?"]
+    # The turn sits above the followed run, which sits above the form.
+    order = c.page.evaluate(
+        "[...document.querySelectorAll('#chat-conversation, #chat-output, #chat-send')]"
+        ".map(n => n.id || n.parentElement.id)"
+    )
+    assert order == ["chat-conversation", "chat-output", "chat-send"]
+    c.shot("chat-conversation")
     c.close()
 
 
