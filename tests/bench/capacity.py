@@ -6,13 +6,14 @@ stream to its end, and submits the next), the openai handler against the model s
 of W4 (tests/bench/model_timing.py: first token after 300-800 ms, 30-60 tokens/s,
 200-800 tokens).
 
-1. **calibrate** (1 broker, 2 workers, ``--calibrate-streams``): what one run costs,
-   measured over ``--hold`` seconds: worker, gateway, Kafka and Postgres CPU seconds,
-   Postgres transactions and rows written, Kafka records produced, chunk events delivered to viewers (the unit each figure is divided by).
+1. **calibrate** (1 broker, 2 workers, ``--calibrate-streams``): what one chunk event
+   delivered to a viewer costs, over ``--hold`` seconds: worker, gateway, Kafka and
+   Postgres CPU, Postgres transactions and rows written, Kafka records produced. (A run
+   straddles the hold's edges; its chunk events do not, so they are the unit.)
 2. **check** (3 brokers, 4 workers, ``--check-streams``): the model predicts the
-   same figures from the calibration's cost per run times the runs the check
-   completes, and the check measures them; the table prints predicted, measured and
-   measured / predicted side by side.
+   same figures from the calibration's cost per chunk event times the chunk events the
+   check delivers, and the check measures them; the table prints predicted, measured
+   and measured / predicted side by side.
 
     python -m tests.bench.capacity                       # both, the reported sizes
     python -m tests.bench.capacity --hold 30 --calibrate-streams 40 --check-streams 80

@@ -408,9 +408,9 @@ def one_rep(stack: StackInfo, args: argparse.Namespace, rep: int) -> dict[str, F
     try:
         wait_http(model, f"{model_url}/stats")
         b = Bench(args, rep, model_url, model.pid)
-        order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
         only = getattr(args, "only", None)
-        order = tuple(x for x in order if not only or x == only)
+        both = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
+        order = [x for x in both if not only or x == only]
         out: dict[str, Found] = {}
         for system in order:
             out[system] = measure_koda(stack, b) if system == "koda" else measure_direct(b)
