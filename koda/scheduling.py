@@ -42,6 +42,9 @@ MINUTE = timedelta(minutes=1)
 # No zone moves its clock by more than 2 h at once; scanning from 3 h back sees every
 # transition whose skipped or repeated local times could still be ahead of an instant.
 _LOOKBACK = timedelta(hours=3)
+# A cron longer than this is refused before it is parsed (the "never fires" probe walks
+# the horizon below inside the request; a long list of values makes each step dearer).
+MAX_CRON_CHARS = 100
 # A cron that matches no time within this horizon never fires (e.g. "0 0 31 2 *").
 HORIZON_YEARS = 8
 # Names the zone database holds that are not a place: ``localtime`` and ``posixrules``
@@ -140,6 +143,12 @@ class CronSpec:
 
     @classmethod
     def _parse(cls, expression: object, timezone: object) -> CronSpec:
+        if isinstance(expression, str) and len(expression) > MAX_CRON_CHARS:
+            raise ScheduleInvalid(
+                "cron",
+                f"cron is {len(expression)} characters, over {MAX_CRON_CHARS}; "
+                f'e.g. "{EXAMPLE_CRON}"',
+            )
         if not isinstance(expression, str) or len(expression.split()) != 5:
             raise ScheduleInvalid(
                 "cron",

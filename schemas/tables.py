@@ -172,6 +172,12 @@ prices = Table(
     # Cached input and reasoning tokens (0011); NULL: the prompt or completion price.
     Column("cached_prompt_usd_per_mtok", Numeric(18, 8), nullable=True),
     Column("reasoning_usd_per_mtok", Numeric(18, 8), nullable=True),
+    CheckConstraint(
+        "prompt_usd_per_mtok >= 0 AND completion_usd_per_mtok >= 0"
+        " AND coalesce(cached_prompt_usd_per_mtok, 0) >= 0"
+        " AND coalesce(reasoning_usd_per_mtok, 0) >= 0",
+        name="ck_prices_not_negative",
+    ),
     PrimaryKeyConstraint("model", "effective_from", name="pk_prices"),
     UniqueConstraint("id", name="uq_prices_id"),
 )

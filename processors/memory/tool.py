@@ -81,6 +81,10 @@ def parse_args(raw: str) -> SearchArgs:
         raise ToolArgumentError(
             f"memory_search arguments are not valid JSON ({exc.msg}); example: {example}"
         ) from exc
+    except (RecursionError, ValueError) as exc:  # nested too deep; a number too long
+        raise ToolArgumentError(
+            f"memory_search arguments cannot be read ({type(exc).__name__}); example: {example}"
+        ) from exc
     if not isinstance(args, dict):
         raise ToolArgumentError(
             f"memory_search arguments must be a JSON object; example: {example}"

@@ -104,6 +104,21 @@ def test_unique_constraints_reject_duplicates(database: Settings) -> None:
     with pytest.raises(IntegrityError, match="ck_runs_status"):
         with engine.begin() as conn:
             conn.execute(text("UPDATE runs SET status = 'exploded' WHERE id = 'r1'"))
+    for column in ("prompt", "completion", "cached_prompt", "reasoning"):
+        # koda prices set refuses a negative price; the table refuses one written directly.
+        values = {"prompt": 1, "completion": 1, "cached_prompt": None, "reasoning": None}
+        values[column] = -1
+        with pytest.raises(IntegrityError, match="ck_prices_not_negative"):
+            with engine.begin() as conn:
+                conn.execute(
+                    text(
+                        "INSERT INTO prices (model, effective_from, prompt_usd_per_mtok,"
+                        " completion_usd_per_mtok, cached_prompt_usd_per_mtok,"
+                        " reasoning_usd_per_mtok) VALUES ('m', now(), :prompt, :completion,"
+                        " :cached_prompt, :reasoning)"
+                    ),
+                    values,
+                )
     engine.dispose()
 
 

@@ -83,6 +83,8 @@ def test_a_fragment_without_index_or_id_first_is_refused() -> None:
         ('{"query": "x", "user": "alice"}', "has no field 'user'"),
         ("[1]", "must be a JSON object"),
         ('{"query": ', "not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "cannot be read (RecursionError)"),
+        ('{"query": "x", "limit": ' + "9" * 5000 + "}", "cannot be read (ValueError)"),
     ],
 )
 def test_bad_arguments_get_an_error_naming_the_field(raw: str, message: str) -> None:

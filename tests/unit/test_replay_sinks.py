@@ -182,6 +182,10 @@ def test_unreachable_sinks_say_which_without_the_password(tmp_path: Path) -> Non
         open_sink("postgresql://u@h/db?schema=a;drop", NAMES)
     assert redact("postgresql://u:pw@h:5/d?x=1") == "postgresql://u:***@h:5/d?x=1"
     assert redact("duckdb:///w.duckdb") == "duckdb:///w.duckdb"
+    # libpq also takes the password as a query parameter.
+    assert redact("postgresql://h/d?password=pw&sslmode=require") == (
+        "postgresql://h/d?password=***&sslmode=require"
+    )
 
 
 def test_two_writers_of_one_duckdb_file_get_a_clear_error(tmp_path: Path) -> None:

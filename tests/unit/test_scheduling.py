@@ -92,6 +92,8 @@ def test_fires_are_whole_minutes_strictly_after_the_instant() -> None:
         ("* * * * * *", "UTC", "cron"),
         ("@daily", "UTC", "cron"),
         ("0 0 31 2 *", "UTC", "cron"),
+        # Over 100 characters: refused before the "never fires" probe walks it.
+        (",".join(str(m) for m in range(60)) + " * * * *", "UTC", "cron"),
         (5, "UTC", "cron"),
         ("* * * * *", "Mars/Olympus", "timezone"),
         ("* * * * *", "../../etc/passwd", "timezone"),

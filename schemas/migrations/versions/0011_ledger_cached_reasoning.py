@@ -7,6 +7,7 @@
   totals, never added to them, as the OpenAI API reports them.
 * ``prices.cached_prompt_usd_per_mtok`` and ``prices.reasoning_usd_per_mtok``: their
   prices; NULL means the model's prompt or completion price applies to them too.
+* ``ck_prices_not_negative``: no price below 0, however it is written.
 
 Backward compatible: new columns with defaults. A worker of the previous release
 writes rows without the new counts (0: every token at the full price, as it priced
@@ -27,6 +28,12 @@ branch_labels = None
 depends_on = None
 
 MONEY = sa.Numeric(18, 8)
+# koda prices set refuses a negative price; the table refuses one written any other way.
+PRICES_NOT_NEGATIVE = (
+    "prompt_usd_per_mtok >= 0 AND completion_usd_per_mtok >= 0"
+    " AND coalesce(cached_prompt_usd_per_mtok, 0) >= 0"
+    " AND coalesce(reasoning_usd_per_mtok, 0) >= 0"
+)
 
 
 def upgrade() -> None:
@@ -45,9 +52,11 @@ def upgrade() -> None:
     )
     op.add_column("prices", sa.Column("cached_prompt_usd_per_mtok", MONEY, nullable=True))
     op.add_column("prices", sa.Column("reasoning_usd_per_mtok", MONEY, nullable=True))
+    op.create_check_constraint("ck_prices_not_negative", "prices", PRICES_NOT_NEGATIVE)
 
 
 def downgrade() -> None:
+    op.drop_constraint("ck_prices_not_negative", "prices", type_="check")
     op.drop_column("prices", "reasoning_usd_per_mtok")
     op.drop_column("prices", "cached_prompt_usd_per_mtok")
     op.drop_constraint("ck_ledger_token_parts", "ledger", type_="check")

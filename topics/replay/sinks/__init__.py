@@ -27,15 +27,24 @@ _SCHEMA = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
 def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***``."""
+    """``url`` with its password replaced by ``***``: the one in the authority and a
+    ``password`` query parameter (libpq's form)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host += f":{parts.port}"
-    netloc = f"{parts.username or ''}:***@{host}"
-    return urlunsplit(parts._replace(netloc=netloc))
+    secret_query = any(k.lower() == "password" for k, _ in parse_qsl(parts.query))
+    if parts.password is None and not secret_query:
+        return url  # unsplit would turn "duckdb:///f" into "duckdb:/f"
+    if secret_query:
+        query = [
+            (k, "***" if k.lower() == "password" else v)
+            for k, v in parse_qsl(parts.query, keep_blank_values=True)
+        ]
+        parts = parts._replace(query=urlencode(query, safe="*"))
+    if parts.password is not None:
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host += f":{parts.port}"
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
+    return urlunsplit(parts)
 
 
 WAREHOUSE_EXTRA = "koda-runtime[warehouse]"
