@@ -31,6 +31,9 @@ app.add_typer(dlq_app, name="dlq")
 app.add_typer(schemas_app, name="schemas")
 
 CONFIRM_PROD = typer.Option(False, "--confirm-prod", help="Required in prod.")
+# ROLE=compactor's round interval: a chunk lost between a commit and its produce is on
+# the topic at most KODA_REPAIR_AFTER + this after its run ended.
+COMPACTOR_EVERY_S = 60
 
 
 def fail(message: str) -> None:
@@ -96,15 +99,22 @@ def topics_apply(confirm_prod: bool = CONFIRM_PROD) -> None:
 @topics_app.command("check")
 @friendly
 def topics_check() -> None:
-    """Report drift between the broker and the catalogue; exit 1 on any."""
-    from koda_runtime.topics.admin import check_topics
+    """Report drift between the broker and the catalogue, and broker settings that refuse
+    the workers' session timeout or heartbeat; exit 1 on any."""
+    from koda_runtime.topics.admin import check_broker, check_topics
 
-    drifts = check_topics(load_settings(kafka=True))
+    settings = load_settings(kafka=True)
+    drifts = check_topics(settings)
     for d in drifts:
         typer.echo(f"drift: {d}")
-    if drifts:
+    refusals, unchecked = check_broker(settings)
+    for r in refusals:
+        typer.echo(f"refused: {r}")
+    if unchecked:
+        typer.echo(f"not checked (the broker does not describe them): {', '.join(unchecked)}")
+    if drifts or refusals:
         raise typer.Exit(1)
-    typer.echo("topics match the catalogue")
+    typer.echo("topics match the catalogue; the brokers allow the workers' group timings")
 
 
 @topics_app.command("delete")
@@ -300,17 +310,35 @@ def chunks_compact(
         None, "--every", min=1, help="Repeat every S seconds until interrupted."
     ),
     batch: int = typer.Option(100, "--batch", min=1, help="Runs per transaction."),
+    port: int | None = typer.Option(
+        None,
+        "--port",
+        min=1,
+        max=65535,
+        help="With --every: serve /livez, /readyz and /metrics on this port (KODA_WORKER_HOST).",
+    ),
 ) -> None:
     """Replace finished runs' chunk records with one <run_id>:final record each."""
-    from koda_runtime.processors.compactor import ChunkCompactor
+    from koda_runtime.processors.compactor import ChunkCompactor, serve_health
 
-    compactor = ChunkCompactor(load_settings(kafka=True, database=True))
+    if port is not None and every is None:
+        fail("--port serves the probes of a repeating compactor: give --every S too")
+    settings = load_settings(kafka=True, database=True)
+    compactor = ChunkCompactor(settings)
     try:
         if every is not None:
             from koda_runtime.logs import configure_logging
+            from koda_runtime.stopping import stop_on_signals
 
             configure_logging()
-            compactor.run_forever(every, older_than)
+            server = None if port is None else serve_health(compactor, port, settings.worker_host)
+            try:
+                # SIGTERM ends the loop after the round in progress.
+                with stop_on_signals() as stop:
+                    compactor.run_forever(every, older_than, should_stop=stop.is_set)
+            finally:
+                if server is not None:
+                    server.shutdown()
             return
         report = compactor.compact_once(older_than, batch)
     finally:
@@ -410,7 +438,7 @@ def worker_command() -> None:
 def entrypoint_command(
     ctx: typer.Context,
     role: str = typer.Option(
-        ..., "--role", envvar="ROLE", help="gateway|worker|scheduler|migrate|topics"
+        ..., "--role", envvar="ROLE", help="gateway|worker|scheduler|compactor|migrate|topics"
     ),
 ) -> None:
     """The container entrypoint: exec the ROLE's command in this process (stays PID 1)."""
@@ -420,6 +448,8 @@ def entrypoint_command(
         "gateway": ["gateway"],
         "worker": ["worker"],
         "scheduler": ["scheduler"],
+        # The chunk-topic upkeep; the container's args add --port (a later --every wins).
+        "compactor": ["chunks", "compact", "--every", str(COMPACTOR_EVERY_S)],
         "migrate": ["db", "upgrade"],
         "topics": ["topics", "apply"],
     }

@@ -1,6 +1,6 @@
 """The one Prometheus registry of koda, and every metric family in it (docs/design.md §8).
 
-Every process (gateway, workers, scheduler) imports its metrics from here and exposes
+Every process (gateway, workers, scheduler, compactor) imports its metrics from here and exposes
 :data:`REGISTRY` on ``/metrics``; nothing else creates a metric. Creating the
 families does no I/O; :func:`start_metrics_server` (the scheduler's, on
 ``KODA_SCHEDULER_PORT``) is the only function that opens a socket.
@@ -35,7 +35,10 @@ never from user ids, run ids or free text.
                   (worker)
     ledger        koda_ledger_calls_total{outcome,estimated} (worker),
                   koda_budget_soft_alerts_total{period}, koda_budget_exhausted_users (gateway)
-    chunk topic   koda_chunk_runs_compacted_total, koda_chunks_republished_total{by}
+    run phases    koda_run_phase_seconds{phase} (worker: claim, streaming, finish)
+    chunk topic   koda_chunk_runs_compacted_total, koda_chunks_republished_total{by},
+                  koda_chunk_upkeep_last_pass_timestamp_seconds,
+                  koda_chunk_upkeep_interval_seconds (the compactor)
     scheduler     koda_schedule_fires_total, koda_schedule_fire_conflicts_total,
                   koda_schedule_skips_total{reason}, koda_schedule_missed_total,
                   koda_schedule_fire_lag_seconds, koda_schedules_due
@@ -94,6 +97,9 @@ __all__ = [
     "PARTITION_QUEUE_AGE_SECONDS",
     "INTAKE_PAUSED_PARTITIONS",
     "RUN_DURATION_SECONDS",
+    "RUN_PHASE_SECONDS",
+    "CHUNK_UPKEEP_INTERVAL_SECONDS",
+    "CHUNK_UPKEEP_LAST_PASS",
     "SSE_BACKFILLS",
     "SSE_CONNECTIONS",
     "SSE_EVENTS",
@@ -155,6 +161,17 @@ QUEUE_AGE_SECONDS = Histogram(
     "koda_queue_age_seconds",
     "Time a run waited between creation and its claim by a worker (created -> started).",
     buckets=_RUN_BUCKETS,
+    registry=REGISTRY,
+)
+RUN_PHASE_SECONDS = Histogram(
+    "koda_run_phase_seconds",
+    "Time a run spends in one phase, by phase: claim (its claim's group write, from "
+    "asking to the answer), streaming (a model call, from its first token to the end of "
+    "its stream; per call) and finish (its finish's group write). With "
+    "koda_queue_age_seconds and koda_model_time_to_first_token_seconds they make up a "
+    "run's latency.",
+    ["phase"],
+    buckets=_FAST_BUCKETS + (20, 30, 60, 120, 300),
     registry=REGISTRY,
 )
 RUNS_IN_FLIGHT = Gauge(
@@ -472,6 +489,18 @@ BUDGET_EXHAUSTED_USERS = Gauge(
 CHUNK_RUNS_COMPACTED = Counter(
     "koda_chunk_runs_compacted_total",
     "Terminal runs whose per-chunk records were replaced by one final record.",
+    registry=REGISTRY,
+)
+
+CHUNK_UPKEEP_LAST_PASS = Gauge(
+    "koda_chunk_upkeep_last_pass_timestamp_seconds",
+    "Unix time the compactor (`koda chunks compact --every`) last completed a round: the "
+    "completeness pass and compaction, both without error; 0 until its first.",
+    registry=REGISTRY,
+)
+CHUNK_UPKEEP_INTERVAL_SECONDS = Gauge(
+    "koda_chunk_upkeep_interval_seconds",
+    "The compactor's --every: seconds it waits after a round before the next one.",
     registry=REGISTRY,
 )
 

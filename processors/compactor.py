@@ -26,21 +26,33 @@ messages are produced again from Postgres, and once all are delivered
 ``published_seq`` is set. No row lock is held while producing, so a worker's own mark
 never waits for the pass; two passes at once only produce the same records twice.
 
+With ``--port`` the loop serves ``/livez``, ``/readyz`` and ``/metrics`` (:func:`serve_health`;
+the deploy files' compactor role). ``/livez`` is 503 once the loop has made no progress
+(a round ended, a batch was written, a record was enqueued, a second of waiting passed)
+for ``STALL_AFTER_S``: a statement or a flush that hangs. ``/readyz`` is 200 once a round
+has completed and while the last one did not fail. ``koda_chunk_upkeep_last_pass_
+timestamp_seconds`` is the time the last round completed (the alert KodaChunkUpkeepLate).
+Two compactors at once are safe (see above), only wasteful: deploy one.
+
     KodaError
     └── CompactionError   the broker did not acknowledge the records of a batch
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from sqlalchemy import Engine, text
 
+from koda_runtime import metrics
 from koda_runtime.db import sync_engine
 from koda_runtime.errors import KodaError
 from koda_runtime.kafka import producer_config
@@ -61,6 +73,11 @@ log = logging.getLogger(__name__)
 
 ROLE = "compactor"
 DELIVERY_TIMEOUT_S = 60.0
+# The loop notes progress at least every second of waiting, every record enqueued and
+# every batch written; the longest legitimate silence is a flush (DELIVERY_TIMEOUT_S)
+# after a full producer queue (as long again). Past this, /livez asks for a restart.
+STALL_AFTER_S = 5 * DELIVERY_TIMEOUT_S
+ROUTES = ("/livez", "/readyz", "/metrics")
 _TERMINAL_STATUSES = sorted(s.value for s in TERMINAL)
 
 _CLAIM = text(
@@ -140,6 +157,13 @@ class ChunkCompactor:
         self.producer = (
             producer if producer is not None else Producer(producer_config(settings, ROLE))
         )
+        self.clock: Callable[[], float] = time.monotonic
+        self.last_progress = self.clock()
+        self.rounds = 0  # rounds completed without error
+        self.last_error: str | None = None  # of the last round, None when it completed
+
+    def _progress(self) -> None:
+        self.last_progress = self.clock()
 
     def close(self) -> None:
         self.producer.flush(DELIVERY_TIMEOUT_S)
@@ -192,6 +216,7 @@ class ChunkCompactor:
                 log.info("event=chunks_republished runs=%d chunks=%d", len(ids), produced)
             runs_done += len(ids)
             chunks += produced
+            self._progress()
             after = (runs[-1].finished_at, runs[-1].id)
             if len(runs) < batch:
                 break
@@ -224,18 +249,44 @@ class ChunkCompactor:
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
         """Compact every ``every_s`` seconds until ``should_stop()``; errors are logged."""
+        metrics.CHUNK_UPKEEP_INTERVAL_SECONDS.set(every_s)
         while not should_stop():
+            self._progress()
             try:
                 self.repair_once()
                 report = self.compact_once(older_than_s)
+            except KodaError as exc:
+                self.last_error = str(exc)
+                log.warning("event=compaction_failed error=%s", exc)
+            else:
+                self.rounds += 1
+                self.last_error = None
+                metrics.CHUNK_UPKEEP_LAST_PASS.set_to_current_time()
                 log.info(
                     "event=compaction_pass runs=%d tombstones=%d", report.runs, report.tombstones
                 )
-            except KodaError as exc:
-                log.warning("event=compaction_failed error=%s", exc)
+            self._progress()
             deadline = time.monotonic() + every_s
             while time.monotonic() < deadline and not should_stop():
                 time.sleep(min(1.0, every_s))
+                self._progress()
+
+    def live(self) -> tuple[bool, dict[str, Any]]:
+        """``/livez``: False once the loop has made no progress for ``STALL_AFTER_S``."""
+        silent = self.clock() - self.last_progress
+        detail = {"silent_s": round(silent, 3), "stall_after_s": STALL_AFTER_S}
+        return silent <= STALL_AFTER_S, detail
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        """``/readyz``: True once a round has completed and while the last did not fail."""
+        detail: dict[str, Any] = {"rounds": self.rounds}
+        if self.last_error is not None:
+            detail["reason"] = f"the last round failed: {self.last_error}"
+            return False, detail
+        if self.rounds == 0:
+            detail["reason"] = "no round has completed yet"
+            return False, detail
+        return True, detail
 
     def _compact_batch(self, older_than_s: float, batch: int) -> CompactionReport:
         with self.engine.begin() as conn:
@@ -265,6 +316,7 @@ class ChunkCompactor:
                 raise CompactionError(f"compacting {len(ids)} runs failed: {detail}")
             conn.execute(_MARK, {"ids": ids})
         CHUNK_RUNS_COMPACTED.inc(len(ids))
+        self._progress()
         return CompactionReport(len(ids), tombstones)
 
     def _produce_run(
@@ -308,6 +360,7 @@ class ChunkCompactor:
                     on_delivery=on_delivery,
                 )
                 self.producer.poll(0)
+                self._progress()
                 return
             except BufferError:
                 # The local queue is full: let deliveries drain it, bounded in time.
@@ -316,3 +369,38 @@ class ChunkCompactor:
                 self.producer.poll(0.5)
             except KafkaException as exc:
                 raise CompactionError(f"cannot enqueue {key}: {exc}") from exc
+
+
+def serve_health(compactor: ChunkCompactor, port: int, host: str) -> ThreadingHTTPServer:
+    """Serve ``/livez``, ``/readyz`` (JSON, 200 or 503) and ``/metrics`` on ``host:port``
+    from a daemon thread; ``shutdown()`` the returned server to stop it. ``port`` 0 picks
+    a free port (``server.server_port``)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, metrics.CONTENT_TYPE, metrics.render())
+                return
+            checks = {"/livez": compactor.live, "/readyz": compactor.ready}
+            if path not in checks:
+                self._send(404, "application/json", b'{"error": "not found"}')
+                return
+            ok, detail = checks[path]()
+            body = json.dumps({"ok": ok, **detail}).encode()
+            self._send(200 if ok else 503, "application/json", body)
+
+        def _send(self, status: int, content_type: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            pass  # probes every few seconds: not worth a log line each
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="koda-compactor-health", daemon=True).start()
+    return server

@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from koda_runtime.metrics import GROUP_COMMIT_RUNS
+from koda_runtime.metrics import GROUP_COMMIT_RUNS, RUN_PHASE_SECONDS
 from koda_runtime.processors import faults
 from koda_runtime.processors.store import (
     Batched,
@@ -89,7 +90,9 @@ class GroupWriter:
 
     async def claim(self, write: ClaimWrite) -> Claim | None:
         """Claim one run; the claim, or None if someone moved first or it is fenced out."""
+        started = time.monotonic()
         result = await self._submit(write)
+        RUN_PHASE_SECONDS.labels(phase="claim").observe(time.monotonic() - started)
         if result is None or isinstance(result, Claim):
             return result
         raise TypeError(f"a claim came back as {type(result).__name__}")
@@ -105,7 +108,9 @@ class GroupWriter:
     async def finish(self, write: FinishWrite) -> Finished | Superseded | None:
         """Write one run's finish; what was written, None if fenced out, or why a cancel
         request or a merge refused it."""
+        started = time.monotonic()
         result = await self._submit(write)
+        RUN_PHASE_SECONDS.labels(phase="finish").observe(time.monotonic() - started)
         if result is None or isinstance(result, Finished | Superseded):
             return result
         raise TypeError(f"a finish came back as {type(result).__name__}")

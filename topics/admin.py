@@ -5,12 +5,21 @@ topic's ``max.message.bytes`` is kept at least the runs topic's (the catalogue's
 or the broker's when someone raised it there), so a dead letter of any runs record fits.
 A DLQ created by an older release with a lower limit is altered by ``apply_topics``
 (never lowered), and ``check_topics`` reports it until then.
+
+``check_broker`` reads each broker's group settings (``describe_configs`` on the broker)
+and reports those that refuse the workers' group timings: under the consumer protocol
+(KIP-848) ``group.consumer.min/max.session.timeout.ms`` must allow
+``KODA_SESSION_TIMEOUT`` and ``group.consumer.min/max.heartbeat.interval.ms``
+``KODA_KAFKA_HEARTBEAT`` (Kafka's defaults, 45-60 s and 5-15 s, refuse koda's 10 s and
+3 s); under ``classic``, ``group.min/max.session.timeout.ms`` (6 s-30 min) the session
+timeout. A bound the broker does not describe (an older broker, or one that hides its
+configs) is not checked, and said so.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +59,121 @@ class Drift:
 
     def __str__(self) -> str:
         return f"{self.topic}: {self.what} expected {self.expected}, found {self.actual}"
+
+
+@dataclass(frozen=True)
+class GroupTiming:
+    """One of the workers' group timings and the broker settings that bound it."""
+
+    setting: str  # the koda setting it comes from
+    ms: int  # its value, as koda sets it on the group (or the member, under classic)
+    low: str  # the broker's minimum
+    high: str  # the broker's maximum
+
+
+@dataclass(frozen=True)
+class BrokerRefusal:
+    """A broker setting that refuses one of koda's group timings."""
+
+    brokers: tuple[str, ...]
+    config: str
+    value: int
+    timing: GroupTiming
+
+    def __str__(self) -> str:
+        t = self.timing
+        side, fix = (
+            ("above", f"lower it to at most {t.ms}")
+            if self.config == t.low
+            else ("below", f"raise it to at least {t.ms}")
+        )
+        who = "broker " + ",".join(self.brokers)
+        return (
+            f"{who}: {self.config}={self.value} is {side} {t.setting} ({t.ms} ms), which the"
+            f" broker refuses for the workers' group: {fix}, or change {t.setting}"
+        )
+
+
+def group_timings(settings: Settings) -> list[GroupTiming]:
+    """The timings the workers' group needs the brokers to allow, for its protocol."""
+    session = int(settings.session_timeout_s * 1000)
+    if settings.group_protocol == "classic":
+        return [
+            GroupTiming(
+                "KODA_SESSION_TIMEOUT",
+                session,
+                "group.min.session.timeout.ms",
+                "group.max.session.timeout.ms",
+            )
+        ]
+    return [
+        GroupTiming(
+            "KODA_SESSION_TIMEOUT",
+            session,
+            "group.consumer.min.session.timeout.ms",
+            "group.consumer.max.session.timeout.ms",
+        ),
+        GroupTiming(
+            "KODA_KAFKA_HEARTBEAT",
+            int(settings.heartbeat_interval_s * 1000),
+            "group.consumer.min.heartbeat.interval.ms",
+            "group.consumer.max.heartbeat.interval.ms",
+        ),
+    ]
+
+
+def refused_timings(
+    timings: list[GroupTiming], brokers: Mapping[str, Mapping[str, str | None]]
+) -> tuple[list[BrokerRefusal], list[str]]:
+    """``(refusals, unchecked)``: each broker bound (``brokers``: configs by broker id)
+    that refuses a timing, brokers with the same value together; and the names of the
+    bounds some broker did not describe."""
+    refused: dict[tuple[str, int, GroupTiming], list[str]] = {}
+    unchecked: set[str] = set()
+    for broker, configs in sorted(brokers.items()):
+        for t in timings:
+            for config in (t.low, t.high):
+                raw = configs.get(config)
+                if raw is None:
+                    unchecked.add(config)
+                    continue
+                value = int(raw)
+                if value > t.ms if config == t.low else value < t.ms:
+                    refused.setdefault((config, value, t), []).append(broker)
+    refusals = [
+        BrokerRefusal(tuple(ids), config, value, t) for (config, value, t), ids in refused.items()
+    ]
+    return refusals, sorted(unchecked)
+
+
+def broker_configs(admin: AdminClient) -> dict[str, dict[str, str | None]]:
+    """Every broker's configs (its defaults included), by broker id."""
+    try:
+        ids = sorted(admin.list_topics(timeout=ADMIN_TIMEOUT_S).brokers)
+    except KafkaException as exc:
+        raise TopicError(
+            f"cannot list brokers: {exc}; is Kafka reachable at KODA_KAFKA_BOOTSTRAP?"
+        ) from exc
+    resources = [ConfigResource(ResourceType.BROKER, str(i)) for i in ids]
+    futures = admin.describe_configs(resources, request_timeout=ADMIN_TIMEOUT_S)
+    out: dict[str, dict[str, str | None]] = {}
+    for res, fut in futures.items():
+        try:
+            configs = fut.result()
+        except KafkaException as exc:
+            # A managed Kafka may refuse DescribeConfigs on its brokers: unchecked, said so.
+            log.warning(
+                "cannot describe broker %s, its settings are not checked: %s", res.name, exc
+            )
+            configs = {}
+        out[res.name] = {name: entry.value for name, entry in configs.items()}
+    return out
+
+
+def check_broker(settings: Settings) -> tuple[list[BrokerRefusal], list[str]]:
+    """Report the broker settings that refuse the workers' group timings
+    (:func:`refused_timings` over every broker's configs)."""
+    return refused_timings(group_timings(settings), broker_configs(admin_client(settings)))
 
 
 def admin_client(settings: Settings) -> AdminClient:

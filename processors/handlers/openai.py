@@ -29,7 +29,12 @@ import httpx
 
 from koda_runtime.errors import ConfigError, HandlerError
 from koda_runtime.lifecycle.handler import Item, RunContext, RunFailed, Status, ToolActivity, Usage
-from koda_runtime.metrics import MODEL_CALL_SECONDS, MODEL_CALLS, MODEL_TIME_TO_FIRST_TOKEN_SECONDS
+from koda_runtime.metrics import (
+    MODEL_CALL_SECONDS,
+    MODEL_CALLS,
+    MODEL_TIME_TO_FIRST_TOKEN_SECONDS,
+    RUN_PHASE_SECONDS,
+)
 from koda_runtime.processors.handlers.conversation import with_turns
 from koda_runtime.processors.handlers.provider import (
     Breaker,
@@ -303,14 +308,18 @@ class OpenAIHandler:
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
+                        if t.first_token_at is not None:
+                            streaming = time.monotonic() - t.first_token_at
+                            RUN_PHASE_SECONDS.labels(phase="streaming").observe(streaming)
                         return
                     for item in parse_event(data, model, watched):
                         if isinstance(item, Usage):
                             t.reported = True
                         else:
                             if not t.streamed:
+                                t.first_token_at = time.monotonic()
                                 MODEL_TIME_TO_FIRST_TOKEN_SECONDS.labels(model=model).observe(
-                                    time.monotonic() - started
+                                    t.first_token_at - started
                                 )
                             t.streamed += 1
                         yield item
@@ -475,6 +484,7 @@ class _Try:
         self.detail = ""
         self.retry_after: float | None = None
         self.streamed = 0  # content pieces yielded
+        self.first_token_at: float | None = None  # monotonic time of the first piece
         self.reported = False  # the usage came
         self.fed = False  # tool-call fragments came
 

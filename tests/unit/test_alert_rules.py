@@ -48,7 +48,9 @@ def test_every_rule_is_tested_firing_and_quiet() -> None:
                      "KodaDeadLetters", "KodaRunFailureRatio", "KodaQueueAgeHigh",
                      "KodaPartitionQueueStuck",
                      "KodaBudgetExhausted", "KodaRecordsSkipped",
-                     "KodaModelErrorRate", "KodaModelCostHigh"}  # fmt: skip
+                     "KodaModelErrorRate", "KodaModelCostHigh",
+                     "KodaDeadLetterWritten", "KodaScheduleMinutesMissed",
+                     "KodaAdmissionsThrottled", "KodaChunkUpkeepLate"}  # fmt: skip
     fired = {c["alertname"] for c in cases if c["exp_alerts"]}
     quiet = {c["alertname"] for c in cases if not c["exp_alerts"]}
     assert names - fired == set(), "rules never tested firing"
@@ -77,3 +79,18 @@ def test_every_dashboard_query_is_valid_promql(tmp_path: Path) -> None:
     done = promtool("check", "rules", str(path))
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(exprs)} rules found" in done.stdout
+
+
+def test_the_admission_rule_names_the_route_the_gateway_counts() -> None:
+    """KodaAdmissionsThrottled matches ``route="/v1/runs"``, the route template the
+    gateway's middleware puts on koda_http_requests_total: a renamed route would leave
+    the rule silent."""
+    from koda_runtime.gateway.app import create_app
+    from koda_runtime.naming import AppEnv
+    from koda_runtime.settings import Settings
+
+    groups = yaml.safe_load((RULES_DIR / "alerts.yml").read_text())["groups"]
+    (rule,) = [r for g in groups for r in g["rules"] if r["alert"] == "KodaAdmissionsThrottled"]
+    assert 'method="POST",route="/v1/runs"' in rule["expr"]
+    paths = create_app(Settings(app_env=AppEnv.DEV)).openapi()["paths"]
+    assert "post" in paths["/v1/runs"]

@@ -4,7 +4,9 @@
 * one image, exec-form entrypoint, non-root, multi-stage;
 * every probe and healthcheck hits an endpoint that exists (the gateway's OpenAPI
   routes, the worker health server's routes);
-* Postgres connections: replicas x pool size fit within max_connections.
+* Postgres connections: replicas x pool size fit within max_connections;
+* every long-running koda process (gateway, workers, schedulers, the compactor) runs
+  with its probes and is scraped for /metrics, in compose and in k8s.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from koda_runtime.gateway.app import create_app
 from koda_runtime.gateway.components import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S
 from koda_runtime.gateway.server import GRACEFUL_SHUTDOWN_S
 from koda_runtime.naming import AppEnv
+from koda_runtime.processors.compactor import ROUTES as COMPACTOR_ROUTES
 from koda_runtime.processors.health import ROUTES as WORKER_ROUTES
 from koda_runtime.settings import Settings
 
@@ -93,6 +96,21 @@ def scheduler_pool() -> int:
     return engine.pool.size() + engine.pool._max_overflow  # type: ignore[attr-defined]
 
 
+def compactor_pool() -> int:
+    """The compactor's pool bound, as processors/compactor.py builds its engine (no I/O)."""
+    from koda_runtime.processors.compactor import ChunkCompactor
+
+    engine = ChunkCompactor(DEFAULTS, producer=object()).engine  # type: ignore[arg-type]
+    return engine.pool.size() + engine.pool._max_overflow  # type: ignore[attr-defined]
+
+
+def option(args: list[str], name: str) -> str:
+    """The value of the last ``name`` option in ``args`` (click keeps the last one)."""
+    values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
+    assert values, (name, args)
+    return values[-1]
+
+
 def health_path(test: list[str]) -> str:
     """The URL path a Python urllib healthcheck command requests."""
     match = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", " ".join(test))
@@ -137,6 +155,8 @@ def test_compose_runs_kraft_postgres_jobs_gateway_workers_and_prometheus(compose
         "topics",
         "gateway",
         "worker",
+        "scheduler",
+        "compactor",
         "prometheus",
     }
     kafka = services["kafka"]
@@ -196,20 +216,86 @@ def test_compose_healthchecks_use_endpoints_that_exist(compose) -> None:
     services = compose["services"]
     assert health_path(services["gateway"]["healthcheck"]["test"]) in gateway_paths()
     assert health_path(services["worker"]["healthcheck"]["test"]) in WORKER_ROUTES
+    assert health_path(services["compactor"]["healthcheck"]["test"]) == "/livez"
+    assert "/livez" in COMPACTOR_ROUTES
 
 
-def test_prometheus_scrapes_the_gateway_and_every_worker(compose) -> None:
+def dockerfile_env() -> dict[str, str]:
+    """The image's ENV (``KEY=VALUE`` pairs of its ENV instructions)."""
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    pairs = [p for line in text.splitlines() if line.startswith("ENV ") for p in line.split()[1:]]
+    return dict(p.split("=", 1) for p in pairs if "=" in p)
+
+
+def compose_metrics_ports(compose: dict[str, Any]) -> dict[str, int]:
+    """Each long-running koda service's /metrics port, as its process reads it."""
+    image_env = dockerfile_env()
+    ports = {}
+    for name, service in compose["services"].items():
+        env = {**image_env, **compose["x-koda"]["environment"], **service.get("environment", {})}
+        role = env.get("ROLE")
+        if role == "gateway":
+            ports[name] = int(env.get("KODA_GATEWAY_PORT", DEFAULTS.gateway_port))
+        elif role == "worker":
+            ports[name] = int(env["KODA_WORKER_PORT"])
+        elif role == "scheduler":
+            ports[name] = int(env.get("KODA_SCHEDULER_PORT", 0))
+        elif role == "compactor":
+            ports[name] = int(option(service["command"], "--port"))
+        else:
+            assert role in (None, "migrate", "topics"), (name, role)
+    return ports
+
+
+def test_compose_runs_the_compactor_as_its_own_role(compose) -> None:
+    compactor = compose["services"]["compactor"]
+    assert compactor["environment"]["ROLE"] == "compactor"
+    assert compactor["image"] == compose["services"]["migrate"]["image"]
+    assert compactor.get("deploy", {}).get("replicas", 1) == 1
+    assert compactor["restart"] == "unless-stopped"
+    port = int(option(compactor["command"], "--port"))
+    assert f"127.0.0.1:{port}/livez" in " ".join(compactor["healthcheck"]["test"])
+    for dep in ("migrate", "topics"):
+        assert compactor["depends_on"][dep]["condition"] == "service_completed_successfully"
+
+
+def test_prometheus_scrapes_every_koda_process(compose) -> None:
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     assert "/metrics" in gateway_routes() and "/metrics" in WORKER_ROUTES
+    assert "/metrics" in COMPACTOR_ROUTES
     assert all(j.get("metrics_path", "/metrics") == "/metrics" for j in jobs.values())
-    targets = [t for j in jobs.values() for c in j.get("static_configs", []) for t in c["targets"]]
-    port = str(DEFAULTS.gateway_port)
-    assert f"gateway:{port}" in targets
-    (dns,) = [c for j in jobs.values() for c in j.get("dns_sd_configs", [])]
-    assert dns["names"] == ["worker"] and dns["port"] == 9100
+    static = {
+        tuple(t.split(":"))
+        for j in jobs.values()
+        for c in j.get("static_configs", [])
+        for t in c["targets"]
+    }
+    dns = {
+        (n, str(c["port"]))
+        for j in jobs.values()
+        for c in j.get("dns_sd_configs", [])
+        for n in c["names"]
+    }
+    ports = compose_metrics_ports(compose)
+    assert set(ports) == {"gateway", "worker", "scheduler", "compactor"}
+    for name, port in ports.items():
+        assert port > 0, f"{name} serves no /metrics"
+        # Several replicas: through Docker's DNS, which answers each replica's address.
+        several = compose["services"][name].get("deploy", {}).get("replicas", 1) > 1
+        assert (name, str(port)) in (dns if several else static | dns), f"{name}:{port}"
     mounts = compose["services"]["prometheus"]["volumes"]
     assert any(m.startswith("./prometheus.yml:") for m in mounts)
+
+
+def test_the_image_exposes_every_port_a_role_serves(compose) -> None:
+    exposed = {
+        int(p)
+        for line in (DEPLOY / "Dockerfile").read_text().splitlines()
+        if line.startswith("EXPOSE ")
+        for p in line.split()[1:]
+    }
+    assert set(compose_metrics_ports(compose).values()) <= exposed
 
 
 def test_compose_connections_fit_postgres(compose) -> None:
@@ -226,6 +312,7 @@ def test_compose_connections_fit_postgres(compose) -> None:
         services["worker"]["deploy"]["replicas"] * worker_pool
         + gateways * gateway_pool
         + scheduler["deploy"]["replicas"] * scheduler_pool()
+        + services["compactor"].get("deploy", {}).get("replicas", 1) * compactor_pool()
         + MIGRATE_CONNECTIONS
     )
     assert needed <= max_connections - PG_RESERVED, (needed, max_connections)
@@ -380,6 +467,86 @@ def test_k8s_config_and_secrets_are_apart_and_prod_is_safe(k8s, secret_example) 
     assert topics_job["args"] == ["--confirm-prod"]
 
 
+def test_k8s_gateway_prestop_lets_the_load_balancer_drain_within_the_grace(k8s) -> None:
+    """The grace period counts from the start of the preStop: the sleep and the gateway's
+    own shutdown must both fit in it."""
+    gateway = k8s[("Deployment", "koda-gateway")]
+    command = container(gateway)["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep", command
+    drain_s = float(command[1])
+    assert drain_s >= 5
+    grace = gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > drain_s + GATEWAY_SHUTDOWN_S, (grace, drain_s, GATEWAY_SHUTDOWN_S)
+
+
+def test_k8s_compactor_role_probes_and_port(k8s) -> None:
+    compactor = k8s[("Deployment", "koda-compactor")]
+    assert compactor["spec"]["replicas"] == 1
+    c = container(compactor)
+    assert {e["name"]: e.get("value") for e in c["env"]}["ROLE"] == "compactor"
+    assert probe_path(c, "livenessProbe") == "/livez"
+    assert probe_path(c, "readinessProbe") == "/readyz"
+    assert {probe_path(c, k) for k in ("livenessProbe", "readinessProbe")} <= set(COMPACTOR_ROUTES)
+    (port,) = c["ports"]
+    assert port["containerPort"] == int(option(c["args"], "--port"))
+    for kind in ("livenessProbe", "readinessProbe"):
+        assert c[kind]["httpGet"]["port"] == port["name"]
+    # The loop's own stall limit is what liveness acts on; the probe only asks it.
+    from koda_runtime.processors.compactor import STALL_AFTER_S
+
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] < STALL_AFTER_S
+
+
+def k8s_metrics_port(doc: dict[str, Any], config: dict[str, str]) -> int:
+    """The port a Deployment's process serves /metrics on, as the process reads it."""
+    c = container(doc)
+    role = {e["name"]: e.get("value") for e in c["env"]}["ROLE"]
+    if role == "compactor":
+        return int(option(c["args"], "--port"))
+    setting = {
+        "gateway": "KODA_GATEWAY_PORT",
+        "worker": "KODA_WORKER_PORT",
+        "scheduler": "KODA_SCHEDULER_PORT",
+    }[role]
+    return int(config[setting])
+
+
+def test_k8s_every_deployment_is_scraped_on_its_metrics_port(k8s) -> None:
+    config = k8s[("ConfigMap", "koda-config")]["data"]
+    deployments = {name: doc for (kind, name), doc in k8s.items() if kind == "Deployment"}
+    assert set(deployments) == {
+        "koda-gateway",
+        "koda-worker",
+        "koda-scheduler",
+        "koda-compactor",
+    }
+    for name, doc in deployments.items():
+        annotations = doc["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true", name
+        assert annotations["prometheus.io/path"] == "/metrics", name
+        port = k8s_metrics_port(doc, config)
+        assert int(annotations["prometheus.io/port"]) == port, name
+        assert port in [p["containerPort"] for p in container(doc)["ports"]], name
+        bind = config.get("KODA_WORKER_HOST")  # the scheduler's and compactor's too
+        assert bind == "0.0.0.0", name  # noqa: S104 - scraped from other pods
+
+
+def test_k8s_readme_states_the_broker_settings_koda_needs() -> None:
+    """Every broker bound `koda topics check` reads, for both protocols, with the values
+    the defaults of KODA_SESSION_TIMEOUT and KODA_KAFKA_HEARTBEAT need."""
+    from koda_runtime.topics.admin import group_timings
+
+    readme = (K8S / "README.md").read_text()
+    for protocol in ("consumer", "classic"):
+        for t in group_timings(Settings(app_env=AppEnv.DEV, group_protocol=protocol)):
+            for bound in (t.low, t.high):
+                assert f"`{bound}`" in readme, bound
+    assert "45000" in readme and "`koda topics check`" in readme
+    assert f"{int(DEFAULTS.session_timeout_s * 1000)}" in readme
+    assert f"{int(DEFAULTS.heartbeat_interval_s * 1000)}" in readme
+
+
 def test_k8s_disruption_budgets(k8s) -> None:
     pdb = k8s[("PodDisruptionBudget", "koda-worker")]["spec"]
     assert pdb["maxUnavailable"] == 1
@@ -406,10 +573,13 @@ def test_k8s_connections_fit_postgres(k8s) -> None:
     assert container(k8s[("Deployment", "koda-scheduler")])["env"][0]["value"] == "scheduler"
     assert 1 <= schedulers["replicas"] <= 2
     scheduler_pods = schedulers["replicas"] + schedulers["strategy"]["rollingUpdate"]["maxSurge"]
+    compactors = k8s[("Deployment", "koda-compactor")]["spec"]
+    assert compactors["strategy"]["type"] == "Recreate"  # no second pod during a rollout
     needed = (
         worker_pods * worker_pool
         + gateway_pods * gateway_pool
         + scheduler_pods * scheduler_pool()
+        + compactors["replicas"] * compactor_pool()
         + MIGRATE_CONNECTIONS
     )
     assert needed <= max_connections - PG_RESERVED, (needed, max_connections)

@@ -85,4 +85,5 @@ def test_the_compose_prometheus_loads_the_alert_rules() -> None:
     assert config["rule_files"] == ["/etc/prometheus/alerts.yml"]
     assert "./prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
     jobs = {job["job_name"] for job in config["scrape_configs"]}
-    assert jobs == {"koda-gateway", "koda-worker"}  # as the local Prometheus names them
+    # The gateway's and workers' jobs are named as the local Prometheus names them.
+    assert jobs == {"koda-gateway", "koda-worker", "koda-scheduler", "koda-compactor"}
