@@ -129,7 +129,32 @@ class RecordProcessor:
     async def process(self, item: Fetched, partition: int, cancel: CancelToken) -> None:
         record = Record(item.topic, partition, item.offset, item.key, item.value, item.headers)
         fence = await self.fences.fence_for(partition)
-        await self.executor.process(record, fence, cancel)
+        delay = 0.2
+        while True:
+            try:
+                await self.executor.process(record, fence, cancel)
+                return
+            except FencedOut as exc:
+                # A write found the run no longer owned by this fence. If another worker
+                # has taken the partition, the chain closes (its records are that
+                # worker's now). If the partition is still this worker's, only the run's
+                # row moved on under it (a cancel or an end decided on another path, a
+                # finish whose commit was acknowledged too late to be seen): closing
+                # would stall the partition for good, so the record is processed again
+                # and the executor finds the run as it now is (ended: acked).
+                if partition not in self.fences.assigned or not await self.fences.store.holds(
+                    fence
+                ):
+                    raise
+                log.warning(
+                    "run fenced out on a partition still held partition=%d offset=%d: %s;"
+                    " processing the record again",
+                    partition,
+                    item.offset,
+                    exc,
+                )
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
 
 
 class OffsetCommits:

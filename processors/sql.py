@@ -139,6 +139,13 @@ NEXT_SEQS = text(
 # The parts whose fences still own their runs, locked FOR SHARE in (partition, run)
 # order (the order an epoch bump takes them: a group and a bump cannot deadlock), each
 # with what its run's row says of cancel and merge.
+HOLDS_EPOCH = text(
+    """
+    SELECT 1 FROM partition_epochs
+     WHERE topic = :topic AND partition = :partition AND epoch = :epoch
+    """
+)
+
 OWNED = text(
     """
     SELECT q.i, r.cancel_requested_at IS NOT NULL AS cancel_requested,

@@ -278,6 +278,16 @@ class RunStore:
             )
             return {int(p): int(e) for p, e in rows}
 
+    async def holds(self, fence: Fence) -> bool:
+        """Whether ``fence`` is still its partition's epoch: no other worker has taken
+        the partition since this one did."""
+        async with self.engine.connect() as conn:
+            row = await conn.execute(
+                sql.HOLDS_EPOCH,
+                {"topic": fence.topic, "partition": fence.partition, "epoch": fence.epoch},
+            )
+            return row.first() is not None
+
     async def load_run(self, run_id: str) -> RunRow | None:
         """The run's row, or None when there is no such run.
 

@@ -288,3 +288,47 @@ def test_an_older_run_a_dead_worker_left_running_runs_before_the_users_later_run
     assert submitter.output(first) == "".join(
         demo_tokens({"text": "first", "demo": {"tokens": 3, "delay_ms": 1}})
     )
+
+
+def test_a_run_decided_elsewhere_mid_stream_never_stalls_its_partition(
+    env, submitter, workers
+) -> None:
+    # A write of a run finds it no longer owned while this worker still holds its
+    # partition: here the row is ended from outside (as a cancel, or a finish whose
+    # commit was acknowledged too late to be seen, would leave it). That is no lost
+    # partition: closing its chains would refuse every later record of the partition
+    # for good (a chaos run stalled on it). The record is read again instead, the run
+    # is found ended and acked, and the partition goes on.
+    w1 = workers.start("w1")
+    partition = partition_for_key(b"moved-a", env.partitions)
+    other = next(
+        f"moved-b{i}"
+        for i in range(10_000)
+        if partition_for_key(f"moved-b{i}".encode(), env.partitions) == partition
+    )
+    slow = submitter.submit("moved-a", {"text": "long", "demo": {"tokens": 400, "delay_ms": 50}})
+    wait_until(lambda: len(submitter.messages(slow)) >= 3, timeout=60, what="the run streaming")
+    with submitter.engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE runs SET status = 'failed', error = 'ended elsewhere',"
+                " finished_at = now() WHERE id = :r"
+            ),
+            {"r": slow},
+        )
+    wait_until(
+        lambda: "chunk write fenced out" in w1.log(),
+        timeout=60,
+        what="the worker meeting the run's new row",
+    )
+    after = submitter.submit(other, {"text": "next", "demo": {"tokens": 3, "delay_ms": 1}})
+    wait_terminal(submitter, [after], 30, w1)
+    assert submitter.statuses([slow, after]) == {slow: "failed", after: "done"}
+    assert "run fenced out on a partition still held" in w1.log()
+    assert "partition lost" not in w1.log()
+    group, runs_topic = env.names.group(WORKER_GROUP), env.names.topic(RUNS)
+    wait_until(
+        lambda: committed_offsets(env, group, runs_topic)[partition] == 2,
+        timeout=30,
+        what="both records committed",
+    )
