@@ -94,7 +94,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -111,6 +111,8 @@ from tests.fixtures.runs import position, read_topic
 
 TERMINAL = ("done", "failed", "cancelled")
 TERMINAL_KINDS = ("done", "error", "cancelled")
+# How runs.error starts for a run stopped after the call that spent its budget.
+BUDGET_STOP = "budget_exceeded:"
 KIND_OF_STATUS = {"done": "done", "failed": "error", "cancelled": "cancelled"}
 
 
@@ -166,6 +168,7 @@ class Findings:
     budget_overshoot_usd: Decimal = Decimal(0)
     budget_max_spend_usd: Decimal = Decimal(0)
     budget_violations: int = 0
+    budget_stops: int = 0  # runs stopped mid-way for money (budget_exceeded)
     violations: list[str] = field(default_factory=list)
 
     def violate(self, message: str) -> None:
@@ -358,6 +361,10 @@ def _check_run(
     expected = "failed" if plan.poison else "done"
     if plan.cancel is not None and plan.cancel.took:
         expected = "cancelled"
+    elif expected == "done" and (row.error or "").startswith(BUDGET_STOP):
+        # Stopped after the call that spent its user's budget: _check_budgets holds it
+        # to a spent day's budget.
+        expected = "failed"
     if row.status != expected:
         history = ", ".join(f"#{a} on {w}" for a, _, w in sorted(claims))
         f.violate(
@@ -669,34 +676,67 @@ def _check_budgets(
     rows: dict[str, Any],
     budgets: dict[str, Decimal],
 ) -> None:
+    """Each budget is a day budget: spend restarts at midnight UTC (the period koda's
+    spend rows and admission use), so a run admitted on a new day is not past the
+    budget of the day before. A run stopped for money (``budget_exceeded``, the rule
+    that a run stops after the call that spends its user's budget) must have been
+    stopped when its day's spend had reached the limit."""
     f.budget_users = len(budgets)
     slack = 0.5
+
+    def day(ts: float) -> Any:
+        return datetime.fromtimestamp(ts, UTC).date()
+
     for user, limit in budgets.items():
-        spent = Decimal(0)
-        reached: float | None = None
+        spent: dict[Any, Decimal] = defaultdict(Decimal)
+        reached: dict[Any, float] = {}
         for r in db.query(
             "SELECT cost_usd, created_at FROM ledger WHERE user_id = :u ORDER BY created_at, id",
             u=user,
         ):
-            spent += r.cost_usd
-            if reached is None and spent >= limit:
-                reached = r.created_at.timestamp()
-        f.budget_overshoot_usd = max(f.budget_overshoot_usd, spent - limit)
-        f.budget_max_spend_usd = max(f.budget_max_spend_usd, spent)
+            d = day(r.created_at.timestamp())
+            spent[d] += r.cost_usd
+            if d not in reached and spent[d] >= limit:
+                reached[d] = r.created_at.timestamp()
+        for total in spent.values():
+            f.budget_overshoot_usd = max(f.budget_overshoot_usd, total - limit)
+            f.budget_max_spend_usd = max(f.budget_max_spend_usd, total)
         for p in plan.get(user, []):
             if p.over_budget_at is not None and p.run_id is None:
                 f.budget_refusals += 1
-                if reached is None or p.over_budget_at < reached - slack:
+                at = reached.get(day(p.over_budget_at))
+                if at is None or p.over_budget_at < at - slack:
                     f.budget_violations += 1
                     f.violate(f"{user} run #{p.index} refused 402 with budget left")
             row = rows.get(p.run_id) if p.run_id is not None and not p.merged else None
-            if row is not None and reached is not None:
-                if row.created_at.timestamp() > reached + slack:
-                    f.budget_violations += 1
-                    f.violate(
-                        f"{user} run {row.id} admitted "
-                        f"{row.created_at.timestamp() - reached:.1f}s after the budget was spent"
-                    )
+            if row is None:
+                continue
+            at = reached.get(day(row.created_at.timestamp()))
+            if at is not None and row.created_at.timestamp() > at + slack:
+                f.budget_violations += 1
+                f.violate(
+                    f"{user} run {row.id} admitted "
+                    f"{row.created_at.timestamp() - at:.1f}s after the budget was spent"
+                )
+    for row in rows.values():
+        if row.status != "failed" or not (row.error or "").startswith(BUDGET_STOP):
+            continue
+        f.budget_stops += 1
+        day_limit = budgets.get(row.user_id)
+        end = row.finished_at.timestamp() if row.finished_at is not None else None
+        spent_then = Decimal(0)
+        if day_limit is not None and end is not None:
+            for r in db.query(
+                "SELECT cost_usd FROM ledger WHERE user_id = :u AND created_at >= :d"
+                " AND created_at <= :t",
+                u=row.user_id,
+                d=datetime.combine(day(end), datetime.min.time(), UTC),
+                t=datetime.fromtimestamp(end + slack, UTC),
+            ):
+                spent_then += r.cost_usd
+        if day_limit is None or spent_then < day_limit:
+            f.budget_violations += 1
+            f.violate(f"run {row.id} stopped for money with its day's budget left: {row.error}")
 
 
 def _check_topic(

@@ -215,12 +215,12 @@ class Report:
             ),
             ("  due minutes without exactly one run", str(f.schedule_violations)),
             (
-                "budget users / runs refused 402 / largest spend, overshoot",
-                f"{f.budget_users} / {f.budget_refusals} / ${f.budget_max_spend_usd:.2f},"
-                f" ${f.budget_overshoot_usd:.2f} (limit $15)",
+                "budget users / runs refused 402 / stopped mid-run / largest day spend, overshoot",
+                f"{f.budget_users} / {f.budget_refusals} / {f.budget_stops} /"
+                f" ${f.budget_max_spend_usd:.2f}, ${f.budget_overshoot_usd:.2f} (limit $15 a day)",
             ),
             (
-                "  admitted past a spent budget or refused with budget left",
+                "  admitted past a spent budget, refused or stopped with budget left",
                 str(f.budget_violations),
             ),
             ("ledger rows", str(f.ledger_rows)),
