@@ -51,8 +51,11 @@ class RunPublisher:
         """Raise PublishError unless a broker answers and knows the runs topic."""
         await self._producer.check(self.topic, timeout_s)
 
-    def publish(self, record: RunRequested) -> asyncio.Future[Delivery]:
+    def publish(
+        self, record: RunRequested, traceparent: str | None = None
+    ) -> asyncio.Future[Delivery]:
         """Enqueue ``record`` (key = user id); the future resolves on the broker's ack.
+        ``traceparent``: the run's W3C trace context, sent as the record's header.
 
         The future fails with PublishError when the record cannot be enqueued or
         is not acknowledged within the producer's ``message.timeout.ms``.
@@ -68,7 +71,7 @@ class RunPublisher:
             self.topic,
             key=record.user_id.encode(),
             value=record.encode(),
-            headers=list(headers_for(RUN_REQUESTED)),
+            headers=list(headers_for(RUN_REQUESTED, traceparent)),
             what=f"run {record.run_id}",
             settle=settle,
         )

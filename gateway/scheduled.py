@@ -31,6 +31,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from koda_runtime import tracing
 from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.caps import SCHEDULES, CapReached
 from koda_runtime.gateway.exceptions import SessionNotOwned
@@ -348,6 +349,7 @@ def scheduled_run(
         partition=partition_for_key(schedule.user_id.encode(), partitions),
         schedule_id=schedule.id,
         scheduled_for=minute,
+        traceparent=tracing.traceparent(),  # the scheduler's fire span, when tracing
     )
 
 
@@ -364,7 +366,8 @@ def publish_scheduled(
             created_at=run.created_at.isoformat(),
             schedule_id=new.schedule_id,
             scheduled_for=new.scheduled_for.astimezone(UTC).isoformat(),
-        )
+        ),
+        traceparent=new.traceparent,
     )
 
 

@@ -30,11 +30,12 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from opentelemetry.trace import SpanKind
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
-from koda_runtime import metrics
+from koda_runtime import metrics, tracing
 from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.auth import authenticate_request
 from koda_runtime.gateway.caps import CapReached
@@ -88,7 +89,20 @@ def take_rate_token(gw: Components, user_id: str) -> None:
 
 async def accept(request: Request, gw: Components) -> RunAccepted:
     """Check and admit one submission; raises the refusal (a GatewayError or a domain
-    error, rendered by the gateway's error handlers) when it is not admitted."""
+    error, rendered by the gateway's error handlers) when it is not admitted.
+
+    In the request's span (koda/tracing.py), which continues a client's ``traceparent``
+    and whose context the run's record carries."""
+    with tracing.span(
+        "POST /v1/runs", kind=SpanKind.SERVER, parent=request.headers.get("traceparent")
+    ) as span:
+        accepted = await _accept(request, gw)
+        if span.is_recording():
+            span.set_attributes({"koda.run_id": accepted.run_id, "koda.merged": accepted.merged})
+        return accepted
+
+
+async def _accept(request: Request, gw: Components) -> RunAccepted:
     user_id: str | None = None
     try:
         user_id = authenticate_request(request, gw.auth)

@@ -64,7 +64,8 @@ class Sweeper:
                         if run.scheduled_for is None
                         else run.scheduled_for.astimezone(UTC).isoformat()
                     ),
-                )
+                ),
+                traceparent=run.traceparent,  # the run's trace goes on (koda/tracing.py)
             )
             for run in claimed
         ]

@@ -22,8 +22,9 @@ from koda_runtime.errors import ConfigError
 ENV_FILE = "services.env"
 DEFAULT_STATE_DIR = ".koda"
 # The keys a services.env may set; anything else in the file is refused, so the file
-# can never switch on a behaviour behind the user's back.
-KEYS = ("KODA_KAFKA_BOOTSTRAP", "KODA_DATABASE_URL")
+# can never switch on a behaviour behind the user's back. The OTLP endpoint is there
+# only after `koda services up --with-tracing` (traces to the local Jaeger).
+KEYS = ("KODA_KAFKA_BOOTSTRAP", "KODA_DATABASE_URL", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,16 @@ has completed and while the last one did not fail. ``koda_chunk_upkeep_last_pass
 timestamp_seconds`` is the time the last round completed (the alert KodaChunkUpkeepLate).
 Two compactors at once are safe (see above), only wasteful: deploy one.
 
+**Outages.** A round that meets Postgres or Kafka away (or any other error) fails; the
+loop logs ``event=chunk_upkeep_failed cause=postgres|kafka|other``, counts
+``koda_chunk_upkeep_failures_total{cause}``, answers 503 on ``/readyz`` naming the cause,
+and tries again after 1 s, doubling up to ``--every``; ``/livez`` stays 200 (a restart
+would not bring the store back). Nothing is lost or marked wrongly: a batch is marked
+compacted in the transaction that follows its delivered records, and a run's
+``published_seq`` only after its records were delivered, so a round cut anywhere is
+redone by the next one with the same keys. Started while a dependency is away, the
+role waits for it the same way (``koda chunks compact --every`` checks neither at start).
+
     KodaError
     └── CompactionError   the broker did not acknowledge the records of a batch
 """
@@ -49,12 +59,14 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import psycopg
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from koda_runtime import metrics
 from koda_runtime.db import sync_engine
-from koda_runtime.errors import KodaError
+from koda_runtime.errors import DatabaseError, KodaError
 from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.chunks import (
     TERMINAL_KINDS,
@@ -77,6 +89,9 @@ DELIVERY_TIMEOUT_S = 60.0
 # every batch written; the longest legitimate silence is a flush (DELIVERY_TIMEOUT_S)
 # after a full producer queue (as long again). Past this, /livez asks for a restart.
 STALL_AFTER_S = 5 * DELIVERY_TIMEOUT_S
+CLOSE_FLUSH_S = 5.0
+# After a failed round the next comes this soon, doubling per failure up to --every.
+RETRY_FIRST_S = 1.0
 ROUTES = ("/livez", "/readyz", "/metrics")
 _TERMINAL_STATUSES = sorted(s.value for s in TERMINAL)
 
@@ -166,7 +181,9 @@ class ChunkCompactor:
         self.last_progress = self.clock()
 
     def close(self) -> None:
-        self.producer.flush(DELIVERY_TIMEOUT_S)
+        # Every batch and pass waited for its own deliveries: what is left is a failed
+        # round's, which the next round produces again. Bounded, for a stop in an outage.
+        self.producer.flush(CLOSE_FLUSH_S)
         if self._own_engine:
             self.engine.dispose()
 
@@ -248,17 +265,36 @@ class ChunkCompactor:
         older_than_s: float | None = None,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
-        """Compact every ``every_s`` seconds until ``should_stop()``; errors are logged."""
+        """A round every ``every_s`` seconds until ``should_stop()``.
+
+        A round that fails (Postgres or Kafka away, or anything else) is logged, counted in
+        ``koda_chunk_upkeep_failures_total{cause}`` and makes ``/readyz`` fail; the next
+        one comes after ``RETRY_FIRST_S``, doubling per failure up to ``every_s``, and the
+        first that completes makes the role ready again."""
         metrics.CHUNK_UPKEEP_INTERVAL_SECONDS.set(every_s)
+        failures = 0
         while not should_stop():
             self._progress()
+            wait_s = every_s
             try:
                 self.repair_once()
                 report = self.compact_once(older_than_s)
-            except KodaError as exc:
-                self.last_error = str(exc)
-                log.warning("event=compaction_failed error=%s", exc)
+            except Exception as exc:  # noqa: BLE001 - the role outlives any failed round
+                failures += 1
+                cause = failure_cause(exc)
+                detail = describe_failure(exc)
+                self.last_error = f"{cause}: {detail}"
+                metrics.CHUNK_UPKEEP_FAILURES.labels(cause=cause).inc()
+                wait_s = min(every_s, RETRY_FIRST_S * 2 ** min(failures - 1, 16))
+                line = "event=chunk_upkeep_failed cause=%s failures=%d retry_in_s=%.1f error=%s"
+                if cause == "other":
+                    log.exception(line, cause, failures, wait_s, detail)
+                else:
+                    log.warning(line, cause, failures, wait_s, detail)
             else:
+                if failures:
+                    log.info("event=chunk_upkeep_resumed after_failures=%d", failures)
+                failures = 0
                 self.rounds += 1
                 self.last_error = None
                 metrics.CHUNK_UPKEEP_LAST_PASS.set_to_current_time()
@@ -266,9 +302,9 @@ class ChunkCompactor:
                     "event=compaction_pass runs=%d tombstones=%d", report.runs, report.tombstones
                 )
             self._progress()
-            deadline = time.monotonic() + every_s
+            deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline and not should_stop():
-                time.sleep(min(1.0, every_s))
+                time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
                 self._progress()
 
     def live(self) -> tuple[bool, dict[str, Any]]:
@@ -371,6 +407,23 @@ class ChunkCompactor:
                 raise CompactionError(f"cannot enqueue {key}: {exc}") from exc
 
 
+def failure_cause(exc: BaseException) -> str:
+    """``postgres``, ``kafka`` or ``other``: which dependency a failed round met."""
+    if isinstance(exc, SQLAlchemyError | psycopg.Error | DatabaseError):
+        return "postgres"
+    if isinstance(exc, CompactionError | KafkaException):
+        return "kafka"
+    return "other"
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line naming the error: the driver's message for a database error, never the
+    statement or its parameters (SQLAlchemy's text carries both)."""
+    inner = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    lines = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {lines[0] if lines else '(no message)'}"
+
+
 def serve_health(compactor: ChunkCompactor, port: int, host: str) -> ThreadingHTTPServer:
     """Serve ``/livez``, ``/readyz`` (JSON, 200 or 503) and ``/metrics`` on ``host:port``
     from a daemon thread; ``shutdown()`` the returned server to stop it. ``port`` 0 picks
@@ -380,7 +433,8 @@ def serve_health(compactor: ChunkCompactor, port: int, host: str) -> ThreadingHT
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                self._send(200, metrics.CONTENT_TYPE, metrics.render())
+                body, content_type = metrics.exposition(self.headers.get("Accept"))
+                self._send(200, content_type, body)
                 return
             checks = {"/livez": compactor.live, "/readyz": compactor.ready}
             if path not in checks:

@@ -154,9 +154,11 @@ class HealthServer:
         return handler
 
     @staticmethod
-    async def _metrics(_request: web.Request) -> web.Response:
-        response = web.Response(body=metrics.render())
-        response.headers["Content-Type"] = metrics.CONTENT_TYPE
+    async def _metrics(request: web.Request) -> web.Response:
+        # OpenMetrics (with the run histograms' trace exemplars) when the scraper asks.
+        body, content_type = metrics.exposition(request.headers.get("Accept"))
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = content_type
         return response
 
     async def start(self) -> None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import psycopg
 import sqlalchemy.exc
 
+from koda_runtime import tracing
 from koda_runtime.errors import HandlerError, KodaError
 from koda_runtime.lifecycle.attempts import first_output
 from koda_runtime.lifecycle.chunks import (
@@ -273,9 +274,10 @@ class ChunkBatcher:
         batch = self.take()
         first = first_output(self.streaming, batch)
         try:
-            written = await self.writer.chunks(
-                ChunkWrite(self.fence, self.run_id, batch, first, self.input_version, calls)
-            )
+            with tracing.span("koda.chunks.write", attributes=_batch_attributes(batch)):
+                written = await self.writer.chunks(
+                    ChunkWrite(self.fence, self.run_id, batch, first, self.input_version, calls)
+                )
         except Exception as exc:
             cause = refusal(exc)
             if cause is None:
@@ -296,7 +298,8 @@ class ChunkBatcher:
         # The whole batch, also seqs that were in Postgres already: only this owner writes
         # them, so they are this batch (its group committed, then the answer was lost).
         try:
-            self.futures += await self.emitter.chunks(self.fence.partition, batch)
+            with tracing.span("koda.chunks.produce", attributes=_batch_attributes(batch)):
+                self.futures += await self.emitter.chunks(self.fence.partition, batch)
         except Exception as exc:
             cause = refusal(exc)
             if cause is None:
@@ -305,6 +308,13 @@ class ChunkBatcher:
             raise OutputRefused(f"Kafka refused the run's output: {cause}") from exc
         if calls and self.book is not None:
             self.futures += await self.book.written(self.fence, calls, written.ledger)
+
+
+def _batch_attributes(batch: list[Chunk]) -> dict[str, int] | None:
+    """A chunk batch's span attributes, built only when tracing (koda/tracing.py)."""
+    if not tracing.ON or not batch:
+        return None
+    return {"koda.chunks": len(batch), "koda.seq.first": batch[0].seq}
 
 
 async def stream(

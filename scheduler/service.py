@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import date, datetime
 
-from koda_runtime import metrics
+from koda_runtime import metrics, tracing
 from koda_runtime.errors import DatabaseError, KodaError
 from koda_runtime.gateway.publisher import Delivery, RunPublisher
 from koda_runtime.gateway.scheduled import (
@@ -73,6 +73,18 @@ class PassResult:
     lags: list[float] = field(default_factory=list)
 
 
+def _fire(row: ScheduleRow, minute: datetime, partitions: int) -> NewRun:
+    """The run of one fire, made in the fire's span (koda/tracing.py): the run's trace
+    starts here and goes on through its record to the worker."""
+    if not tracing.ON:
+        return scheduled_run(row, minute, partitions=partitions)
+    attributes = {"koda.schedule_id": row.id, "koda.scheduled_for": minute.isoformat()}
+    with tracing.span("koda.schedule.fire", attributes=attributes) as span:
+        new = scheduled_run(row, minute, partitions=partitions)
+        span.set_attribute("koda.run_id", new.run_id)
+        return new
+
+
 class Scheduler:
     """One replica; any number may run at once."""
 
@@ -98,6 +110,11 @@ class Scheduler:
         self.salt = replica or os.urandom(8).hex()
         # Postgres's clock minus ours, refreshed every pass (only used to time sleeps).
         self._skew_s = 0.0
+        # For /livez and /readyz (scheduler/app.py): the loop's last sign of progress, the
+        # passes completed, and why the last pass failed (None once one completes).
+        self.last_progress = time.monotonic()
+        self.passes = 0
+        self.last_error: str | None = None
 
     async def run_pass(self) -> PassResult:
         """Fire everything due now; returns when no schedule is due any more."""
@@ -130,6 +147,7 @@ class Scheduler:
     ) -> bool:
         """Plan, fire and advance ``rows``; True when at least one schedule moved on."""
         began = time.perf_counter()
+        self.last_progress = time.monotonic()
         work: list[tuple[ScheduleRow, CronSpec, list[datetime]]] = []
         moves: list[Advance] = []
         for row in rows:
@@ -147,7 +165,7 @@ class Scheduler:
         fires: list[tuple[ScheduleRow, NewRun]] = []
         for (row, _spec, _due), decided in zip(work, plans, strict=True):
             minutes = decided.fires
-            fires += [(row, scheduled_run(row, m, partitions=self.partitions)) for m in minutes]
+            fires += [(row, _fire(row, m, self.partitions)) for m in minutes]
             assert row.next_fire_at is not None
             moves.append(
                 Advance(row.id, row.next_fire_at, decided.next_fire_at, max(minutes, default=None))
@@ -303,8 +321,11 @@ class Scheduler:
     async def run_forever(self, stopping: asyncio.Event) -> None:
         """Pass, sleep until the next minute (or ``poll_s``), repeat until ``stopping``."""
         while not stopping.is_set():
+            self.last_progress = time.monotonic()
             try:
                 done = await self.run_pass()
+                self.passes += 1
+                self.last_error = None
                 if done.fired or done.skipped or done.missed:
                     log.info(
                         "event=scheduler_pass schedules=%d fired=%d conflicts=%d skipped=%d "
@@ -316,9 +337,12 @@ class Scheduler:
                         done.missed,
                     )
             except KodaError as exc:
+                self.last_error = str(exc)
                 log.warning("event=scheduler_pass_failed error=%s", exc)
-            except Exception:
+            except Exception as exc:
+                self.last_error = type(exc).__name__
                 log.exception("event=scheduler_pass_failed")
+            self.last_progress = time.monotonic()
             try:
                 await asyncio.wait_for(stopping.wait(), self.seconds_to_wake())
             except TimeoutError:

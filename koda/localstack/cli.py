@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from koda_runtime.errors import KodaError
-from koda_runtime.localstack import kafka_cluster, prometheus, stack
+from koda_runtime.localstack import jaeger, kafka_cluster, prometheus, stack
 
 services_app = typer.Typer(
     help="Start, stop and inspect the local Kafka and PostgreSQL.",
@@ -65,18 +65,33 @@ def up(
             help="Also run Prometheus, scraping `make dev` and loading the alert rules.",
         ),
     ] = False,
+    with_tracing: Annotated[
+        bool,
+        typer.Option(
+            "--with-tracing",
+            help="Also run Jaeger; services.env then makes koda's processes send it traces.",
+        ),
+    ] = False,
 ) -> None:
     """Start Kafka and PostgreSQL (reusing running ones) and write <state-dir>/services.env."""
     with _exit_on_error():
         if brokers is None:
             cluster = kafka_cluster.load_cluster(state_dir.resolve())
             brokers = cluster.brokers if cluster is not None else 1
+        # Before the stack: its services.env names a running Jaeger.
+        traces = jaeger.start(state_dir) if with_tracing else None
         info = stack.up(state_dir, brokers=brokers)
         _apply_catalogue(info)
         prometheus_url = prometheus.start(state_dir) if with_prometheus else None
-    for line in stack.env_lines(info):
+    for line in stack.env_lines(info) + jaeger.env_lines(state_dir):
         typer.echo(line)
     typer.echo(f"wrote {state_dir / stack.ENV_FILE}", err=True)
+    if traces is not None:
+        typer.echo(
+            f"jaeger on {traces.url} (traces: {traces.url}/api/traces?service=koda-gateway); "
+            "`make dev` sends it every run's trace",
+            err=True,
+        )
     if prometheus_url is not None:
         typer.echo(
             f"prometheus on {prometheus_url} (targets: {prometheus_url}/targets, "
@@ -149,6 +164,9 @@ def _status_lines(report: dict[str, Any]) -> list[str]:
     prom = report.get("prometheus")
     if prom is not None:
         lines.append(f"prometheus {prom['url']}  {state(prom)}")
+    traces = report.get("jaeger")
+    if traces is not None:
+        lines.append(f"jaeger     {traces['url']}  {state(traces)}")
     return lines
 
 

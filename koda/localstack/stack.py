@@ -17,7 +17,7 @@ from typing import Any
 
 from koda_runtime import stackenv
 from koda_runtime.errors import ServiceError
-from koda_runtime.localstack import kafka, kafka_cluster, postgres, procs, prometheus
+from koda_runtime.localstack import jaeger, kafka, kafka_cluster, postgres, procs, prometheus
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,9 @@ def up(state_dir: Path, *, brokers: int = 1, slots: tuple[str, ...] = ()) -> Sta
         database_url = postgres.start(state_dir)
         kafka.wait_ready(state_dir, cluster)
         info = StackInfo(cluster.bootstrap, database_url, cluster.brokers)
-        procs.write_text(state_dir / ENV_FILE, "\n".join(env_lines(info)) + "\n")
+        # With the state dir's Jaeger running (--with-tracing), koda's processes trace.
+        lines = env_lines(info) + jaeger.env_lines(state_dir)
+        procs.write_text(state_dir / ENV_FILE, "\n".join(lines) + "\n")
     log.info("services up state_dir=%s bootstrap=%s", state_dir, info.kafka_bootstrap)
     return info
 
@@ -93,6 +95,7 @@ def down(state_dir: Path) -> None:
         return
     with _locked(state_dir):
         prometheus.stop(state_dir)
+        jaeger.stop(state_dir)
         kafka.stop_cluster(state_dir)
         postgres.stop(state_dir)
         (state_dir / ENV_FILE).unlink(missing_ok=True)
@@ -147,6 +150,7 @@ def status(state_dir: Path) -> dict[str, Any]:
             "running": pid is not None and procs.port_accepts(port),
         }
     report["prometheus"] = prometheus.status(state_dir)  # optional: not part of "running"
+    report["jaeger"] = jaeger.status(state_dir)  # optional too
     kafka_ok = report["kafka"] is not None and all(n["running"] for n in report["kafka"]["nodes"])
     pg_ok = report["postgres"] is not None and report["postgres"]["running"]
     report["running"] = bool(kafka_ok and pg_ok)

@@ -8,12 +8,16 @@ Postgres is tests/integration/test_compactor_role.py.
 from __future__ import annotations
 
 import json
+import logging
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
+from confluent_kafka import KafkaException
+from sqlalchemy.exc import OperationalError
 from typer.testing import CliRunner
 
 from koda_runtime import cli, metrics
@@ -91,7 +95,8 @@ def test_a_round_sets_the_gauges_and_readiness_follows_the_last_round(
     assert compactor.ready() == (False, {"rounds": 0, "reason": "no round has completed yet"})
     rounds(compactor, [CompactionError("the broker said no")])
     ok, detail = compactor.ready()
-    assert not ok and detail["reason"] == "the last round failed: the broker said no"
+    assert not ok
+    assert detail["reason"] == "the last round failed: kafka: CompactionError: the broker said no"
     assert metrics.REGISTRY.get_sample_value(
         "koda_chunk_upkeep_last_pass_timestamp_seconds"
     ) == pytest.approx(0)
@@ -103,6 +108,87 @@ def test_a_round_sets_the_gauges_and_readiness_follows_the_last_round(
     # A later failure takes readiness away again; the last completed round stays.
     rounds(compactor, [CompactionError("again")])
     assert compactor.ready()[0] is False and compactor.rounds == 1
+
+
+def failures(cause: str) -> float:
+    value = metrics.REGISTRY.get_sample_value("koda_chunk_upkeep_failures_total", {"cause": cause})
+    return value or 0.0
+
+
+def test_a_round_that_meets_any_error_is_counted_by_cause_and_the_loop_goes_on(
+    compactor: ChunkCompactor, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The role's failure mode: before, only KodaError was caught, so Postgres away
+    (an OperationalError) ended the process."""
+    statement = "SELECT id FROM runs WHERE user_id = %(secret_user)s"
+    pg_down = OperationalError(
+        statement,
+        {"secret_user": "alice-private"},
+        psycopg.OperationalError("connection failed: Connection refused\nIs the server up?"),
+    )
+    before = {c: failures(c) for c in ("postgres", "kafka", "other")}
+    caplog.set_level(logging.INFO, logger=compactor_module.__name__)
+    rounds(compactor, [pg_down, CompactionError("no broker"), RuntimeError("a bug"), None])
+    assert {c: failures(c) - before[c] for c in before} == {
+        "postgres": 1,
+        "kafka": 1,
+        "other": 1,
+    }
+    assert compactor.ready() == (True, {"rounds": 1})
+    text = caplog.text
+    assert "event=chunk_upkeep_failed cause=postgres failures=1" in text
+    assert "OperationalError: connection failed: Connection refused" in text
+    assert "event=chunk_upkeep_failed cause=other failures=3" in text
+    assert "event=chunk_upkeep_resumed after_failures=3" in text
+    # Neither the statement nor its parameters reach the log.
+    assert "alice-private" not in text and "SELECT id FROM runs" not in text
+
+
+def test_readiness_names_the_store_while_it_is_away(compactor: ChunkCompactor) -> None:
+    rounds(compactor, [None])
+    rounds(compactor, [OperationalError("SELECT 1", {}, psycopg.OperationalError("gone"))])
+    ok, detail = compactor.ready()
+    assert not ok
+    assert detail["reason"] == "the last round failed: postgres: OperationalError: gone"
+    assert compactor.live()[0] is True  # a restart would not bring Postgres back
+
+
+def test_failed_rounds_back_off_from_one_second_up_to_the_interval(
+    compactor: ChunkCompactor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slept: list[float] = []
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    # The loop's waits, on a clock of this test's (for this test only: monkeypatch).
+    monkeypatch.setattr("time.sleep", sleep)
+    monkeypatch.setattr("time.monotonic", lambda: now[0])
+    outcomes: list[Exception | None] = [CompactionError("down")] * 5 + [None, None]
+    waits: list[float] = []
+
+    def repair_once(older_than_s: float | None = None, batch: int = 200) -> RepairReport:
+        waits.append(now[0])
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+        return RepairReport(0, 0)
+
+    compactor.repair_once = repair_once  # type: ignore[method-assign]
+    compactor.compact_once = lambda *a, **k: CompactionReport(0, 0)  # type: ignore[method-assign]
+    compactor.run_forever(6.0, should_stop=lambda: not outcomes)
+    gaps = [b - a for a, b in zip(waits, waits[1:], strict=False)]
+    assert gaps == [1.0, 2.0, 4.0, 6.0, 6.0, 6.0]
+
+
+def test_failure_causes() -> None:
+    assert compactor_module.failure_cause(OperationalError("x", {}, Exception("y"))) == "postgres"
+    assert compactor_module.failure_cause(psycopg.OperationalError("down")) == "postgres"
+    assert compactor_module.failure_cause(CompactionError("x")) == "kafka"
+    assert compactor_module.failure_cause(KafkaException("x")) == "kafka"
+    assert compactor_module.failure_cause(KeyError("x")) == "other"
 
 
 def test_livez_fails_once_the_loop_has_been_silent_past_the_stall_limit(
