@@ -49,6 +49,8 @@ class WorkerStore(GroupStore, Protocol):
 
     async def messages(self, run_id: str, below: int | None = None) -> list[Chunk]: ...
 
+    async def erased(self, user_id: str) -> bool: ...
+
 
 class RunOutput(Protocol):
     """The records a run produces: chunks, run events and dead letters. ``chunks`` and

@@ -130,6 +130,15 @@ def replay_into_duckdb(settings: Settings, records: int, batch: int, path: Path)
     assert summary.rows["chunks"] == records
 
 
+def replay_into_iceberg(settings: Settings, records: int, batch: int, path: Path) -> None:
+    """``koda replay run-chunks`` into fresh Iceberg tables (a local SQL catalog) at ``path``."""
+    options = ReplayOptions(
+        topics=(RUN_CHUNKS,), sink_url=f"iceberg:///{path}", batch_records=batch
+    )
+    summary = run_replay(settings, options)
+    assert summary.records == records, (summary.records, records)
+
+
 def load_note(loads: list[float]) -> str:
     return "1-minute load average at the start and after each repetition: " + ", ".join(
         f"{x:.1f}" for x in loads
@@ -222,6 +231,8 @@ def measure(
     raw_rates: list[float] = []
     replay_rates: list[float] = []
     ratios: list[float] = []
+    iceberg_rates: list[float] = []
+    iceberg_ratios: list[float] = []
     raw_cpu: list[float] = []
     replay_cpu: list[float] = []
     loads = [os.getloadavg()[0]]
@@ -237,6 +248,13 @@ def measure(
                     lambda: replay_into_duckdb(settings, n, batch, path)  # noqa: B023
                 )
                 path.unlink()
+                lake = folder / f"iceberg-{uuid7()}"
+                iceberg_s, _ = timed(
+                    lambda: replay_into_iceberg(settings, n, batch, lake)  # noqa: B023
+                )
+                shutil.rmtree(lake, ignore_errors=True)
+                iceberg_rates.append(n / iceberg_s)
+                iceberg_ratios.append(raw_s / iceberg_s)
                 raw_rates.append(n / raw_s)
                 replay_rates.append(n / replay_s)
                 ratios.append(raw_s / replay_s)
@@ -253,6 +271,8 @@ def measure(
     table.add("raw confluent-kafka consume (records/s)", fmt(raw_rates))
     table.add("koda replay into DuckDB (records/s)", fmt(replay_rates))
     table.add("ratio replay / raw", fmt(ratios, 3))
+    table.add("koda replay into Iceberg, local SQL catalog (records/s)", fmt(iceberg_rates))
+    table.add("ratio Iceberg replay / raw", fmt(iceberg_ratios, 3))
     table.add("raw consumer CPU (us/record)", fmt(raw_cpu, 1))
     table.add("replay CPU (us/record)", fmt(replay_cpu, 1))
     table.add("goal: ratio >= 0.25", "met" if statistics.median(ratios) >= 0.25 else "not met")
@@ -265,6 +285,8 @@ def measure(
         "records": n,
         "raw_records_s": raw_rates,
         "replay_records_s": replay_rates,
+        "iceberg_records_s": iceberg_rates,
+        "iceberg_ratio": iceberg_ratios,
         "ratio": ratios,
         "raw_cpu_us": raw_cpu,
         "replay_cpu_us": replay_cpu,

@@ -185,6 +185,9 @@ def test_postgres_and_parquet_hold_the_same_tables_even_from_overlapping_replays
     lake = p.tmp / "lake"
     koda(p, "replay", "--quiet", "--to", f"parquet:///{lake}")
     for table in t.TABLES:
+        if not (lake / table.name).exists():  # a table without rows has no files
+            assert reference[table.name] == [], table.name
+            continue
         data = ds.dataset(lake / table.name, format="parquet", partitioning="hive").to_table()
         names = [n for n in table.names if n != "day"]
         rows = [tuple(r[n] for n in names) for r in data.to_pylist()]
@@ -310,8 +313,10 @@ def test_the_replay_never_touched_kodas_groups_or_tables(populated: Populated) -
             s=p.settings.names.pg_schema(),
         )
     }
-    # runs, usage and ledger are koda's own tables too (the warehouse mirrors them).
-    assert not {x.name for x in t.TABLES if x.name not in ("runs", "usage", "ledger")} & tables
+    # runs, usage, ledger, run_merges, schedules and memories are koda's own tables too
+    # (the warehouse mirrors them).
+    mirrored = ("runs", "usage", "ledger", "run_merges", "schedules", "memories")
+    assert not {x.name for x in t.TABLES if x.name not in mirrored} & tables
     workers = committed_offsets(
         p.settings, p.settings.names.group(WORKER_GROUP), p.settings.names.topic(RUNS)
     )

@@ -18,8 +18,9 @@ from koda_runtime.schemas.records import chunk_value
 from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.chunk_polls import ChunkPolls
 from koda_runtime.topics.replay.rows import RecordDecoder, RowBatch, plain_chunk_poll
+from koda_runtime.topics.replay.sinks.base import SqlSink
 from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink
-from tests.unit.replay_records import NAMES, PRICES, FakeMessage, chunk
+from tests.unit.replay_records import NAMES, PRICES, FakeMessage, chunk, final
 from tests.unit.test_replay_columns import clean_poll, one_by_one, same, spoilers, with_value
 
 
@@ -80,6 +81,7 @@ def lenient(m: FakeMessage, run: str) -> dict[str, FakeMessage]:
             with_value(m, chunk_value("{" + run + "}", 0, "chunk", "x", 1)),
             key_=("{" + run + "}:0000000000").encode(),
         ),
+        "key not UTF-8": replace(m, key_=(m.key_ or b"") + b"\xff"),
         "no UUIDv7": replace(
             with_value(m, chunk_value("run-1", 0, "chunk", "x", 1)), key_=b"run-1:0000000000"
         ),
@@ -162,3 +164,46 @@ def test_any_content_either_decodes_alike_or_goes_back(events: list[tuple[str, s
     run = uuid7()
     msgs = [chunk(i, run, i, kind, text) for i, (kind, text) in enumerate(events)]
     assert same(folded(in_duckdb(msgs)), one_by_one(msgs))
+
+
+class PythonOutputs(DuckDBSink):
+    """A DuckDB sink whose outputs rows are rebuilt as every other sink's are."""
+
+    write_outputs = SqlSink.write_outputs
+
+
+def test_outputs_rebuilt_in_one_query_equal_the_rows_rebuilt_in_python(tmp_path: Path) -> None:
+    """Stored chunks completed later, a compacted output that stays, a hole, a final
+    record beside chunks, and a run whose chunks come in a later poll."""
+    a, b, c, d = (uuid7() for _ in range(4))
+    first = [
+        chunk(0, a, 0, "chunk", "a0 "),
+        final(1, b, 1, "done", "b final"),
+        chunk(2, d, 0, "chunk", "d0"),
+    ]
+    second = [
+        chunk(3, a, 1, "chunk", "a1"),
+        chunk(4, a, 2, "done", "{}"),
+        chunk(5, b, 0, "chunk", "ignored: b is compacted"),
+        chunk(6, c, 0, "chunk", "c0"),
+        chunk(7, c, 2, "done", "{}"),  # seq 1 missing: no end yet
+        chunk(8, d, 1, "reset", "{}"),
+        final(9, d, 2, "done", "d final"),
+    ]
+    stored = {}
+    for kind in (DuckDBSink, PythonOutputs):
+        sink = kind(tmp_path / f"{kind.__name__}.duckdb", "duckdb")
+        sink.open()
+        decoder = RecordDecoder(NAMES, PRICES, arrow_chunks=True)
+        written = []
+        for poll in (first, second, [chunk(10, c, 1, "chunk", "c1")]):
+            batch = RowBatch()
+            decoder.add_many(poll, batch)
+            written.append(sink.write(batch))
+        decoder.close()
+        stored[kind] = (written, sink.conn.execute("SELECT * FROM outputs ORDER BY 1").fetchall())
+        sink.close()
+    assert stored[DuckDBSink] == stored[PythonOutputs]
+    outputs = {row[0]: row for row in stored[DuckDBSink][1]}
+    assert outputs[a][2:4] == ("a0 a1", "done") and outputs[b][2] == "b final"
+    assert outputs[c][2:4] == ("c0c1", "done") and outputs[d][2] == "d final"

@@ -10,6 +10,7 @@ import pytest
 from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.rows import RowBatch
 from koda_runtime.topics.replay.writer import BatchWriter
+from tests.support import wait_until
 
 TP = ("dev.koda.run-chunks", 0)
 
@@ -102,3 +103,33 @@ def test_leaving_on_an_error_lets_the_write_end_and_commits_nothing() -> None:
             w.submit(batch(1), {TP: 10})
             raise KeyboardInterrupt
     assert log.events == [("wrote", 1)]
+
+
+def settled(w: BatchWriter, log: Log, event: tuple[str, int]) -> bool:
+    w.settle_written()
+    return event in log.events
+
+
+def test_a_written_batch_commits_its_offsets_without_waiting_for_the_next() -> None:
+    log = Log()
+    log.release.clear()
+    with BatchWriter(log.write, log.commit, log.done) as w:
+        w.submit(batch(1), {TP: 10})
+        assert log.writing.wait(10)
+        w.settle_written()  # still being written: nothing is committed
+        assert log.events == []
+        log.release.set()
+        wait_until(lambda: settled(w, log, ("committed", 10)), what="the early commit")
+        assert log.events == [("wrote", 1), ("done", 1), ("committed", 10)]
+        w.settle_written()  # nothing in flight: nothing more
+        w.finish()
+    assert log.events == [("wrote", 1), ("done", 1), ("committed", 10)]
+
+
+def test_a_failed_write_raises_when_settled_early_and_commits_nothing() -> None:
+    log = Log(fail_on=1)
+    with pytest.raises(RuntimeError, match="rolled back"):
+        with BatchWriter(log.write, log.commit, log.done) as w:
+            w.submit(batch(1), {TP: 10})
+            wait_until(lambda: settled(w, log, ("never", 0)), timeout=10, what="the failure")
+    assert log.events == [("failed", 1)]

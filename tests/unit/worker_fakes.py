@@ -67,6 +67,7 @@ class FakeStore:
         self.observer: SteerObserver | None = None
         self.groups: list[list[GroupWrite]] = []
         self.fail_next_group: Exception | None = None
+        self.erased_users: set[str] = set()
 
     # -- set-up ------------------------------------------------------------------
 
@@ -119,6 +120,9 @@ class FakeStore:
     async def messages(self, run_id: str, below: int | None = None) -> list[Chunk]:
         got = self.messages_of[run_id]
         return [got[s] for s in sorted(got) if below is None or s < below]
+
+    async def erased(self, user_id: str) -> bool:
+        return user_id in self.erased_users
 
     # -- writes outside a group --------------------------------------------------
 

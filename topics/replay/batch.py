@@ -48,6 +48,9 @@ class RowBatch:
         self.records = 0
         self.tombstones = 0
         self.raw: Counter[str] = Counter()
+        # The reader's next offset per (topic, partition) when the batch was cut: what a
+        # sink that records offsets beside its rows stores (set by BatchWriter.submit).
+        self.positions: dict[tuple[str, int], int] = {}
 
     def add(self, table: t.Table, row: tuple[Any, ...]) -> None:
         rows = self.rows[table.name]

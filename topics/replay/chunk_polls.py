@@ -56,16 +56,19 @@ class ChunkPolls:
         self.sql = sql.decode_chunk_poll(POLL)
         self.schema = arrow_schema(t.CHUNKS)
 
-    def decode(self, msgs: Sequence[Message]) -> pa.Table | None:
+    def decode(self, msgs: Sequence[Message], values: list[Any] | None = None) -> pa.Table | None:
         """The ``chunks`` rows of ``msgs`` (plus ``pos``, each row's place in the poll),
         or None unless every record is one the per-record path decodes to exactly that
         row. The caller has checked that every record is on the chunk topic, has a value
-        and has a plain chunk schema header."""
+        and has a plain chunk schema header; ``values``: their values, if it read them."""
+        if values is None:
+            values = read_all(msgs, "value")
         try:
             poll = pa.table(
                 {
-                    "key": pa.array(read_all(msgs, "key"), pa.binary()),
-                    "value": pa.array(read_all(msgs, "value"), pa.string()),
+                    # A key that is not UTF-8 cannot be a chunk key: the poll goes back.
+                    "key": pa.array(read_all(msgs, "key"), pa.string()),
+                    "value": pa.array(values, pa.string()),
                     "pos": pa.array(range(len(msgs)), pa.int32()),
                 }
             )

@@ -5,8 +5,9 @@
     │   ├── UnknownTopicError   not one of the replayable topics (the message lists them)
     │   ├── BadTimestampError   --from-timestamp is not a time (the message lists formats)
     │   └── OffsetsFileError    a --from-offsets line is malformed (the message names it)
-    └── SinkError               the warehouse refused a write or cannot be reached; the
-                                message names the sink URL without its password
+    ├── SinkError               the warehouse refused a write or cannot be reached; the
+    │                           message names the sink URL without its password
+    └── SourceError             koda's Postgres cannot be read (the erasures, the export)
 
 Each message says what was wrong and what to do; the CLI prints it and exits 2.
 """
@@ -21,6 +22,7 @@ __all__ = [
     "ReplayError",
     "ReplayOptionError",
     "SinkError",
+    "SourceError",
     "UnknownTopicError",
 ]
 
@@ -43,3 +45,7 @@ class OffsetsFileError(ReplayOptionError):
 
 class SinkError(ReplayError):
     """The sink cannot be reached or refused a write (the batch was rolled back)."""
+
+
+class SourceError(ReplayError):
+    """koda's Postgres cannot be read: the erasure receipts or the exported tables."""

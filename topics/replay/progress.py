@@ -37,6 +37,7 @@ class ReplaySummary:
     resumed_partitions: int = 0
     stopped: bool = False
     prices_loaded: bool = True
+    erased: int = 0  # records and exported rows of erased users, dropped
     positions: dict[TP, int] = field(default_factory=dict)
 
     @property
@@ -66,6 +67,8 @@ class ReplaySummary:
                 f"  tombstones: {self.tombstones:,} (compacted chunk keys;"
                 " rows already read are kept)"
             )
+        if self.erased:
+            out.append(f"  dropped as erased users' data: {self.erased:,} records and rows")
         if not self.prices_loaded:
             out.append("  usage.cost_usd left null: koda's price table could not be read")
         if self.job is not None:

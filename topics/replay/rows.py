@@ -10,7 +10,8 @@ What each topic becomes:
     runs-dlq      run.dead-letter/1 → dead_letters
 
 A record whose schema header names an unknown record type or version, or that does not
-decode, goes to ``raw_records`` with its bytes and the reason: nothing is dropped.
+decode, goes to ``raw_records`` with its bytes and the reason: nothing is dropped, but
+the records of an erased user (erased.py), which the decoder drops and counts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from collections.abc import Sequence
 from datetime import date
 from operator import itemgetter
 from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from koda_runtime.errors import RecordError
 from koda_runtime.lifecycle.chunks import SEQ_WIDTH, split_chunk_key
@@ -53,6 +57,7 @@ from koda_runtime.topics.replay.batch import (
     uuid7_day,
 )
 from koda_runtime.topics.replay.chunk_polls import ChunkPolls, runs_and_days
+from koda_runtime.topics.replay.erased import Erased, ledger_user
 from koda_runtime.topics.replay.prices import PriceBook
 
 __all__ = ["REPLAYABLE", "RecordDecoder", "RowBatch", "run_day"]
@@ -76,18 +81,30 @@ class RecordDecoder:
 
     DAY_CACHE = 100_000  # run ids whose day is remembered (a run's records come together)
 
-    def __init__(self, names: Names, prices: PriceBook, *, arrow_chunks: bool = False) -> None:
+    def __init__(
+        self,
+        names: Names,
+        prices: PriceBook,
+        *,
+        arrow_chunks: bool = False,
+        erased: Erased | None = None,
+    ) -> None:
         """``arrow_chunks``: decode polls of chunk records in DuckDB into Arrow parts
-        (:mod:`~koda_runtime.topics.replay.chunk_polls`), for a sink that takes them."""
+        (:mod:`~koda_runtime.topics.replay.chunk_polls`), for a sink that takes them.
+        ``erased``: the erased users, whose records are dropped (erased.py)."""
         self.bases = {names.topic(b): b for b in REPLAYABLE}
         self.chunk_topic = names.topic(RUN_CHUNKS)
+        self.runs_topic = names.topic(RUNS)
         self.prices = prices
         self._days: dict[str, date] = {}
         self.polls = ChunkPolls() if arrow_chunks else None
+        self.erased = erased if erased is not None else Erased()
 
     def close(self) -> None:
+        """Close the DuckDB of the chunk polls (again: nothing); the parts it gave stay."""
         if self.polls is not None:
             self.polls.close()
+            self.polls = None
 
     def _day(self, run_id: str, ts_ms: int) -> date:
         """:func:`run_day`, remembered per run (the fallback is never remembered)."""
@@ -101,20 +118,37 @@ class RecordDecoder:
             self._days[run_id] = day
         return day
 
-    def add_many(self, msgs: Sequence[Message], batch: RowBatch) -> None:
+    def add_many(self, msgs: Sequence[Message], batch: RowBatch, topic: str | None = None) -> None:
         """:meth:`add` for each of ``msgs`` in order, a poll's worth of chunk records at
-        once where that gives the same rows (see :func:`chunk_columns`)."""
-        plain = self._all_chunks(msgs) and plain_chunk_poll(msgs)
+        once where that gives the same rows (see :func:`chunk_columns`). ``topic``: the
+        topic every one of ``msgs`` is on, when the caller knows (a reader of one topic);
+        else each record's is read."""
+        if topic is None:
+            chunks = self._all_chunks(msgs)
+        else:
+            chunks = bool(msgs) and topic == self.chunk_topic
+        values = read_all(msgs, "value") if chunks else []
+        plain = chunks and _plain_values_and_headers(values, msgs)
         if plain and self.polls is not None:
-            part = self.polls.decode(msgs)
+            part = self.polls.decode(msgs, values)
             if part is not None:
+                if self.erased.runs:
+                    part = self._without_erased(part)
                 batch.add_chunk_part(part, runs_and_days(part), len(msgs))
                 return
-        columns = _plain_poll_columns(msgs) if plain else None
+        columns = _plain_poll_columns(msgs, values) if plain else None
         if columns is None:
             for msg in msgs:
                 self.add(msg, batch)
             return
+        if self.erased.runs:
+            kept = [i for i, r in enumerate(columns[0]) if r not in self.erased.runs]
+            self.erased.dropped += len(msgs) - len(kept)
+            batch.records += len(msgs) - len(kept)
+            columns = tuple([c[i] for i in kept] for c in columns)
+            msgs = [msgs[i] for i in kept]
+            if not msgs:
+                return
         run_ids, seqs, kinds, contents, attempts = columns
         days = self._days
         day_of = [
@@ -132,6 +166,13 @@ class RecordDecoder:
         )
         batch.chunk_runs.update(zip(run_ids, day_of, strict=True))
         batch.records += len(msgs)
+
+    def _without_erased(self, part: pa.Table) -> pa.Table:
+        """``part`` without the rows of erased runs (counted as dropped)."""
+        erased = pa.array(sorted(self.erased.runs), pa.string())
+        kept = part.filter(pc.invert(pc.is_in(part["run_id"], value_set=erased)))
+        self.erased.dropped += part.num_rows - kept.num_rows
+        return kept
 
     def _all_chunks(self, msgs: Sequence[Message]) -> bool:
         return bool(msgs) and read_all(msgs, "topic").count(self.chunk_topic) == len(msgs)
@@ -151,7 +192,20 @@ class RecordDecoder:
             else:
                 self._dead_letter(msg, ts, batch)
         except RecordError as exc:
+            if self._erased_key(msg, base):
+                self.erased.dropped += 1
+                return
             self._raw(msg, ts, batch, exc.reason, exc.detail)
+
+    def _erased_key(self, msg: Message, base: str) -> bool:
+        """Whether a record that does not decode is keyed by an erased user or run: the
+        runs topic's key is the user id, the others' start with the run id."""
+        if not self.erased:
+            return False
+        key = (msg.key() or b"").decode("utf-8", "replace")
+        if base in (RUNS, RUNS_DLQ) and self.erased.user(key):
+            return True
+        return key.partition(":")[0] in self.erased.runs
 
     def _expect(self, msg: Message, *names: str) -> None:
         """Raise RecordError unless the schema header (if any) is a known version of ``names``."""
@@ -193,6 +247,10 @@ class RecordDecoder:
             scheduled = parse_instant(req.scheduled_for) if req.scheduled_for else None
         except ValueError:
             scheduled = None
+        if self.erased.user(req.user_id):
+            self.erased.add_run(req.run_id)
+            self.erased.dropped += 1
+            return
         day = self._day(req.run_id, ts)
         row = (req.run_id, day, req.user_id, req.session_id, created, "pending", 0)
         batch.add(t.RUNS, (*row, None, None, None, -1, None, req.schedule_id, scheduled))
@@ -200,6 +258,13 @@ class RecordDecoder:
     def _run_event(self, msg: Message, ts: int, batch: RowBatch) -> None:
         self._expect(msg, RUN_EVENT)
         event = decode_run_event(msg.value())
+        erased = self.erased
+        if erased and not isinstance(event, Transition) and erased.user(event.user_id):
+            erased.add_run(event.run_id)
+        run_erased = event.run_id in erased.runs
+        if run_erased and isinstance(event, Transition):
+            erased.dropped += 1
+            return
         day = self._day(event.run_id, ts)
         if not isinstance(event, Transition):
             cost = event.cost_usd
@@ -209,10 +274,13 @@ class RecordDecoder:
                     event.model, event.prompt_tokens, event.completion_tokens, event.at
                 )
                 source = "price_table" if cost is not None else None
-            if event.outcome == "ok":
+            if run_erased:
+                erased.dropped += 1  # its usage row; the ledger keeps the call, pseudonymized
+            elif event.outcome == "ok":
                 row = (event.run_id, event.call_index, day, event.model, event.prompt_tokens)
                 batch.add(t.USAGE, (*row, event.completion_tokens, cost, source, event.at))
-            key = (event.run_id, event.attempt, event.call_index, day, event.user_id)
+            user = ledger_user(event.user_id, erased)
+            key = (event.run_id, event.attempt, event.call_index, day, user)
             batch.add(
                 t.LEDGER,
                 (
@@ -275,6 +343,9 @@ class RecordDecoder:
         if msg.value() is None:
             batch.tombstones += 1
             return
+        if run_id in self.erased.runs:
+            self.erased.dropped += 1
+            return
         day = self._day(run_id, ts)
         if seq is None:
             self._expect(msg, RUN_FINAL)
@@ -292,9 +363,26 @@ class RecordDecoder:
         batch.add(t.CHUNKS, (run_id, seq, day, chunk.kind, chunk.content, chunk.attempt))
         batch.chunk_runs[run_id] = day
 
+    def _erased_letter(self, letter: DeadLetter) -> bool:
+        """A letter of an erased user: its original is keyed by the user (a runs record),
+        names an erased user, or names a run of one (which it then marks erased)."""
+        fields = _original_fields(letter)
+        run_id, user = fields.get("run_id"), fields.get("user_id")
+        key = None if letter.key is None else letter.key.decode("utf-8", "replace")
+        if self.erased.user(key if isinstance(key, str) else None) or (
+            isinstance(user, str) and self.erased.user(user)
+        ):
+            if isinstance(run_id, str):
+                self.erased.add_run(run_id)
+            return True
+        return isinstance(run_id, str) and run_id in self.erased.runs
+
     def _dead_letter(self, msg: Message, ts: int, batch: RowBatch) -> None:
         self._expect(msg, DEAD_LETTER)
         letter = decode_dead_letter(msg.value())
+        if self.erased and self._erased_letter(letter):
+            self.erased.dropped += 1
+            return
         try:
             at = parse_instant(letter.at) if letter.at else instant(ts)
         except ValueError:
@@ -346,12 +434,12 @@ def chunk_columns(msgs: Sequence[Message]) -> tuple[list[Any], ...] | None:
     per-record path, which gives a bad record its reason."""
     if not plain_chunk_poll(msgs):
         return None  # a tombstone, or a header the per-record path reads further
-    return _plain_poll_columns(msgs)
+    return _plain_poll_columns(msgs, read_all(msgs, "value"))
 
 
-def _plain_poll_columns(msgs: Sequence[Message]) -> tuple[list[Any], ...] | None:
-    """:func:`chunk_columns` of a poll that :func:`plain_chunk_poll` has passed."""
-    values = read_all(msgs, "value")
+def _plain_poll_columns(msgs: Sequence[Message], values: list[Any]) -> tuple[list[Any], ...] | None:
+    """:func:`chunk_columns` of a poll that :func:`plain_chunk_poll` has passed, whose
+    values are ``values``."""
     try:
         texts = [v.decode("utf-8") for v in values]  # no tombstone: plain_chunk_poll passed
         # json.loads(text) is _SCAN(text, 0) once leading whitespace is skipped; a text
@@ -386,7 +474,12 @@ _SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 def plain_chunk_poll(msgs: Sequence[Message]) -> bool:
     """No tombstone among ``msgs``, and every first header the current chunk schema
     (or none): records the per-record path reads as chunks if their values allow."""
-    return None not in read_all(msgs, "value") and _plain_chunk_headers(read_all(msgs, "headers"))
+    return _plain_values_and_headers(read_all(msgs, "value"), msgs)
+
+
+def _plain_values_and_headers(values: list[Any], msgs: Sequence[Message]) -> bool:
+    """:func:`plain_chunk_poll` of ``msgs``, whose values are ``values`` (read once)."""
+    return None not in values and _plain_chunk_headers(read_all(msgs, "headers"))
 
 
 def _plain_chunk_headers(headers: list[Any]) -> bool:
@@ -414,6 +507,17 @@ def _column_keeps(f: Field, column: list[Any]) -> bool:
     if f.max_length is not None and max(map(len, column)) > f.max_length:
         return False
     return f.minimum is None or min(column) >= f.minimum
+
+
+def _original_fields(letter: DeadLetter) -> dict[str, Any]:
+    """The original record's value as a JSON object, or {}."""
+    if letter.value is None:
+        return {}
+    try:
+        obj = json.loads(letter.value)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
 
 
 def _original_run_id(letter: DeadLetter) -> str | None:

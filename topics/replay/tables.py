@@ -260,6 +260,69 @@ RAW_RECORDS = Table(
     ),
 )
 
+# From koda's Postgres, not the topics (export.py): what each run was asked, each message
+# merged into a running run, the schedules and the memories (without their vectors).
+RUN_INPUTS = Table(
+    "run_inputs",
+    (
+        _key("run_id", "text"),
+        Column("day", "date", Merge.FIRST),
+        Column("user_id", "text", Merge.FIRST),
+        Column("session_id", "text", Merge.FIRST),
+        Column("created_at", "timestamp", Merge.FIRST),
+        # The input as it stands after ``input_version`` merges: the newer version wins.
+        Column("input", "json", Merge.NEWER, "input_version"),
+        Column("metadata", "json", Merge.FIRST),
+        Column("input_version", "int", Merge.MAX),
+    ),
+)
+RUN_MERGES = Table(
+    "run_merges",
+    (
+        _key("run_id", "text"),
+        _key("input_version", "int"),
+        Column("day", "date"),
+        Column("user_id", "text"),
+        Column("input", "json"),
+        Column("created_at", "timestamp"),
+    ),
+)
+SCHEDULES = Table(
+    "schedules",
+    (
+        _key("schedule_id", "text"),
+        Column("day", "date"),
+        Column("user_id", "text"),
+        Column("session_id", "text"),
+        Column("cron", "text"),
+        Column("timezone", "text"),
+        Column("input", "json"),
+        Column("enabled", "bool"),
+        Column("quiet_start", "int"),
+        Column("quiet_end", "int"),
+        Column("daily_cap", "int"),
+        Column("overlap", "text"),
+        Column("catchup_s", "int"),
+        Column("next_fire_at", "timestamp"),
+        Column("last_fire_at", "timestamp"),
+        Column("created_at", "timestamp"),
+        Column("updated_at", "timestamp"),
+    ),
+)
+MEMORIES = Table(
+    "memories",
+    (
+        _key("memory_id", "text"),
+        Column("day", "date"),
+        Column("user_id", "text"),
+        Column("text", "text"),
+        Column("embedder", "text"),
+        Column("run_id", "text"),
+        Column("created_at", "timestamp"),
+    ),
+)
+EXPORTED: tuple[Table, ...] = (RUN_INPUTS, RUN_MERGES, SCHEDULES, MEMORIES)
+
 # Upserts go table by table in this order (and by key within a table), so concurrent
 # replays into one PostgreSQL schema take row locks in one global order: no deadlock.
 TABLES: tuple[Table, ...] = (
@@ -270,6 +333,7 @@ TABLES: tuple[Table, ...] = (
     LEDGER,
     DEAD_LETTERS,
     RAW_RECORDS,
+    *EXPORTED,
     OUTPUTS,
 )
 BY_NAME = {t.name: t for t in TABLES}

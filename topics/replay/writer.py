@@ -11,6 +11,8 @@ guarantees stays what engine.py says:
 * batch N's offsets (the reader's positions when the batch was cut) are committed only
   after its rows are, by the caller's thread, when it hands over the next batch or
   finishes;
+* a following replay also commits them as soon as the write is over
+  (:meth:`settle_written`), so an idle one does not hold its last batch's offsets back;
 * a write that fails raises in the caller at the next hand-over (or at :meth:`finish`):
   nothing after it is written and its offsets are never committed, so a restarted job
   reads it again (the upserts make that harmless).
@@ -53,6 +55,7 @@ class BatchWriter:
         if not len(batch):
             self._commit(dict(positions))
             return
+        batch.positions = dict(positions)
         self._pending = (self._pool.submit(self._write, batch), batch, dict(positions))
 
     def settle(self) -> None:
@@ -64,6 +67,13 @@ class BatchWriter:
         written = future.result()  # the sink's error, if any, is raised here
         self._done(batch, written)
         self._commit(positions)
+
+    def settle_written(self) -> None:
+        """:meth:`settle` if the batch in flight is already written (or failed), else
+        nothing: a following replay that reads nothing new commits its last batch's
+        offsets now instead of at its next batch, which may be long in coming."""
+        if self._pending is not None and self._pending[0].done():
+            self.settle()
 
     def finish(self) -> None:
         """Settle the last batch and stop the thread."""

@@ -5,6 +5,9 @@
     postgresql://user@host/db         a PostgreSQL schema (``?schema=NAME``; default
                                       ``Names.warehouse_schema()``, e.g. koda_dev_warehouse)
     parquet:///warehouse              Parquet files partitioned by day under a directory
+    iceberg:///warehouse              Iceberg tables: a SQL catalog (SQLite) and files under a
+                                      directory; iceberg+rest://host:port/path for a REST
+                                      catalog (sinks/iceberg.py has the forms)
 
 Every message shows the URL through :func:`redact` (no password).
 """
@@ -22,7 +25,7 @@ from koda_runtime.topics.replay.sinks.base import Sink
 __all__ = ["DEFAULT_URL", "Sink", "open_sink", "redact"]
 
 DEFAULT_URL = "duckdb:///warehouse.duckdb"
-SCHEMES = ("duckdb", "postgresql", "postgres", "parquet")
+SCHEMES = ("duckdb", "postgresql", "postgres", "parquet", "iceberg", "iceberg+rest")
 _SCHEMA = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
@@ -75,6 +78,15 @@ def open_sink(url: str, names: Names) -> Sink:
         if scheme == "duckdb":
             return DuckDBSink(_path(url, "duckdb"), redact(url))
         return ParquetSink(_path(url, "parquet"), redact(url))
+    if scheme in ("iceberg", "iceberg+rest", "iceberg+rests"):
+        try:
+            from koda_runtime.topics.replay.sinks.iceberg import IcebergSink, catalog_config
+        except ModuleNotFoundError as exc:
+            raise ReplayOptionError(
+                f"--to {scheme}://...: the iceberg sink needs {exc.name}, which comes with "
+                f"the warehouse extra: pip install '{WAREHOUSE_EXTRA}'"
+            ) from exc
+        return IcebergSink(catalog_config(url, names))
     if scheme in ("postgresql", "postgres"):
         from koda_runtime.topics.replay.sinks.postgres import PostgresSink
 

@@ -72,12 +72,19 @@ class SqlSink(Sink):
                 n = self.upsert_batch(table, batch)
                 if n:
                     written[table.name] = n
-            outputs = batch.sorted_rows(t.OUTPUTS) + self._rebuilt_outputs(batch)
-            outputs.sort(key=lambda row: row[0])
-            if outputs:
-                self.upsert(t.OUTPUTS, outputs)
-                written[t.OUTPUTS.name] = len(outputs)
+            n = self.write_outputs(batch)
+            if n:
+                written[t.OUTPUTS.name] = n
         return written
+
+    def write_outputs(self, batch: RowBatch) -> int:
+        """Upsert the batch's ``outputs`` rows (inside the transaction, after every other
+        table's); return how many."""
+        outputs = batch.sorted_rows(t.OUTPUTS) + self._rebuilt_outputs(batch)
+        outputs.sort(key=lambda row: row[0])
+        if outputs:
+            self.upsert(t.OUTPUTS, outputs)
+        return len(outputs)
 
     def upsert_batch(self, table: t.Table, batch: RowBatch) -> int:
         """Upsert the batch's rows of ``table``; return how many (one per key)."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 
 from koda_runtime.lifecycle.chunks import TERMINAL_KINDS, ChunkKind
 from koda_runtime.topics.replay import sql
@@ -34,6 +35,14 @@ DUCKDB_TYPES = {
     "json": "VARCHAR",
 }
 INCOMING = "koda_incoming"
+WANTED = "koda_wanted"  # the runs whose outputs rows a batch rebuilds (rebuild_sql)
+
+
+_KINDS = {
+    "ends": sorted(k.value for k in TERMINAL_KINDS),
+    "reset": ChunkKind.RESET.value,
+    "chunk": ChunkKind.CHUNK.value,
+}
 
 
 class DuckDBSink(SqlSink):
@@ -53,9 +62,10 @@ class DuckDBSink(SqlSink):
         " WHERE run_id IN (SELECT unnest(?::VARCHAR[]))"
     )
 
-    # output_row in SQL, one row per run: the text of the ``chunk`` events after the last
-    # ``reset`` by seq; the terminal event with the highest seq, kept only when every seq
-    # below it is there (seqs are unique per run, so counting them is enough).
+    # output_row in SQL, one row per run of the list $runs: the text of the ``chunk``
+    # events after the last ``reset`` by seq; the terminal event with the highest seq,
+    # kept only when every seq below it is there (seqs are unique per run, so counting
+    # them is enough).
     outputs_sql = """
         WITH c AS (
             SELECT run_id, seq, kind, content FROM chunks
@@ -74,14 +84,53 @@ class DuckDBSink(SqlSink):
                 string_agg(c.content, '' ORDER BY c.seq)
                     FILTER (WHERE c.kind = $chunk AND c.seq > r.last_reset),
                 ''
-            ),
+            ) AS output,
             CASE WHEN count(*) FILTER (WHERE c.seq <= r.end_seq) = r.end_seq + 1
-                THEN r.end_kind END,
+                THEN r.end_kind END AS end_kind,
             CASE WHEN count(*) FILTER (WHERE c.seq <= r.end_seq) = r.end_seq + 1
-                THEN r.end_content END,
+                THEN r.end_content END AS end_content,
             r.last_seq
         FROM r JOIN c USING (run_id)
         GROUP BY r.run_id, r.last_reset, r.end_seq, r.end_kind, r.end_content, r.last_seq
+    """
+    # A batch's rebuilt outputs rows in one query (the same rules over the runs of the
+    # relation koda_wanted: run_id, day), as an Arrow table upserted without the rows
+    # becoming Python objects: every run but those whose stored output is compacted (a
+    # final record's), a run without stored chunks as output_row builds it (empty
+    # text, no end). It replaced a query for the compacted runs, one for the rebuilt
+    # rows fetched into Python, and their conversion back to Arrow.
+    rebuild_sql = """
+        SELECT w.run_id, w.day, coalesce(o.output, '') AS output, o.end_kind,
+            o.end_content, o.last_seq, false AS compacted
+        FROM koda_wanted w LEFT JOIN (
+            WITH c AS (
+                SELECT run_id, seq, kind, content FROM chunks
+                WHERE run_id IN (SELECT run_id FROM koda_wanted)
+            ), r AS (
+                SELECT run_id,
+                    coalesce(max(seq) FILTER (WHERE kind = $reset), -1) AS last_reset,
+                    max(seq) FILTER (WHERE list_contains($ends, kind)) AS end_seq,
+                    arg_max(kind, seq) FILTER (WHERE list_contains($ends, kind)) AS end_kind,
+                    arg_max(content, seq) FILTER (WHERE list_contains($ends, kind))
+                        AS end_content,
+                    max(seq) AS last_seq
+                FROM c GROUP BY run_id
+            )
+            SELECT r.run_id,
+                coalesce(
+                    string_agg(c.content, '' ORDER BY c.seq)
+                        FILTER (WHERE c.kind = $chunk AND c.seq > r.last_reset),
+                    ''
+                ) AS output,
+                CASE WHEN count(*) FILTER (WHERE c.seq <= r.end_seq) = r.end_seq + 1
+                    THEN r.end_kind END AS end_kind,
+                CASE WHEN count(*) FILTER (WHERE c.seq <= r.end_seq) = r.end_seq + 1
+                    THEN r.end_content END AS end_content,
+                r.last_seq
+            FROM r JOIN c USING (run_id)
+            GROUP BY r.run_id, r.last_reset, r.end_seq, r.end_kind, r.end_content, r.last_seq
+        ) o USING (run_id)
+        WHERE w.run_id NOT IN (SELECT run_id FROM outputs WHERE compacted)
     """
 
     def __init__(self, path: Path, display: str) -> None:
@@ -159,17 +208,37 @@ class DuckDBSink(SqlSink):
     def rebuild_outputs(self, run_ids: list[str], days: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """:func:`output_row` computed by DuckDB, so a batch's chunks never come back
         into Python; a run without stored chunks gets output_row's empty row."""
-        params = {
-            "runs": run_ids,
-            "ends": sorted(k.value for k in TERMINAL_KINDS),
-            "reset": ChunkKind.RESET.value,
-            "chunk": ChunkKind.CHUNK.value,
-        }
+        params = {"runs": run_ids, **_KINDS}
         found = {row[0]: row for row in self.conn.execute(self.outputs_sql, params).fetchall()}
         return [
             (r, days[r], *found[r][1:], False) if r in found else output_row(r, days[r], [])
             for r in run_ids
         ]
+
+    def write_outputs(self, batch: RowBatch) -> int:
+        """The final records' outputs rows, then the others rebuilt by :attr:`rebuild_sql`."""
+        finals = batch.rows_of(t.OUTPUTS)
+        if finals:
+            self.upsert(t.OUTPUTS, finals)
+        wanted = [r for r in batch.chunk_runs if r not in batch.final_runs]
+        if not wanted:
+            return len(finals)
+        days = [batch.chunk_runs[r] for r in wanted]
+        runs = pa.table(
+            {"run_id": pa.array(wanted, pa.string()), "day": pa.array(days, pa.date32())}
+        )
+        self.conn.register(WANTED, runs)
+        try:
+            rebuilt = self.conn.sql(self.rebuild_sql, params=_KINDS).to_arrow_table()
+        finally:
+            self.conn.unregister(WANTED)
+        if rebuilt.num_rows:
+            self.conn.register(INCOMING, rebuilt)
+            try:
+                self.upsert_from(t.OUTPUTS, INCOMING)
+            finally:
+                self.conn.unregister(INCOMING)
+        return len(finals) + int(rebuilt.num_rows)
 
     def select(self, query: str, run_ids: list[str]) -> list[tuple[Any, ...]]:
         return self.conn.execute(query, [run_ids]).fetchall()
