@@ -3,6 +3,11 @@
 * ``dev``: a token ``dev:<user_id>`` authenticates as ``<user_id>``.
 * ``prod``: dev tokens are refused; a token must be one of ``settings.prod_tokens``
   (token -> user_id), compared in constant time.
+* **Service tokens** (``KODA_SERVICE_TOKENS``, dev and prod): a backend's token, with a
+  name and scopes, acting for the user its ``X-Koda-User`` header names (400 without
+  it; 403 when the request needs a scope the token lacks, gateway/principal.py). A
+  user's token may send the header naming itself only (403 otherwise). Every request's
+  :class:`~koda_runtime.gateway.principal.Principal` is resolved here, once.
 * ``/admin``: see :func:`check_admin`.
 * **Failed logins** (every 401 of a token, a ticket or the admin token) are counted per
   client address (:class:`FailedLogins`): past ``KODA_AUTH_FAILURES`` in
@@ -33,9 +38,16 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.security import HTTPBearer
 
-from koda_runtime.gateway.errors import Forbidden, GatewayError, Unauthorized
+from koda_runtime.gateway.errors import BadRequest, Forbidden, GatewayError, Unauthorized
+from koda_runtime.gateway.principal import (
+    CURRENT,
+    ON_BEHALF_HEADER,
+    READ,
+    Principal,
+    scope_for,
+)
 from koda_runtime.naming import AppEnv
-from koda_runtime.settings import USER_ID, Settings
+from koda_runtime.settings import USER_ID, ServiceToken, Settings
 
 # The schemes as OpenAPI declares them; the checks themselves are below.
 BEARER = HTTPBearer(auto_error=False, description="dev: 'dev:<user_id>'; prod: an API token")
@@ -154,7 +166,11 @@ def ticket_secret(settings: Settings) -> bytes:
     """
     if settings.stream_ticket_secret:
         return hashlib.sha256(settings.stream_ticket_secret.encode()).digest()
-    has_secret = bool(settings.prod_tokens) or settings.admin_token is not None
+    has_secret = (
+        bool(settings.prod_tokens)
+        or bool(settings.service_tokens)
+        or settings.admin_token is not None
+    )
     if settings.app_env is AppEnv.PROD and not has_secret:
         return secrets.token_bytes(32)
     parts = [
@@ -163,6 +179,8 @@ def ticket_secret(settings: Settings) -> bytes:
         settings.database_url,
         settings.admin_token or "",
         *sorted(f"{t}:{u}" for t, u in settings.prod_tokens.items()),
+        # Only when configured, so that adding none leaves existing tickets valid.
+        *sorted(f"service {t}:{s.name}" for t, s in settings.service_tokens.items()),
     ]
     return hmac.new(b"koda stream tickets", "\0".join(parts).encode(), hashlib.sha256).digest()
 
@@ -233,10 +251,12 @@ class Authenticator:
         *,
         failures: FailedLogins | None = None,
         tickets: StreamTickets | None = None,
+        service_tokens: Mapping[str, ServiceToken] | None = None,
     ) -> None:
         self._env = app_env
         # Compare bytes so a non-ASCII token cannot make compare_digest raise.
         self._tokens = [(t.encode(), u) for t, u in prod_tokens.items()]
+        self._services = [(t.encode(), s) for t, s in (service_tokens or {}).items()]
         self.failures = failures if failures is not None else FailedLogins(20, 60.0)
         self.tickets = tickets if tickets is not None else StreamTickets(secrets.token_bytes(32))
 
@@ -251,10 +271,79 @@ class Authenticator:
             settings.prod_tokens,
             failures=FailedLogins(settings.auth_failures, settings.auth_failure_window_s),
             tickets=StreamTickets(ticket_secret(settings)),
+            service_tokens=settings.service_tokens,
         )
 
     def authenticate(self, authorization: str | None) -> str:
-        """The user id of a ``Bearer <token>`` header value."""
+        """The user id of a user's ``Bearer <token>`` header value (401 for a service
+        token, which names no user by itself: see :meth:`principal`)."""
+        caller = self.identify(authorization)
+        if caller.kind != "user":
+            raise Unauthorized(
+                f"a service token acts for a user: send {ON_BEHALF_HEADER} with the user id"
+            )
+        return caller.user_id
+
+    def principal(
+        self,
+        authorization: str | None,
+        on_behalf: list[str],
+        scope: str,
+        *,
+        require_user: bool = True,
+    ) -> Principal:
+        """The caller of a request needing ``scope``, acting for the user ``on_behalf``
+        (the ``X-Koda-User`` header's values) names.
+
+        401 for a bad token; 400 for a service token without the header (unless
+        ``require_user`` is False: then its ``user_id`` is empty) or a header that is not
+        one valid user id; 403 for a user token naming another user, or a service token
+        without ``scope``.
+        """
+        caller = self.identify(authorization)
+        if len(on_behalf) > 1:
+            raise BadRequest(
+                f"{ON_BEHALF_HEADER} header sent more than once: name one user",
+                field=ON_BEHALF_HEADER,
+                code="invalid_header",
+            )
+        named = on_behalf[0].strip() if on_behalf else None
+        if named is not None and not valid_user_id(named):
+            raise BadRequest(
+                f"{ON_BEHALF_HEADER} must be a user id: 1-128 chars of A-Z a-z 0-9 . _ @ -",
+                field=ON_BEHALF_HEADER,
+                code="invalid_header",
+            )
+        if caller.kind == "user":
+            if named is not None and named != caller.user_id:
+                raise Forbidden(
+                    f"{ON_BEHALF_HEADER} names another user: a user's token acts for its "
+                    "own user only (a backend acting for users needs a service token)",
+                    field=ON_BEHALF_HEADER,
+                )
+            return caller
+        if not caller.allows(scope):
+            held = ", ".join(sorted(caller.scopes or ())) or "none"
+            raise Forbidden(
+                f"service token {caller.name!r} lacks the {scope!r} scope this request needs "
+                f"(it has: {held}); add it in KODA_SERVICE_TOKENS",
+                field="scope",
+                code="missing_scope",
+            )
+        if named is None:
+            if require_user:
+                raise BadRequest(
+                    f"missing {ON_BEHALF_HEADER} header: a service token acts for the user "
+                    "this header names",
+                    field=ON_BEHALF_HEADER,
+                    code="missing_header",
+                )
+            return caller
+        return caller.acting_for(named)
+
+    def identify(self, authorization: str | None) -> Principal:
+        """The caller a ``Bearer <token>`` header value names: a user (``user_id`` its
+        own) or a service (``user_id`` empty until a request names the user)."""
         if not authorization:
             raise Unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
         scheme, _, token = authorization.strip().partition(" ")
@@ -263,9 +352,23 @@ class Authenticator:
             raise Unauthorized("malformed Authorization header: use 'Bearer <token>'")
         if len(token) > MAX_TOKEN_CHARS:
             raise Unauthorized("invalid bearer token")
+        service = self._service(token)
+        if service is not None:
+            return Principal("service", service.name, "", service.scopes)
         if self._env is AppEnv.DEV:
-            return self._dev_user(token)
-        return self._prod_user(token)
+            user_id = self._dev_user(token)
+        else:
+            user_id = self._prod_user(token)
+        return Principal("user", user_id, user_id)
+
+    def _service(self, token: str) -> ServiceToken | None:
+        """The service token ``token`` is, compared in constant time with every one."""
+        presented = token.encode()
+        found: ServiceToken | None = None
+        for candidate, service in self._services:
+            if hmac.compare_digest(candidate, presented):
+                found = service
+        return found
 
     def _dev_user(self, token: str) -> str:
         if not token.startswith(DEV_PREFIX):
@@ -299,11 +402,40 @@ def client_address(request: Request) -> str:
 
 
 def authenticate_request(request: Request, auth: Authenticator) -> str:
-    """The user id of the request's bearer token; noted on the request for its log line.
+    """The user the request acts for: its token's own user, or the user a service
+    token's ``X-Koda-User`` names (:meth:`Authenticator.principal`, with the scope
+    :func:`~koda_runtime.gateway.principal.scope_for` the request's method and path).
+    The principal is noted on the request (for its log line) and in
+    :data:`~koda_runtime.gateway.principal.CURRENT` (for the runs it creates).
 
     429 while the client's address has too many failed logins; a 401 counts as one.
     """
-    return _counted(request, auth, lambda: auth.authenticate(request.headers.get("authorization")))
+    return request_principal(request, auth).user_id
+
+
+def request_principal(
+    request: Request, auth: Authenticator, *, require_user: bool = True
+) -> Principal:
+    """:func:`authenticate_request`'s principal; with ``require_user`` False a service
+    token may omit ``X-Koda-User`` (its ``user_id`` is then empty: a batch whose items
+    name their users)."""
+    scope = scope_for(request.method, _route_path(request))
+    return _counted(
+        request,
+        auth,
+        lambda: auth.principal(
+            request.headers.get("authorization"),
+            request.headers.getlist(ON_BEHALF_HEADER),
+            scope,
+            require_user=require_user,
+        ),
+    )
+
+
+def _route_path(request: Request) -> str:
+    path: str = request.scope["path"]
+    root: str = request.scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def authenticate_stream(
@@ -321,32 +453,37 @@ def authenticate_stream(
     a URL). Counted like every login.
     """
 
-    def check() -> str:
+    def check() -> Principal:
         authorization = request.headers.get("authorization")
         if authorization or (not ticket and not access_token):
-            return auth.authenticate(authorization)
+            on_behalf = request.headers.getlist(ON_BEHALF_HEADER)
+            return auth.principal(authorization, on_behalf, READ)
         if ticket:
-            return auth.tickets.user_of(ticket, run_id)
+            user_id = auth.tickets.user_of(ticket, run_id)
+            return Principal("user", user_id, user_id)
         if auth.app_env is AppEnv.PROD:
             raise Unauthorized(
                 "?access_token= is refused in prod: open the stream with ?ticket= from "
                 "POST /v1/runs/{run_id}/stream-ticket, or send an Authorization header"
             )
-        return auth.authenticate(f"Bearer {access_token}")
+        user_id = auth.authenticate(f"Bearer {access_token}")
+        return Principal("user", user_id, user_id)
 
-    return _counted(request, auth, check)
+    return _counted(request, auth, check).user_id
 
 
-def _counted(request: Request, auth: Authenticator, check: Callable[[], str]) -> str:
+def _counted(request: Request, auth: Authenticator, check: Callable[[], Principal]) -> Principal:
     address = client_address(request)
     auth.failures.check(address)
     try:
-        user_id = check()
+        principal = check()
     except Unauthorized:
         auth.failures.failed(address)
         raise
-    request.state.user_id = user_id
-    return user_id
+    request.state.user_id = principal.user_id or "-"
+    request.state.principal = principal.created_by
+    CURRENT.set(principal)
+    return principal
 
 
 def admit_admin(request: Request, auth: Authenticator, settings: Settings) -> None:

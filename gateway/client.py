@@ -1,7 +1,14 @@
 """``koda runs submit|show|cancel|follow``: talk to a gateway over HTTP.
 
-A client only: it imports no server module (FastAPI, uvicorn, the app), so the
-``koda`` command line does not load the gateway to submit or follow a run.
+The commands are :mod:`koda_runtime.client`'s own use: they submit, read, cancel and
+follow through :class:`~koda_runtime.client.Client`. A client only: it imports no
+server module (FastAPI, uvicorn, the app), so the ``koda`` command line does not load
+the gateway to submit or follow a run.
+
+Who calls: ``--token`` (or ``KODA_TOKEN``) is a bearer token, a user's own or a service
+token (KODA_SERVICE_TOKENS), and ``--user`` (or ``KODA_USER``) then names the user it
+acts for (``X-Koda-User``); without a token, ``--user`` is the dev token
+``dev:<user>``.
 """
 
 from __future__ import annotations
@@ -10,12 +17,16 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import httpx
 import typer
 
-from koda_runtime.gateway.eventstream import RECONNECT, TERMINAL_KINDS, Event, EventParser
+from koda_runtime.client import ApiError, Client, ClientError, Event, GatewayUnreachable
+from koda_runtime.gateway.eventstream import RECONNECT, TERMINAL_KINDS
+from koda_runtime.gateway.eventstream import Event as WireEvent
 from koda_runtime.lifecycle.states import RunStatus
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
@@ -26,6 +37,9 @@ runs_app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Submit runs to a gateway and read them."
 )
 
+USER_HELP = "The user: with --token, the user it acts for (X-Koda-User); else dev:<user>."
+TOKEN_HELP = "A bearer token (prod): a user's own, or a service token acting for --user."  # noqa: S105 - help text
+
 
 def fail(message: str) -> NoReturn:
     typer.echo(f"koda: {message}", err=True)
@@ -33,20 +47,12 @@ def fail(message: str) -> NoReturn:
 
 
 def _explain(response: httpx.Response) -> str:
-    try:
-        error = response.json()["error"]
-        where = f" ({error['field']})" if error.get("field") else ""
-        return f"HTTP {response.status_code} {error['code']}{where}: {error['message']}"
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {response.status_code}: {response.text[:200]}"
-
-
-def new_message_id() -> str:
-    """A client_message_id for one new message (a random UUID)."""
-    return str(uuid.uuid4())
+    return str(ApiError.of(response))
 
 
 def call(client: httpx.Client, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
+    """One request on a plain httpx client (``koda schedules``), refusals ending the
+    command with the gateway's error."""
     try:
         response = client.request(method, url, **kwargs)
     except httpx.HTTPError as exc:
@@ -57,10 +63,38 @@ def call(client: httpx.Client, method: str, url: str, **kwargs: Any) -> dict[str
     return body
 
 
+def new_message_id() -> str:
+    """A client_message_id for one new message (a random UUID)."""
+    return str(uuid.uuid4())
+
+
+def credentials(user: str | None, token: str | None) -> tuple[str, str | None]:
+    """The bearer token and the user it acts for (None: the token's own)."""
+    if token:
+        return token, user
+    if user:
+        return f"dev:{user}", None
+    fail("give --user (dev token dev:<user>) or --token (with --user for a service token)")
+
+
+@contextmanager
+def connected(gateway: str, user: str | None, token: str | None) -> Iterator[Client]:
+    """A :class:`Client` whose refusals end the command with the gateway's error."""
+    bearer, on_behalf_of = credentials(user, token)
+    with Client(gateway, bearer, on_behalf_of=on_behalf_of) as client:
+        try:
+            yield client
+        except GatewayUnreachable as exc:
+            fail(f"{exc}; is `koda gateway` running?")
+        except ClientError as exc:
+            fail(str(exc))
+
+
 @runs_app.command("submit")
 def submit(
     text: str = typer.Argument(..., help="The input text of the run."),
-    user: str = typer.Option(..., "--user", help="Submit as this user (dev token dev:<user>)."),
+    user: str | None = typer.Option(None, "--user", envvar="KODA_USER", help=USER_HELP),
+    token: str | None = typer.Option(None, "--token", envvar="KODA_TOKEN", help=TOKEN_HELP),
     session: str | None = typer.Option(None, "--session", help="Session id; default: new."),
     key: str | None = typer.Option(None, "--key", help="Idempotency-Key header."),
     message_id: str | None = typer.Option(
@@ -74,31 +108,29 @@ def submit(
     timeout: float = typer.Option(300.0, "--timeout", help="With --wait: give up after (s)."),
 ) -> None:
     """Submit TEXT as a run; print its run id, or with --wait its output."""
-    headers = {"Authorization": f"Bearer dev:{user}"}
-    if key is not None:
-        headers["Idempotency-Key"] = key
-    body: dict[str, Any] = {"input": text, "client_message_id": message_id or new_message_id()}
-    if session is not None:
-        body["session_id"] = session
-    with httpx.Client(base_url=gateway, headers=headers, timeout=10.0) as client:
-        accepted = call(client, "POST", "/v1/runs", json=body)
-        run_id = str(accepted["run_id"])
+    with connected(gateway, user, token) as client:
+        accepted = client.submit(
+            text,
+            session_id=session,
+            idempotency_key=key,
+            client_message_id=message_id or new_message_id(),
+        )
         if not wait:
-            typer.echo(run_id)
+            typer.echo(accepted.run_id)
             return
-        typer.echo(f"run {run_id} {accepted['status']}", err=True)
-        run = _wait_terminal(client, run_id, timeout)
+        typer.echo(f"run {accepted.run_id} {accepted.status}", err=True)
+        run = _wait_terminal(client, accepted.run_id, timeout)
     typer.echo(run["output"])
     if run["status"] != RunStatus.DONE.value:
         detail = f": {run['error']}" if run.get("error") else ""
-        fail(f"run {run_id} ended {run['status']}{detail}")
+        fail(f"run {accepted.run_id} ended {run['status']}{detail}")
 
 
-def _wait_terminal(client: httpx.Client, run_id: str, timeout_s: float) -> dict[str, Any]:
+def _wait_terminal(client: Client, run_id: str, timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     last_status = None
     while True:
-        run = call(client, "GET", f"/v1/runs/{run_id}")
+        run = client.get(run_id)
         if run["status"] != last_status:
             last_status = run["status"]
             typer.echo(f"run {run_id} {last_status}", err=True)
@@ -112,20 +144,20 @@ def _wait_terminal(client: httpx.Client, run_id: str, timeout_s: float) -> dict[
 @runs_app.command("show")
 def show(
     run_id: str = typer.Argument(..., help="The run id."),
-    user: str = typer.Option(..., "--user", help="The run's owner (dev token dev:<user>)."),
+    user: str | None = typer.Option(None, "--user", envvar="KODA_USER", help=USER_HELP),
+    token: str | None = typer.Option(None, "--token", envvar="KODA_TOKEN", help=TOKEN_HELP),
     gateway: str = typer.Option(DEFAULT_GATEWAY, "--gateway", help="Gateway base URL."),
 ) -> None:
     """Print a run as JSON."""
-    with httpx.Client(
-        base_url=gateway, headers={"Authorization": f"Bearer dev:{user}"}, timeout=10.0
-    ) as client:
-        typer.echo(json.dumps(call(client, "GET", f"/v1/runs/{run_id}"), indent=2))
+    with connected(gateway, user, token) as client:
+        typer.echo(json.dumps(client.get(run_id), indent=2))
 
 
 @runs_app.command("cancel")
 def cancel(
     run_id: str = typer.Argument(..., help="The run id."),
-    user: str = typer.Option(..., "--user", help="The run's owner (dev token dev:<user>)."),
+    user: str | None = typer.Option(None, "--user", envvar="KODA_USER", help=USER_HELP),
+    token: str | None = typer.Option(None, "--token", envvar="KODA_TOKEN", help=TOKEN_HELP),
     reason: str | None = typer.Option(None, "--reason", help="Shown in the cancelled event."),
     gateway: str = typer.Option(DEFAULT_GATEWAY, "--gateway", help="Gateway base URL."),
 ) -> None:
@@ -134,30 +166,22 @@ def cancel(
     A pending run is cancelled at once; a running one is ended by its worker (follow
     it with `koda runs follow`); a run that already ended is left as it is.
     """
-    body = {} if reason is None else {"reason": reason}
-    with httpx.Client(
-        base_url=gateway, headers={"Authorization": f"Bearer dev:{user}"}, timeout=10.0
-    ) as client:
-        answer = call(client, "POST", f"/v1/runs/{run_id}/cancel", json=body or None)
+    with connected(gateway, user, token) as client:
+        answer = client.cancel(run_id, reason=reason)
     typer.echo(json.dumps(answer, indent=2))
 
 
 # --- koda runs follow ---------------------------------------------------------------
 
-FOLLOW_READ_TIMEOUT_S = 60.0  # several keep-alive intervals: a silent link is dead
-FOLLOW_DEFAULT_RETRY_S = 1.0
-
 
 class _Follower:
-    """Prints one run's events and remembers the last seq, across reconnections."""
+    """Prints one run's events (the client resumes the stream across reconnections)."""
 
     def __init__(self, last: int | None) -> None:
         self.last = last
-        self.retry_s = FOLLOW_DEFAULT_RETRY_S
         self.outcome: str | None = None  # the terminal kind once seen
-        self.heard_at = time.monotonic()  # when the gateway last answered
 
-    def handle(self, event: Event) -> bool:
+    def handle(self, event: Event | WireEvent) -> bool:
         """Print ``event``; True when the stream is over (terminal) or must be reopened."""
         if event.seq is not None:
             self.last = event.seq
@@ -199,7 +223,7 @@ def _tool_line(content: str) -> str:
     return f"{tool.get('name')} -> {str(tool.get('result', ''))[:200]}"
 
 
-def _data(event: Event) -> dict[str, Any]:
+def _data(event: Event | WireEvent) -> dict[str, Any]:
     try:
         data = event.json()
     except ValueError:
@@ -210,8 +234,8 @@ def _data(event: Event) -> dict[str, Any]:
 @runs_app.command("follow")
 def follow(
     run_id: str = typer.Argument(..., help="The run id."),
-    user: str | None = typer.Option(None, "--user", help="Read as this user (dev:<user>)."),
-    token: str | None = typer.Option(None, "--token", help="A bearer token (prod)."),
+    user: str | None = typer.Option(None, "--user", envvar="KODA_USER", help=USER_HELP),
+    token: str | None = typer.Option(None, "--token", envvar="KODA_TOKEN", help=TOKEN_HELP),
     after: int | None = typer.Option(
         None, "--after", min=0, help="Start after this seq (default: from the first event)."
     ),
@@ -224,50 +248,20 @@ def follow(
 
     Exit status: 0 done, 1 failed or cancelled, 2 refused or unreachable.
     """
-    if (user is None) == (token is None):
-        fail("give exactly one of --user (dev token dev:<user>) or --token")
-    bearer = token if token is not None else f"dev:{user}"
     follower = _Follower(after)
-    timeout = httpx.Timeout(10.0, read=FOLLOW_READ_TIMEOUT_S)
-    with httpx.Client(base_url=gateway, timeout=timeout) as client:
-        while True:
-            try:
-                if _follow_once(client, run_id, bearer, follower):
+
+    def lost(exc: Exception, last: int | None) -> None:
+        where = "the start" if last is None else f"seq {last}"
+        typer.echo(f"[connection lost ({type(exc).__name__}); resuming after {where}]", err=True)
+
+    with connected(gateway, user, token) as client:
+        try:
+            for event in client.follow(run_id, after=after, give_up_s=give_up, on_retry=lost):
+                if follower.handle(event):
                     break
-            except httpx.HTTPError as exc:
-                where = "the start" if follower.last is None else f"seq {follower.last}"
-                typer.echo(
-                    f"[connection lost ({type(exc).__name__}); resuming after {where}]", err=True
-                )
-            if time.monotonic() - follower.heard_at > give_up:
-                fail(f"gave up: no answer from {gateway} for {give_up:.0f}s")
-            time.sleep(follower.retry_s)
+        except ApiError as exc:
+            fail(str(exc))
+        except GatewayUnreachable as exc:
+            fail(str(exc))
     if follower.outcome not in (None, "done"):
         raise typer.Exit(1)
-
-
-def _follow_once(client: httpx.Client, run_id: str, bearer: str, follower: _Follower) -> bool:
-    """One connection; True when the run is over (or there is nothing more to read)."""
-    headers = {"Authorization": f"Bearer {bearer}", "Accept": "text/event-stream"}
-    if follower.last is not None:
-        headers["Last-Event-ID"] = str(follower.last)
-    with client.stream("GET", f"/v1/runs/{run_id}/events", headers=headers) as response:
-        follower.heard_at = time.monotonic()
-        if response.status_code == 204:
-            return True  # the run is over and nothing follows the last seq we have
-        if response.status_code >= 500:
-            raise httpx.HTTPStatusError(
-                f"HTTP {response.status_code}", request=response.request, response=response
-            )
-        if response.status_code >= 400:
-            response.read()
-            fail(_explain(response))
-        parser = EventParser()
-        for chunk in response.iter_bytes():
-            follower.heard_at = time.monotonic()
-            for event in parser.feed(chunk):
-                if parser.retry is not None:
-                    follower.retry_s = parser.retry / 1000.0
-                if follower.handle(event):
-                    return event.event != RECONNECT
-    return False  # closed without a terminal event: reconnect

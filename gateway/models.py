@@ -71,6 +71,10 @@ class RunDetail(BaseModel):
     scheduled_for: datetime | None = Field(
         None, description="The scheduled UTC minute it was fired for, if scheduled."
     )
+    created_by: str = Field(
+        description="Who created it: `user:<id>` (the user's own token) or "
+        "`service:<name>` (a KODA_SERVICE_TOKENS token acting for the user)."
+    )
 
 
 class ErrorDetail(BaseModel):

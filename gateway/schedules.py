@@ -56,6 +56,7 @@ from koda_runtime.scheduling import (
     ScheduleInvalid,
     minute_floor,
 )
+from koda_runtime.schemas.webhooks import get_webhook, schedule_webhooks
 
 DEFAULTS = Policy()
 MAX_DAILY_CAP = 100_000
@@ -72,6 +73,7 @@ FIELDS = (
     "overlap",
     "catchup_s",
     "session_id",
+    "webhook_id",
 )
 _HHMM = re.compile(r"([01][0-9]|2[0-3]):([0-5][0-9])")
 _QUIET_EXAMPLE = '{"start": "22:00", "end": "07:00"}'
@@ -126,6 +128,11 @@ class ScheduleBody(BaseModel):
     last_fire_at: datetime | None
     session_id: str | None = Field(
         description="null: a new session per fire; else every run joins it."
+    )
+    webhook_id: str | None = Field(
+        default=None,
+        description="The owner's webhook this schedule's runs go to (alone); "
+        "null: the owner's webhooks.",
     )
 
 
@@ -251,7 +258,31 @@ def parse_fields(obj: Any, *, creating: bool) -> dict[str, Any]:
                 field="session_id",
             )
         out["session_id"] = session
+    if "webhook_id" in obj:
+        webhook = obj["webhook_id"]
+        if webhook is not None and (not isinstance(webhook, str) or not 1 <= len(webhook) <= 128):
+            raise InvalidField(
+                "webhook_id must be null (the owner's webhooks) or the id of one of your "
+                "webhooks (GET /v1/webhooks)",
+                field="webhook_id",
+            )
+        out["webhook_id"] = webhook
     return out
+
+
+async def _check_webhook(gw: Components, user_id: str, fields: dict[str, Any]) -> None:
+    """422 on webhook_id unless it is null or one of the caller's webhooks."""
+    webhook = fields.get("webhook_id")
+    if webhook is not None and await get_webhook(gw.engine, webhook, user_id) is None:
+        raise InvalidField(
+            f"webhook_id {webhook[:64]!r} is not one of your webhooks (GET /v1/webhooks)",
+            field="webhook_id",
+        )
+
+
+async def _with_webhooks(gw: Components, bodies: list[ScheduleBody]) -> list[ScheduleBody]:
+    found = await schedule_webhooks(gw.engine, [b.id for b in bodies])
+    return [b.model_copy(update={"webhook_id": found.get(b.id)}) for b in bodies]
 
 
 def _spec(cron: Any, timezone: Any) -> CronSpec:
@@ -293,7 +324,7 @@ async def _changed(gw: Components, row: ScheduleRow, changes: dict[str, Any]) ->
     updated = await gw.schedules.update(row.id, row.user_id, changes)
     if updated is None:  # deleted since it was read
         raise _not_found()
-    return _body(updated)
+    return (await _with_webhooks(gw, [_body(updated)]))[0]
 
 
 router = APIRouter(responses=_ERRORS, tags=["schedules"])
@@ -304,6 +335,7 @@ router = APIRouter(responses=_ERRORS, tags=["schedules"])
 )
 async def create_schedule(request: Request, gw: Gateway, user_id: User) -> ScheduleBody:
     fields = parse_fields(await _read_json(request, gw), creating=True)
+    await _check_webhook(gw, user_id, fields)
     spec = _spec(fields["cron"], fields["timezone"])
     values = {
         "id": uuid7(),
@@ -324,7 +356,7 @@ async def create_schedule(request: Request, gw: Gateway, user_id: User) -> Sched
         row = await gw.schedules.create(values, max_per_user=gw.settings.max_schedules_per_user)
     except CapReached as exc:
         raise limit_reached(exc) from None
-    return _body(row)
+    return (await _with_webhooks(gw, [_body(row)]))[0]
 
 
 @router.get("/v1/schedules", response_model=ScheduleList, summary="Your schedules")
@@ -333,12 +365,13 @@ async def list_schedules(
     user_id: User,
     limit: int = Query(100, ge=1, le=1000, description="At most this many."),
 ) -> ScheduleList:
-    return ScheduleList(schedules=[_body(r) for r in await gw.schedules.owned(user_id, limit)])
+    bodies = [_body(r) for r in await gw.schedules.owned(user_id, limit)]
+    return ScheduleList(schedules=await _with_webhooks(gw, bodies))
 
 
 @router.get("/v1/schedules/{schedule_id}", response_model=ScheduleBody, summary="Read a schedule")
-async def get_schedule(row: Owned) -> ScheduleBody:
-    return _body(row)
+async def get_schedule(row: Owned, gw: Gateway) -> ScheduleBody:
+    return (await _with_webhooks(gw, [_body(row)]))[0]
 
 
 @router.patch(
@@ -348,6 +381,7 @@ async def get_schedule(row: Owned) -> ScheduleBody:
 )
 async def update_schedule(current: Owned, request: Request, gw: Gateway) -> ScheduleBody:
     changes = parse_fields(await _read_json(request, gw), creating=False)
+    await _check_webhook(gw, current.user_id, changes)
     if "cron" in changes or "timezone" in changes:
         spec = _spec(changes.get("cron", current.cron), changes.get("timezone", current.timezone))
         changes.update(

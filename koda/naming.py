@@ -9,6 +9,7 @@ Shapes (``ns`` is an optional namespace that isolates tests or tenants):
     topic            dev.koda.runs            dev.koda.ns.runs
     group            dev.koda.workers         dev.koda.ns.workers
     replay job group dev.koda.replay.<job>    dev.koda.ns.replay.<job>
+    webhooks group   dev.koda.webhooks        dev.koda.ns.webhooks
     client           dev.koda.gateway.<id>    dev.koda.ns.gateway.<id>
     transactional    dev.koda.tx.<id>
     pg_schema        koda_dev                 koda_dev__ns
@@ -121,6 +122,11 @@ class Names:
         """The consumer group of the named replay job ``job``: it holds the job's committed
         offsets and nothing else. Never the workers' group (``replay.`` comes first)."""
         return self.group(f"replay.{job}")
+
+    def webhooks_group(self) -> str:
+        """The webhook dispatchers' consumer group on the chunk topic (its offsets say
+        which terminal records have their deliveries made); never the workers' group."""
+        return self.group("webhooks")
 
     def warehouse_schema(self) -> str:
         """The default Postgres schema a replay writes its tables into (never koda's own)."""

@@ -14,6 +14,10 @@ fi
 if [ ! -x /usr/bin/chromium ]; then
   need+=(chromium)
 fi
+# The useChat browser test installs the AI SDK from npm and bundles its page (Node.js).
+if ! command -v npm >/dev/null; then
+  need+=(npm)
+fi
 # The bad-input tests write records from an outside client: Debian's kcat.
 if ! command -v kcat >/dev/null; then
   need+=(kcat)

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
+from sqlalchemy import text
 
 from koda_runtime.lifecycle.control import merge_inputs
 from koda_runtime.processors.handlers.demo import demo_tokens
@@ -446,6 +447,46 @@ def test_schedules_view_pauses_resumes_and_runs_now(browser, stack) -> None:
         stack.sub.query("SELECT schedule_id FROM runs WHERE id = :i", i=fired)[0].schedule_id == sid
     )
     c.shot("schedules")
+    c.close()
+
+
+def test_webhooks_view_creates_one_shows_its_secret_once_and_lists_deliveries(
+    browser, stack
+) -> None:
+    c = Console(browser, stack, "gina")
+    c.open("webhooks")
+    c.page.fill("#webhook-url", "http://127.0.0.1:9/hook")
+    c.page.click("#view form button[type=submit]")
+    c.page.wait_for_selector("#webhook-secret")
+    secret = str(c.page.text_content("#webhook-secret"))
+    (hook,) = stack.api("gina", "GET", "/v1/webhooks").json()["webhooks"]
+    assert secret.startswith("whsec_") and "secret" not in hook
+    # A delivery and its failed attempt, as the dispatcher records them; the error text
+    # holds markup, which the view shows as text.
+    run_id = stack.sub.submit("gina", {"text": "hook me"}, publish=False)
+    with stack.sub.engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO webhook_deliveries (id, webhook_id, run_id, user_id, attempts)"
+                " VALUES ('msg_console', :w, :r, 'gina', 1)"
+            ),
+            {"w": hook["id"], "r": run_id},
+        )
+        conn.execute(
+            text(
+                "INSERT INTO webhook_attempts (delivery_id, attempt, started_at, duration_ms,"
+                " error) VALUES ('msg_console', 1, now(), 12, '<b>HTTP 503</b>')"
+            )
+        )
+    c.open(f"webhooks/{hook['id']}")
+    row = "tr[data-delivery='msg_console']"
+    c.page.wait_for_selector(row)
+    shown = str(c.page.text_content(row))
+    assert run_id in shown and "pending" in shown and "<b>HTTP 503</b>" in shown
+    assert c.page.locator(f"{row} b").count() == 0
+    c.page.click(f"tr[data-webhook='{hook['id']}'] button[data-action='delete']")
+    c.page.wait_for_selector("#webhooks-message:has-text('deleted')")
+    assert stack.api("gina", "GET", "/v1/webhooks").json()["webhooks"] == []
     c.close()
 
 

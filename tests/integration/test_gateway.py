@@ -505,6 +505,7 @@ def test_get_run_shows_output_after_the_last_reset(gw: Shared, client: httpx.Cli
         "output",
         "schedule_id",
         "scheduled_for",
+        "created_by",
     }
     assert all(view[k] for k in ("created_at", "started_at", "first_chunk_at", "finished_at"))
     assert view["schedule_id"] is None and view["scheduled_for"] is None  # a person's run

@@ -58,6 +58,7 @@ KEYS = {
     "next_fire_at",
     "last_fire_at",
     "session_id",
+    "webhook_id",
 }
 
 
