@@ -132,6 +132,9 @@ _CANCEL_EVENT = text(
     RETURNING seq
     """
 )
+# A cancel request the worker acts on: a claimed run's, or a waiting one's (the worker
+# holding its partition resumes it and ends it cancelled; processors/tools/).
+_CANCELLABLE = ACTIVE | {RunStatus.WAITING}
 _REQUEST_CANCEL = text(
     """
     UPDATE runs SET cancel_requested_at = now(), cancel_reason = :reason
@@ -268,7 +271,7 @@ class ControlStore:
                     )
                 row = (
                     await conn.execute(
-                        _REQUEST_CANCEL, {**params, "active": [s.value for s in ACTIVE]}
+                        _REQUEST_CANCEL, {**params, "active": [s.value for s in _CANCELLABLE]}
                     )
                 ).first()
                 outcome = REQUESTED
@@ -277,7 +280,7 @@ class ControlStore:
                     if row is None:
                         return None
                     # Already requested (signal again: harmless) or already terminal.
-                    active = RunStatus(row.status) in ACTIVE
+                    active = RunStatus(row.status) in _CANCELLABLE
                     outcome = REQUESTED if active else UNCHANGED
         except SQLAlchemyError as exc:
             raise _db_error("cancelling a run", exc) from exc

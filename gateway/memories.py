@@ -1,9 +1,10 @@
 """``/v1/memories``: the caller's own memories, a page at a time, and forgetting them.
 
 * ``GET /v1/memories?limit=&cursor=``: newest first, ``limit`` (1..1000, default 100) a
-  page; ``next_cursor`` is the opaque cursor of the next page, null on the last one.
-  The cursor is a keyset position (created_at, id), so paging while memories are
-  forgotten neither repeats nor skips one.
+  page, superseded memories included (``superseded_by`` set); ``next_cursor`` is the
+  opaque cursor of the next page, null on the last one. The cursor is a keyset
+  position (created_at, id), so paging while memories are forgotten neither repeats
+  nor skips one.
 * ``DELETE /v1/memories/{id}``: forget one (204; 404 for an unknown or another user's).
 * ``DELETE /v1/memories?all=true`` or ``?run_id=&created_before=``: forget many, the
   caller's only; ``{"forgotten": n}``. Without ``all=true`` at least one filter is
@@ -42,6 +43,12 @@ class MemoryOut(BaseModel):
     text: str
     run_id: str | None
     created_at: datetime
+    subject: str | None = Field(None, description="What the statement is about, if known.")
+    superseded_by: str | None = Field(
+        None,
+        description="The newer memory that replaced this one (kept for audit, never "
+        "searched); null for a current memory.",
+    )
 
 
 class MemoryList(BaseModel):
@@ -109,7 +116,15 @@ async def get_memories(
     more = len(memories) > limit
     return MemoryList(
         memories=[
-            MemoryOut(id=m.id, text=m.text, run_id=m.run_id, created_at=m.created_at) for m in page
+            MemoryOut(
+                id=m.id,
+                text=m.text,
+                run_id=m.run_id,
+                created_at=m.created_at,
+                subject=m.subject,
+                superseded_by=m.superseded_by,
+            )
+            for m in page
         ],
         next_cursor=encode_cursor(page[-1].position) if more else None,
     )

@@ -38,6 +38,7 @@ from koda_runtime.processors.control import ControlListener
 from koda_runtime.processors.cursor import PartitionCursors, encode_done
 from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.health import GroupMembership
+from koda_runtime.processors.memory.distiller import MemoryDistiller
 from koda_runtime.processors.ops import WorkerOps
 from koda_runtime.processors.runner import FencedOut, Record, RunExecutor
 from koda_runtime.processors.store import Fence, RunStore
@@ -466,6 +467,9 @@ class KodaApp(faust.App):
     ``ops``: heartbeat, probes and lag. ``offsets``: the cursors' offsets reader.
     ``group_writer``: the executor's group commit, closed after the final commit.
     ``prepare_group``: sets the group's own configuration before this member joins.
+    ``distiller``: distils done runs' memories off their path (None: the handler does
+    not remember); started with the worker, so an idle worker still finishes the
+    distillations a killed one left.
     """
 
     BootStrategy = ProducerBoot
@@ -482,6 +486,7 @@ class KodaApp(faust.App):
         offsets: GroupOffsetReader,
         group_writer: GroupWriter,
         prepare_group: Callable[[], Awaitable[object]],
+        distiller: MemoryDistiller | None = None,
         **options: Any,
     ) -> None:
         super().__init__(id, **options)
@@ -493,6 +498,7 @@ class KodaApp(faust.App):
         self.ops = ops
         self.offsets = offsets
         self.group_writer = group_writer
+        self.distiller = distiller
 
     def _new_transport(self) -> Any:
         return KodaTransport(self.conf.broker_consumer, self)
@@ -510,6 +516,8 @@ class KodaApp(faust.App):
         self.runtime.commits.task.start()
         self.runtime.gauges.start()
         self.intake.start()
+        if self.distiller is not None:
+            self.distiller.start()
 
     async def leave(self) -> None:
         """The graceful end of the runs: stop taking records, drain every held partition
@@ -533,6 +541,8 @@ class KodaApp(faust.App):
         # final commit (in leave(), on the app's shutdown signal), while the producer
         # still runs.
         try:
+            if self.distiller is not None:
+                await self.distiller.stop()
             await super().on_stop()
         finally:
             await self.ops.stop(crashed=self.crashed)

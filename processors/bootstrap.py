@@ -144,6 +144,7 @@ def build_worker(settings: Settings, datadir: str) -> Worker:
         ops=ops,
         offsets=offsets,
         group_writer=executor.writer,
+        distiller=executor.distiller,
         prepare_group=lambda: apply_group_config(settings, group),
         **faust_settings(settings, datadir),
     )

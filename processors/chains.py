@@ -19,6 +19,11 @@ own chain, made when a record of that key arrives and gone once its queue is emp
 * ``drain`` (revoke, shutdown) stops starting work on the partitions it is given,
   waits for their running work up to a ceiling, cancels the rest and never acks it.
 * A fenced-out record closes its whole partition: none of its chains acks again.
+* A record whose run waits for a person raises :class:`Parked`: its slot is released
+  and the chain waits (``Parked.wait``) holding none, then processes the same record
+  again. It is not acked meanwhile, so the partition's committed offset stays below it
+  and a restart reads it again (and finds the run waiting); the user's later records
+  wait behind it, other users' run beside it. A drain or a fence ends the wait.
 
 Records waiting, by reason (``koda_runs_waiting{reason}``): ``user_order`` (behind a
 record of the same user), ``worker_full`` (first of its user, waiting for a slot);
@@ -49,6 +54,16 @@ log = logging.getLogger("koda.worker")
 T = TypeVar("T")  # the fetched record (opaque here)
 
 INFRA_RETRY_MAX_S = 10.0
+
+
+class Parked(Exception):  # noqa: N818 - a state the chain handles, not an error
+    """The record's run waits (for a person's approval): hold no slot, ``await wait()``
+    (it returns when the run may go on, or to look again), then process the record
+    again. Raised by ``process``."""
+
+    def __init__(self, wait: Callable[[], Awaitable[None]], why: str = "") -> None:
+        super().__init__(why or "the run waits")
+        self.wait = wait
 
 
 @dataclass
@@ -83,6 +98,8 @@ class PartitionChains:
     running: int = 0
     cancel: CancelToken = field(default_factory=CancelToken)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    # Set once it is draining or closed: ends the wait of its parked records.
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     def oldest_waiting(self) -> float | None:
         heads = [c.queue[0].created for c in self.chains.values() if c.queue]
@@ -123,9 +140,11 @@ class ChainSet:
         self.full = False  # the worker-wide backlog paused every partition
         self.not_started = 0
         self.slot_waiters = 0
+        self.parked = 0  # records whose run waits for a person (no slot held)
         self._clock = clock
         self._waiting_slot = RUNS_WAITING.labels(reason="worker_full")
         self._waiting_user = RUNS_WAITING.labels(reason="user_order")
+        self._waiting_person = RUNS_WAITING.labels(reason="approval")
 
     # --- arrival ------------------------------------------------------------------
 
@@ -199,6 +218,7 @@ class ChainSet:
     def _gauges(self) -> None:
         self._waiting_slot.set(self.slot_waiters)
         self._waiting_user.set(self.not_started - self.slot_waiters)
+        self._waiting_person.set(self.parked)
 
     def queue_ages(self) -> dict[int, float]:
         """Per held partition: the age of its oldest record not yet started (0: none)."""
@@ -236,6 +256,7 @@ class ChainSet:
         failures = 0
         first = True
         while not part.closed:
+            parked: Parked | None = None
             waiter = first  # a retry waiting for a slot again is not a record waiting
             self.slot_waiters += waiter
             self._gauges()
@@ -260,10 +281,13 @@ class ChainSet:
                     await self._process(item.event, item.partition, part.cancel)
                 except asyncio.CancelledError:
                     return False  # cut off at the ceiling: never acked
+                except Parked as exc:
+                    parked = exc
                 except Exception as exc:  # noqa: BLE001 - the chain must survive
                     if self._is_fenced(exc):
                         log.warning("partition lost partition=%d: %s", part.partition, exc)
                         part.closed = True
+                        part.stop.set()
                         return False
                     # The traceback once per record; then one line per retry, so a
                     # database or broker outage reads clearly and the log stays small.
@@ -291,11 +315,33 @@ class ChainSet:
                     RUNS_IN_FLIGHT.set(self.in_flight)
             finally:
                 self.slots.release()
+            if parked is not None:
+                if not await self._park(part, parked):
+                    return False  # drained or fenced while waiting: never acked
+                delay, failures = 0.2, 0
+                continue
             # Infrastructure trouble (database, broker): retry the same record, in
             # place, so the user's order holds; only this user's chain waits.
             await asyncio.sleep(delay * (0.5 + random.random() / 2))  # noqa: S311
             delay = min(INFRA_RETRY_MAX_S, delay * 2)
         return False
+
+    async def _park(self, part: PartitionChains, parked: Parked) -> bool:
+        """Wait, holding no slot, until ``parked`` says to look again or the partition
+        stops; whether the record may be processed again."""
+        self.parked += 1
+        self._gauges()
+        waiting = asyncio.ensure_future(parked.wait())
+        stopped = asyncio.ensure_future(part.stop.wait())
+        try:
+            await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.parked -= 1
+            self._gauges()
+            for f in (waiting, stopped):
+                f.cancel()
+            await asyncio.gather(waiting, stopped, return_exceptions=True)
+        return not (part.closed or part.stopping)
 
     # --- handoff ------------------------------------------------------------------
 
@@ -310,6 +356,7 @@ class ChainSet:
         running = 0
         for part in doomed:
             part.stopping = True
+            part.stop.set()
             running += part.running
             for chain in part.chains.values():
                 dropped = len(chain.queue)

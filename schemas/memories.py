@@ -2,7 +2,9 @@
 (``/v1/memories``), the operators' CLI (``koda memories``) and the workers.
 
 Every statement is scoped by the ``user_id`` its caller authenticated or was given.
-Lists are keyset pages, newest first: (created_at, id) descending, each page after the
+Lists hold superseded memories too (``superseded_by`` names the newer statement that
+replaced one; processors/memory/truth.py): kept for audit, never searched. Lists are
+keyset pages, newest first: (created_at, id) descending, each page after the
 position of the previous page's last memory, so a page never repeats or skips a
 memory, whatever was forgotten meanwhile.
 """
@@ -24,6 +26,8 @@ class Memory:
     text: str
     run_id: str | None
     created_at: datetime
+    subject: str | None = None
+    superseded_by: str | None = None
 
     @property
     def position(self) -> tuple[datetime, str]:
@@ -33,7 +37,7 @@ class Memory:
 
 _PAGE = text(
     """
-    SELECT id, text, run_id, created_at FROM memories
+    SELECT id, text, run_id, created_at, subject, superseded_by FROM memories
      WHERE user_id = :u
        AND (CAST(:after_id AS text) IS NULL
             OR (created_at, id) < (CAST(:after_at AS timestamptz), CAST(:after_id AS text)))
@@ -66,7 +70,7 @@ async def list_for(
     }
     async with engine.connect() as conn:
         rows = (await conn.execute(_PAGE, params)).all()
-    return [Memory(r.id, r.text, r.run_id, r.created_at) for r in rows]
+    return [Memory(r.id, r.text, r.run_id, r.created_at, r.subject, r.superseded_by) for r in rows]
 
 
 async def forget(engine: AsyncEngine, user_id: str, memory_id: str) -> bool:

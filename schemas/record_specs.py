@@ -93,8 +93,9 @@ RUN_CHUNK = RecordSpec(
             "kind",
             "string",
             "chunk (text), reset (drop earlier text), status, tool (a model's tool call "
-            "or its result, JSON: call_id, name, then arguments or result), or a terminal "
-            "kind: done, error, cancelled.",
+            "or its result, JSON: call_id, name, then arguments or result), "
+            "approval_required (a tool call waiting for a person: call_id, name, arguments, "
+            "step), or a terminal kind: done, error, cancelled.",
             enum=tuple(k.value for k in ChunkKind),
         ),
         Field("content", "string", "Text for `chunk`; JSON text for the other kinds."),
@@ -140,8 +141,8 @@ RUN_EVENT = RecordSpec(
     variants=(
         Variant(
             "transition",
-            "The run moved to status `to` (running at each claim; done, failed or cancelled at "
-            "the end).",
+            "The run moved to status `to` (running at each claim; waiting for a person's "
+            "approval; done, failed or cancelled at the end).",
             (
                 Field(
                     "to",

@@ -25,6 +25,9 @@ class ChunkKind(str, Enum):
     # Tool activity of a model run (a call and its result), shown to viewers; not part
     # of the answer text.
     TOOL = "tool"
+    # A tool call that waits for a person (JSON: call_id, name, arguments, step); the run
+    # is `waiting` until POST /v1/runs/{id}/approve or /reject (gateway/approvals.py).
+    APPROVAL_REQUIRED = "approval_required"
 
     @property
     def terminal(self) -> bool:

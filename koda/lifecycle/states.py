@@ -2,6 +2,14 @@
 
     pending → running → streaming → done
     failed and cancelled are reachable from any non-terminal state.
+    running/streaming → waiting → running (a tool call waits for a person's approval)
+
+``waiting`` (processors/tools/, ARCHITECTURE.md "Waiting"): the model called a tool
+declared ``approval=True``; the attempt ended and the run holds no worker slot until
+its approve or reject is recorded (or ``KODA_APPROVAL_TIMEOUT_S`` passes, or a cancel
+is requested). It is left by a fenced claim (``→ running``, ``attempt + 1``) of the
+worker holding its partition, or ends ``cancelled``/``failed``. It is open: the user's
+later runs wait for it.
 
 ``running`` is also re-entered from ``running``/``streaming`` by a *claim* with
 ``attempt + 1``: that is a retry in place or a successor resuming a run whose
@@ -21,6 +29,7 @@ class RunStatus(str, Enum):
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    WAITING = "waiting"
 
     @property
     def terminal(self) -> bool:
@@ -43,11 +52,19 @@ ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
             RunStatus.DONE,
             RunStatus.FAILED,
             RunStatus.CANCELLED,
+            RunStatus.WAITING,
         }
     ),
     RunStatus.STREAMING: frozenset(
-        {RunStatus.RUNNING, RunStatus.DONE, RunStatus.FAILED, RunStatus.CANCELLED}
+        {
+            RunStatus.RUNNING,
+            RunStatus.DONE,
+            RunStatus.FAILED,
+            RunStatus.CANCELLED,
+            RunStatus.WAITING,
+        }
     ),
+    RunStatus.WAITING: frozenset({RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED}),
     RunStatus.DONE: frozenset(),
     RunStatus.FAILED: frozenset(),
     RunStatus.CANCELLED: frozenset(),

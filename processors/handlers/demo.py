@@ -17,10 +17,10 @@ Switches, read from ``input["demo"]`` (all optional):
                     per step reports them (default false)
     stamp           prefix each chunk with the wall-clock time of its yield
                     (``<unix seconds> ``), for latency benchmarks (default false)
-    remember_pause  "before_insert" or "after_insert": on attempt 1, after the run's
-                    statements are distilled and embedded, wait ``remember_pause_ms``
-                    (default 60000) before or after inserting them (for tests that
-                    kill the worker there)
+    distil_pause_ms on the first try of the run's memory distillation (after the run
+                    is done: processors/memory/distiller.py), wait this long first
+                    (for tests that kill the worker there or run the next run meanwhile)
+    distil_fail_tries  the first N tries of that distillation fail (default 0)
     outage_until    a downstream outage for drills: until this wall-clock time (unix
                     seconds) every chunk fails (``outage: "fail"``, the default) or
                     waits ``outage_delay_ms`` more (``outage: "slow"``, default 1000);
@@ -29,8 +29,9 @@ Switches, read from ``input["demo"]`` (all optional):
                     earlier turns and each turn's user text (``turns=2 | a | b``
                     then a newline); the other chunks are as without it
 
-After its chunks the demo handler remembers the first-person statements of the input
-(processors/memory/distil.py has the rule) when memory is on.
+When memory is on, the worker's distiller asks :meth:`DemoHandler.distil` for the
+run's memories after the run is done: the first-person statements of the input
+(processors/memory/distil.py has the rule).
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from koda_runtime.errors import HandlerError
 from koda_runtime.lifecycle.handler import RunContext, Usage
-from koda_runtime.processors.memory.distil import demo_statements
+from koda_runtime.processors.memory.distil import Statement, demo_statements, statement
 from koda_runtime.processors.memory.service import MemoryService
 
 log = logging.getLogger(__name__)
@@ -131,28 +132,21 @@ class DemoHandler:
             return
         if not usage_each:
             yield Usage(MODEL, len(prompt_text(ctx.input).split()), len(tokens))
-        if self._memory is not None:
-            statements = demo_statements(prompt_text(ctx.input))
-            # The pause is on the first attempt only, so the run's successor finishes.
-            pause = opts.get("remember_pause") if ctx.attempt == 1 else None
-            pause_s = float(opts.get("remember_pause_ms", 60000)) / 1000.0
-            before = _pause(pause_s, "before_insert", ctx.run_id)
-            after = _pause(pause_s, "after_insert", ctx.run_id)
-            for u in await self._memory.remember(
-                ctx,
-                statements,
-                before_insert=before if pause == "before_insert" else None,
-                after_insert=after if pause == "after_insert" else None,
-            ):
-                yield u
+
+    @property
+    def memory(self) -> MemoryService | None:
+        return self._memory
+
+    async def distil(self, ctx: RunContext, tries: int) -> tuple[list[Statement], list[Usage]]:
+        """The run's statements worth remembering (no model call: no usage)."""
+        opts = _opts(ctx.input.get("demo"))
+        pause_ms = float(opts.get("distil_pause_ms", 0))
+        if tries == 1 and pause_ms > 0:
+            log.info("demo distil pause run_id=%s try=%d ms=%.0f", ctx.run_id, tries, pause_ms)
+            await asyncio.sleep(pause_ms / 1000.0)
+        if tries <= int(opts.get("distil_fail_tries", 0)):
+            raise HandlerError(f"demo distillation failure on try {tries} (distil_fail_tries)")
+        return [statement(s) for s in demo_statements(prompt_text(ctx.input))], []
 
     async def aclose(self) -> None:
         return None
-
-
-def _pause(seconds: float, where: str, run_id: str) -> Callable[[], Awaitable[None]]:
-    async def wait() -> None:
-        log.info("demo remember pause run_id=%s where=%s seconds=%.1f", run_id, where, seconds)
-        await asyncio.sleep(seconds)
-
-    return wait

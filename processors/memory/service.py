@@ -1,4 +1,5 @@
-"""What a handler uses for memory: remember a run's statements, search, auto-inject.
+"""What a handler uses for memory: search, auto-inject; what the distiller uses to
+remember a finished run's statements (processors/memory/distiller.py).
 
 Built once per worker on the worker's own engine (no extra pool). Every method takes
 the run's user from the worker's RunContext, never from model output.
@@ -6,19 +7,18 @@ the run's user from the worker's RunContext, never from model output.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime
 
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from koda_runtime.lifecycle.handler import RunContext, Usage
 from koda_runtime.processors.memory import store, tool
-from koda_runtime.processors.memory.distil import statements_to_chunks
+from koda_runtime.processors.memory.distil import Statement, statements_to_chunks
 from koda_runtime.processors.memory.embedders import Embedded, Embedder, OpenAIEmbedder, wordllama
 from koda_runtime.settings import Settings
 
 EMBEDDING_PREFIX = "embedding:"
-Hook = Callable[[], Awaitable[None]]
 
 
 def embedding_usage(embedded: Embedded) -> Usage:
@@ -45,35 +45,58 @@ class MemoryService:
     plan: store.Plan = store.DEFAULT_PLAN
     max_per_user: int = 0  # KODA_MAX_MEMORIES_PER_USER; 0: no cap
 
+    async def embed(self, statements: list[Statement]) -> tuple[list[Statement], Embedded]:
+        """The statements as memories (one each; a long one chunked) and their vectors."""
+        chunks = statements_to_chunks(statements)
+        return chunks, await self.embedder.embed([c.text for c in chunks])
+
+    async def store(
+        self,
+        conn: AsyncConnection,
+        *,
+        user_id: str,
+        run_id: str | None,
+        chunks: list[Statement],
+        embedded: Embedded,
+        said_at: datetime | None = None,
+    ) -> store.Stored:
+        """Store embedded memories in ``conn``'s transaction by the truth rules
+        (processors/memory/store.py: store_statements)."""
+        return await store.store_statements(
+            conn,
+            user_id=user_id,
+            run_id=run_id,
+            texts=[c.text for c in chunks],
+            vectors=embedded.vectors,
+            embedder=self.embedder.name,
+            max_per_user=self.max_per_user,
+            subjects=[c.subject for c in chunks],
+            said_at=said_at,
+        )
+
     async def remember(
         self,
-        ctx: RunContext,
-        statements: list[str],
-        *,
-        before_insert: Hook | None = None,
-        after_insert: Hook | None = None,
+        user_id: str,
+        run_id: str | None,
+        statements: list[Statement],
+        said_at: datetime | None = None,
     ) -> list[Usage]:
-        """Chunk, embed and insert ``statements`` for the run's user; idempotent, so an
-        attempt cut off anywhere in here and run again adds nothing twice. The hooks
-        are the demo handler's test points."""
-        chunks = statements_to_chunks(statements)
+        """Chunk, embed and store ``statements`` for the user in a transaction of their
+        own; the embedding call's usage. Writing the same again adds nothing."""
+        if not statements:
+            return []
+        chunks, embedded = await self.embed(statements)
         if not chunks:
             return []
-        embedded = await self.embedder.embed(chunks)
-        if before_insert is not None:
-            await before_insert()
         async with self.engine.begin() as conn:
-            await store.insert(
+            await self.store(
                 conn,
-                user_id=ctx.user_id,
-                run_id=ctx.run_id,
-                texts=chunks,
-                vectors=embedded.vectors,
-                embedder=embedded.model,
-                max_per_user=self.max_per_user,
+                user_id=user_id,
+                run_id=run_id,
+                chunks=chunks,
+                embedded=embedded,
+                said_at=said_at,
             )
-        if after_insert is not None:
-            await after_insert()
         return [embedding_usage(embedded)]
 
     async def search_tool(self, ctx: RunContext, raw_args: str) -> tuple[str, list[Usage]]:
@@ -97,6 +120,7 @@ class MemoryService:
         hits = await store.search(
             self.engine,
             user_id=ctx.user_id,
+            embedder=self.embedder.name,
             vector=embedded.vectors[0],
             limit=self.auto_inject,
             min_score=self.min_score,

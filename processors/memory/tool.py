@@ -150,6 +150,7 @@ async def memory_search(
     hits = await store.search(
         engine,
         user_id=user_id,
+        embedder=embedder.name,
         vector=embedded.vectors[0],
         limit=args.limit,
         min_score=min_score,

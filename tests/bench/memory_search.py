@@ -91,14 +91,22 @@ async def measure(settings, users: int, queries: int, seed: int) -> Table:
             # Warm the caches and the pool once per plan.
             for user, query in asks[:50]:
                 vector = (await embedder.embed([query])).vectors[0]
-                await store.search(engine, user_id=user, vector=vector, limit=5, plan=plan)
+                await store.search(
+                    engine, user_id=user, embedder=embedder.name, vector=vector, limit=5, plan=plan
+                )
             took: list[float] = []
             answers: list[list[str]] = []
             for user, query in asks:
                 t0 = time.perf_counter()
                 vector = (await embedder.embed([query])).vectors[0]
                 hits = await store.search(
-                    engine, user_id=user, vector=vector, limit=5, min_score=MIN_SCORE, plan=plan
+                    engine,
+                    user_id=user,
+                    embedder=embedder.name,
+                    vector=vector,
+                    limit=5,
+                    min_score=MIN_SCORE,
+                    plan=plan,
                 )
                 took.append((time.perf_counter() - t0) * 1000)
                 answers.append([h.id for h in hits])

@@ -607,6 +607,16 @@ class Chaos:
         self.auditor.audit()
         pass_findings = Findings()
         self._complete_topic(pass_findings)
+        # Memories are distilled after a run is done, off its path: wait for the workers
+        # to finish what is pending (a distillation that gave up stays, and the memory
+        # check reports its run).
+        wait_until(
+            lambda: not self.db.query(
+                "SELECT 1 FROM memory_distillations WHERE gave_up_at IS NULL LIMIT 1"
+            ),
+            timeout=300,
+            what="pending memory distillations",
+        )
         findings = check_all(
             self.settings,
             self.db,

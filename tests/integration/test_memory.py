@@ -14,7 +14,11 @@ from koda_runtime.errors import HandlerError
 from koda_runtime.lifecycle.handler import RunContext, ToolActivity, Usage
 from koda_runtime.processors.handlers.openai import OpenAIHandler
 from koda_runtime.processors.memory import store, tool
-from koda_runtime.processors.memory.distil import demo_statements, statements_to_chunks
+from koda_runtime.processors.memory.distil import (
+    demo_statements,
+    statement,
+    statements_to_chunks,
+)
 from koda_runtime.processors.memory.embedders import OpenAIEmbedder, wordllama
 from koda_runtime.processors.memory.service import MemoryService
 from koda_runtime.settings import Settings
@@ -55,7 +59,8 @@ async def count(engine: AsyncEngine, user_id: str) -> int:
 
 
 async def test_the_same_fact_written_again_is_one_memory(engine: AsyncEngine) -> None:
-    chunks = statements_to_chunks(demo_statements("I live in Lisbon. What time is it?"))
+    said = demo_statements("I live in Lisbon. What time is it?")
+    chunks = [c.text for c in statements_to_chunks([statement(x) for x in said])]
     assert chunks == ["I live in Lisbon."]
     assert await remember(engine, "u1", chunks) == 1
     # A redelivered run, a retried attempt, the same words with other spacing and case.
@@ -155,7 +160,12 @@ async def test_recall_at_5_on_the_labelled_set(engine: AsyncEngine) -> None:
     for fact, query in PAIRS:
         vector = (await wordllama().embed([query])).vectors[0]
         hits = await store.search(
-            engine, user_id="frank", vector=vector, limit=5, min_score=tool.MIN_SCORE
+            engine,
+            user_id="frank",
+            embedder=wordllama().name,
+            vector=vector,
+            limit=5,
+            min_score=tool.MIN_SCORE,
         )
         found += fact in [h.text for h in hits]
     recall = found / len(PAIRS)
@@ -213,14 +223,18 @@ async def test_an_unusable_distillation_answer_skips_the_memory_not_the_run(
     try:
         ctx = RunContext("run-ivy", "ivy", {"text": "I like tea."}, 1)
         items = [item async for item in handler.stream(ctx)]
+        statements, usage = await handler.distil(ctx, 1)
     finally:
         await handler.aclose()
         httpd.shutdown()
     model_calls = [
         i for i in items if isinstance(i, Usage) and not i.model.startswith("embedding:")
     ]
-    assert len(model_calls) == 5  # 4 turns and the distillation call, answered or not
+    assert len(model_calls) == 4  # the 4 turns; the distillation is the distiller's call
     assert "".join(i for i in items if isinstance(i, str)).endswith("is Bolt.")
+    # The distillation call was made and answered with no usable JSON: billed, nothing
+    # to remember, and not tried again (the answer would be the same).
+    assert statements == [] and len(usage) == 1
     assert await count(engine, "ivy") == 0
 
 
@@ -237,8 +251,9 @@ async def test_the_openai_embedder_and_a_broken_one(engine: AsyncEngine) -> None
         assert ScriptedModel.seen[-1]["dimensions"] == 256
         with pytest.raises(HandlerError, match="embeddings endpoint answered 503"):
             await broken.embed(["x"])
-        # A run whose memory cannot be embedded still finishes, with no memory; the
-        # model is told the tool is unavailable.
+        # A run whose memory_search cannot embed its query still finishes; the model is
+        # told the tool is unavailable, and remembering fails (for the distiller to try
+        # again).
         async with engine.begin() as conn:
             await conn.execute(text("INSERT INTO sessions (id, user_id) VALUES ('s-jo', 'jo')"))
             await conn.execute(
@@ -254,6 +269,8 @@ async def test_the_openai_embedder_and_a_broken_one(engine: AsyncEngine) -> None
         items = [item async for item in handler.stream(ctx)]
         await handler.aclose()
         assert "".join(i for i in items if isinstance(i, str)).endswith("is Bolt.")
+        with pytest.raises(HandlerError, match="embeddings endpoint answered 503"):
+            await MemoryService(engine, broken).remember("jo", None, [statement("I like tea.")])
         assert await count(engine, "jo") == 0
         results = [json.loads(i.content) for i in items if isinstance(i, ToolActivity)]
         assert results[1]["result"] == tool.UNAVAILABLE

@@ -113,18 +113,28 @@ def test_a_run_with_tool_calls_streams_every_turn_and_remembers(
     fed = [m for m in last_turn["messages"] if m["role"] == "tool"]
     assert [m["tool_call_id"] for m in fed] == ["call_0", "call_1", "call_2"]
     assert last_turn["tools"][0]["function"]["name"] == "memory_search"
-    # One usage row per model call (4 turns + the distillation), one per embedding.
+    # One usage row per model call of the run (4 turns), one per embedding of a query.
     usage = module_submitter.query(
         "SELECT call_index, model, prompt_tokens FROM usage WHERE run_id = :r ORDER BY call_index",
         r=run_id,
     )
     models = [u.model for u in usage]
-    assert models.count("m-tools") == 5
+    assert models.count("m-tools") == 4
     assert [m for m in models if m.startswith("embedding:")] == [
         "embedding:wordllama-l2-supercat-256"
-    ] * 3  # query 1, query 3 (the refused call embeds nothing), the new memory
+    ] * 2  # query 1, query 3 (the refused call embeds nothing)
     assert [u.call_index for u in usage] == list(range(len(usage)))
-    # In the cost ledger the embedding calls are their own kind.
+    # The memory is distilled after the run is done (processors/memory/distiller.py):
+    # its model call and its embedding are ledger rows of the run too.
+    wait_until(
+        lambda: (
+            not module_submitter.query(
+                "SELECT 1 FROM memory_distillations WHERE run_id = :r", r=run_id
+            )
+        ),
+        timeout=60,
+        what="the run's memories distilled",
+    )
     ledger = module_submitter.query(
         "SELECT kind, count(*) AS calls FROM ledger WHERE run_id = :r GROUP BY kind", r=run_id
     )
@@ -193,58 +203,6 @@ def test_reaching_the_tool_turn_limit_fails_the_run_saying_so(
 def memories_of(submitter: Submitter, user: str) -> list[str]:
     rows = submitter.query("SELECT text FROM memories WHERE user_id = :u ORDER BY text", u=user)
     return [r.text for r in rows]
-
-
-def test_a_worker_killed_between_distillation_and_insert_duplicates_nothing(
-    module_env: Settings, module_submitter: Submitter
-) -> None:
-    said = "I live in Lisbon. My dog is Bolt."
-    demo = {"tokens": 3, "delay_ms": 0, "remember_pause_ms": 60000}
-    started: list[WorkerProcess] = []
-
-    def worker(name: str) -> WorkerProcess:
-        started.append(WorkerProcess(module_env, name, {"KODA_HANDLER": "demo"}).start())
-        return started[-1]
-
-    def paused(w: WorkerProcess, run_id: str, where: str) -> None:
-        wait_until(
-            lambda: f"remember pause run_id={run_id} where={where}" in w.log(),
-            timeout=60,
-            what=f"worker paused {where}",
-        )
-
-    try:
-        d1 = worker("mem-d1")
-        first = module_submitter.submit(
-            "kim", {"text": said, "demo": {**demo, "remember_pause": "before_insert"}}
-        )
-        paused(d1, first, "before_insert")  # distilled and embedded, not inserted
-        assert memories_of(module_submitter, "kim") == []
-        d1.kill()
-        d2 = worker("mem-d2")
-        assert finished(module_submitter, first, d2) == "done"
-        assert memories_of(module_submitter, "kim") == [said]
-        # Killed after the insert and before the run is done: the successor runs the
-        # whole attempt again, and its insert finds the memories already there.
-        more = said + " I play chess."
-        second = module_submitter.submit(
-            "kim", {"text": more, "demo": {**demo, "remember_pause": "after_insert"}}
-        )
-        paused(d2, second, "after_insert")
-        assert memories_of(module_submitter, "kim") == [said, more]
-        d2.kill()
-        d3 = worker("mem-d3")
-        assert finished(module_submitter, second, d3) == "done"
-        assert memories_of(module_submitter, "kim") == [said, more]
-        (attempt,) = module_submitter.query("SELECT attempt FROM runs WHERE id = :r", r=second)
-        assert attempt.attempt == 2
-        embedding_rows = module_submitter.query(
-            "SELECT model FROM usage WHERE run_id = :r AND model LIKE 'embedding:%'", r=second
-        )
-        assert len(embedding_rows) == 1  # the finished attempt's
-    finally:
-        for w in started:
-            w.kill()
 
 
 def test_the_memories_api_and_cli_show_only_the_users_own_and_forget(

@@ -61,7 +61,7 @@ def _open_predicate() -> str:
 
 
 def test_the_count_and_its_index_take_exactly_the_statuses_not_yet_ended() -> None:
-    assert {s.value for s in OPEN} == {"pending", "running", "streaming"}
+    assert {s.value for s in OPEN} == {"pending", "running", "streaming", "waiting"}
     assert _open_predicate() in " ".join(_ACTIVE_RUNS.text.split())
     (index,) = [i for i in runs.indexes if i.name == "ix_runs_open_user_id"]
     assert [c.name for c in index.columns] == ["user_id"]

@@ -58,7 +58,12 @@ def test_sources_of_is_the_inverse_of_can_transition() -> None:
         RunStatus.PENDING,
         RunStatus.RUNNING,
         RunStatus.STREAMING,
+        RunStatus.WAITING,  # resumed once a person approved or rejected its tool call
     }
+    assert sources_of(RunStatus.WAITING) == ACTIVE
+    assert RunStatus.WAITING in OPEN and RunStatus.WAITING not in ACTIVE  # holds no worker
+    assert not can_transition(RunStatus.WAITING, RunStatus.DONE)  # it runs again first
+    assert not can_transition(RunStatus.PENDING, RunStatus.WAITING)
     assert sources_of(RunStatus.STREAMING) == {RunStatus.RUNNING}
     assert sources_of(RunStatus.DONE) == ACTIVE
     assert sources_of(RunStatus.PENDING) == frozenset()

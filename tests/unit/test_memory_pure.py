@@ -138,3 +138,40 @@ def test_runs_follow_prints_tool_activity(capsys: pytest.CaptureFixture[str]) ->
     err = capsys.readouterr().err
     assert '[tool memory_search({"query": "city"})]' in err
     assert "[tool memory_search -> No memories matched]" in err
+
+
+def test_subjects_of_first_and_third_person_statements() -> None:
+    from koda_runtime.processors.memory.truth import normalise_subject, subject_of
+
+    assert subject_of("I live in Lisbon.") == subject_of("The user has moved to Berlin.") == "home"
+    assert subject_of("My sister lives in Porto.") == "sister home"
+    assert subject_of("I work as a nurse.") == subject_of("The user is a data engineer.")
+    assert subject_of("My favorite color is blue.") == "favourite colour"
+    assert subject_of("My wife is very kind.") is None  # a person is no subject
+    assert subject_of("I like tea.") is None
+    assert normalise_subject("  Partner_Name ") == "partner name"
+    assert normalise_subject("   ") is None
+
+
+def test_words_with_digits_keep_facts_apart() -> None:
+    from koda_runtime.processors.memory.truth import is_duplicate, numbers
+
+    assert numbers("My birthday is on the 14th of March.") == numbers("Born on 14 March.")
+    assert numbers("I keep note chaos-1.") != numbers("I keep note chaos-2.")
+    # A near score alone is not enough when the digits or the subjects differ.
+    assert not is_duplicate(0.99, False, None, None, 0.87, same_numbers=False)
+    assert not is_duplicate(0.99, False, "home", "sister home", 0.87)
+    assert is_duplicate(0.9, False, "home", None, 0.87)
+    assert not is_duplicate(0.99, False, None, None, None)  # uncalibrated: text only
+    assert is_duplicate(None, True, "a", "b", None)
+
+
+def test_each_statement_is_its_own_memory_and_backoff_is_capped() -> None:
+    from koda_runtime.processors.memory.distil import statement, statements_to_chunks
+    from koda_runtime.processors.memory.distiller import BACKOFF_CAP_S, backoff_s
+
+    chunks = statements_to_chunks([statement("I live in Lisbon."), statement("x " * 300)])
+    assert chunks[0].text == "I live in Lisbon." and chunks[0].subject == "home"
+    assert len(chunks) > 2 and all(len(c.text) <= CHUNK_CHARS for c in chunks)
+    assert [backoff_s(t) for t in (1, 2, 3)] == [1.0, 2.0, 4.0]
+    assert backoff_s(50) == BACKOFF_CAP_S
