@@ -5,14 +5,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# Two test processes: the long tests that mostly wait (tests/fixtures/streams.py) beside the rest;
+# Three test processes: two streams of long tests that mostly wait beside the rest;
 # tests/fixtures/streams.py says how. Empty it to run everything in one process.
-PYTEST_STREAMS ?= -n 2 --dist loadgroup
+PYTEST_STREAMS ?= -n 3 --dist loadgroup
 # setuptools announces every editable install with an "Editable installation." notice
 # (a UserWarning, nothing to fix); filtered by its message so real warnings still show.
 PIP_QUIET := PYTHONWARNINGS="ignore:Editable installation"
 
-.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-inflight bench-install bench-replay bench-chunk-repair bench-control bench-schedules bench-memory-search bench-w4 chaos
+.PHONY: dev test install system-deps lint typecheck services-up services-down clean bench-pipeline bench-handoff bench-sse bench bench-memory bench-inflight bench-install bench-replay bench-replay-follow bench-chunk-repair bench-retention bench-control bench-schedules bench-memory-search bench-w4 chaos
 
 ## dev: start Kafka + PostgreSQL, migrate, create topics, run gateway + 2 workers + a scheduler; Ctrl-C stops all
 dev: install
@@ -28,13 +28,37 @@ test: install
 TOXIPROXY_VERSION := $(shell sed -n 's/^TOXIPROXY_VERSION = "\(.*\)"$$/\1/p' tests/chaos/toxiproxy.py)
 TOXIPROXY := build/toxiproxy-$(TOXIPROXY_VERSION)/toxiproxy-server
 
-install: system-deps $(STAMP) $(TOXIPROXY)
+# Jaeger (the trace tests' OTLP receiver, `koda services up --with-tracing`) is built
+# once into build/ the same way; `go install` refuses its module (replace directives),
+# so it is a tool of a scratch module there. koda/localstack/jaeger.py holds the version.
+JAEGER_VERSION := $(shell sed -n 's/^JAEGER_VERSION = "\(.*\)"$$/\1/p' koda/localstack/jaeger.py)
+JAEGER := build/jaeger-$(JAEGER_VERSION)/jaeger
+
+# DuckDB 1.5.5 and its iceberg extension (PyPI has none for DuckDB 2.0), which the
+# Iceberg replay test reads tables back with, in a directory of its own.
+DUCKDB_ICEBERG := $(VENV)/duckdb-iceberg/.installed
+
+install: system-deps $(STAMP) $(TOXIPROXY) $(JAEGER) $(DUCKDB_ICEBERG)
+
+$(DUCKDB_ICEBERG): tests/fixtures/duckdb-iceberg-requirements.txt | $(STAMP)
+	@rm -rf $(@D)
+	$(BIN)/python -m pip install -q --target $(@D) -r $<
+	@touch $@
 
 $(TOXIPROXY):
 	@command -v go >/dev/null || { echo "go is missing: the chaos tests build Toxiproxy with it (apt-get install golang-go)"; exit 1; }
 	@mkdir -p $(@D)
 	GOBIN=$(abspath $(@D)) GOFLAGS=-mod=mod go install github.com/Shopify/toxiproxy/v2/cmd/server@$(TOXIPROXY_VERSION)
 	@mv $(@D)/server $@
+
+$(JAEGER):
+	@command -v go >/dev/null || { echo "go is missing: the trace tests build Jaeger with it (apt-get install golang-go)"; exit 1; }
+	@mkdir -p $(@D)/module
+	@echo "building Jaeger $(JAEGER_VERSION) into $(@D) (about 5 minutes, once)"
+	cd $(@D)/module && { test -f go.mod || go mod init koda.local/jaeger-build; } \
+		&& GOFLAGS=-mod=mod go get -tool github.com/jaegertracing/jaeger/cmd/jaeger@$(JAEGER_VERSION) \
+		&& GOFLAGS=-mod=mod go build -o ../jaeger.new github.com/jaegertracing/jaeger/cmd/jaeger
+	@mv $(@D)/jaeger.new $@
 
 # The install is editable in strict mode: a tree of links to each file of the package, so
 # mypy and Python see koda_runtime as installed. A file added to or removed from the
@@ -117,7 +141,8 @@ $(BENCH_STAMP): pyproject.toml constraints.txt tests/bench/quix-requirements.txt
 	@touch $(BENCH_STAMP)
 
 ## bench: W1 throughput (koda vs ceiling, naive Faust, Quix Streams), W2 SSE latency,
-## W3 gateway vs bare ASGI, replay, W4 assistant load (koda vs a direct FastAPI app);
+## W3 gateway vs bare ASGI, replay, W4 assistant load (koda vs a direct FastAPI app),
+## tracing's cost (W1 and W2 with tracing off vs on, side by side);
 ## median [min-max] of 3 repetitions (not part of make test)
 bench: bench-install
 	APP_ENV=dev $(BIN)/python -m tests.bench $(BENCH_ARGS)
@@ -137,14 +162,27 @@ bench-inflight: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.inflight $(BENCH_ARGS)
 
 ## bench-replay: `koda replay` into DuckDB vs a raw confluent-kafka consumer on the same
-## topic (200,000 chunk records; records/s median [min-max] of 3, and the ratio)
+## topic (200,000 chunk records; records/s median [min-max] of 3, and the ratio), then
+## bench-replay-follow at its default size
 bench-replay: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.replay $(BENCH_ARGS)
+	APP_ENV=dev $(BIN)/python -m tests.bench.replay_follow
+
+## bench-replay-follow: `koda replay --follow` into DuckDB and Iceberg beside W1: lag of
+## each run's output row behind its finished_at (p50/p95/max vs 10 s), W1 with/without
+bench-replay-follow: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.replay_follow $(BENCH_ARGS)
 
 ## bench-chunk-repair: the completeness pass's scan against reading the whole chunk topic,
 ## the pass filling gapped runs, and what the workers' published marks add to a group commit
 bench-chunk-repair: install
 	APP_ENV=dev $(BIN)/python -m tests.bench.chunk_repair $(BENCH_ARGS)
+
+## bench-retention: W1 throughput and chunk latency with and without the retention sweep
+## deleting a pre-filled backlog, side by side as ratios (BENCH_ARGS="--cost": deleting
+## 1,000,000 message rows in batches against dropping them as a partition)
+bench-retention: install
+	APP_ENV=dev $(BIN)/python -m tests.bench.retention $(BENCH_ARGS)
 
 ## bench-control: cancel and merge latency with 200 runs streaming on 2 workers
 ## (POST -> handler stopped, -> `cancelled` at a viewer, -> `reset` at a viewer;

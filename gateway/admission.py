@@ -24,11 +24,12 @@ from dataclasses import dataclass
 import psycopg
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
-from koda_runtime import metrics
+from koda_runtime import metrics, tracing
 from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.control_store import ControlStore, MergeCaps
 from koda_runtime.gateway.exceptions import PublishError
 from koda_runtime.gateway.intake import RunRequest
+from koda_runtime.gateway.principal import created_by
 from koda_runtime.gateway.publisher import Delivery, RunPublisher
 from koda_runtime.gateway.store import AdmittedRun, NewRun, RunStore
 from koda_runtime.lifecycle.control import MERGE, ControlRecord
@@ -366,6 +367,8 @@ class Admissions:
             input=request.input,
             metadata=request.metadata,
             partition=partition_for_key(user_id.encode(), self.partitions),
+            traceparent=tracing.traceparent(),  # the request's span (koda/tracing.py)
+            created_by=created_by(user_id),  # the request's principal (gateway/principal.py)
         )
         run = await self.queue.admit(new)
         for period in run.soft_alerts:
@@ -399,12 +402,19 @@ class Admissions:
         if self.control_topic is None:
             return
         try:
-            await asyncio.wait_for(
-                self.publisher.send(
-                    self.control_topic, record.user_id.encode(), record.encode(), []
-                ),
-                self.publish_wait_s,
-            )
+            # The signal's span (in the merge request's trace; a cancel's starts one),
+            # which the worker's `koda.control` span continues (koda/tracing.py).
+            with tracing.span(f"koda.signal {record.action}", kind=tracing.SpanKind.PRODUCER):
+                tp = tracing.traceparent()
+                await asyncio.wait_for(
+                    self.publisher.send(
+                        self.control_topic,
+                        record.user_id.encode(),
+                        record.encode(),
+                        [(tracing.HEADER, tp.encode())] if tp else [],
+                    ),
+                    self.publish_wait_s,
+                )
         except (PublishError, TimeoutError) as exc:
             log.warning(
                 "event=control_publish_failed run_id=%s action=%s error=%s",
@@ -433,7 +443,8 @@ class Admissions:
                     user_id=run.user_id,
                     session_id=run.session_id,
                     created_at=run.created_at.isoformat(),
-                )
+                ),
+                traceparent=run.traceparent,
             )
             self._deliveries[run.run_id] = delivery
             delivery.add_done_callback(functools.partial(self._delivered, run))

@@ -24,17 +24,22 @@ from starlette.routing import BaseRoute
 
 from koda_runtime import metrics
 from koda_runtime.gateway.admin import router as admin_router
+from koda_runtime.gateway.approvals import router as approvals_router
 from koda_runtime.gateway.auth import admit_admin
+from koda_runtime.gateway.batch import router as batch_router
+from koda_runtime.gateway.chat import router as chat_router
 from koda_runtime.gateway.components import Components, build_components
 from koda_runtime.gateway.console import install_console
 from koda_runtime.gateway.control import router as control_router
 from koda_runtime.gateway.errors import GatewayError, error_response, install_error_handlers
 from koda_runtime.gateway.memories import router as memories_router
+from koda_runtime.gateway.responses import router as responses_router
 from koda_runtime.gateway.routes import router
 from koda_runtime.gateway.schedules import router as schedules_router
 from koda_runtime.gateway.sse import router as sse_router
 from koda_runtime.gateway.submit import METHOD, PATH, SubmitShortcut
 from koda_runtime.gateway.usage import router as usage_router
+from koda_runtime.gateway.webhooks import router as webhooks_router
 from koda_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -77,12 +82,17 @@ def create_app(
     app.state.components = gw
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(batch_router)
     app.include_router(control_router)
+    app.include_router(approvals_router)
     app.include_router(sse_router)
     app.include_router(usage_router)
     app.include_router(admin_router)
     app.include_router(schedules_router)
     app.include_router(memories_router)
+    app.include_router(responses_router)
+    app.include_router(chat_router)
+    app.include_router(webhooks_router)
     install_console(app)
     app.add_middleware(AdminGuard, components=gw)
     # Inside RequestMetrics (added after it, so outermost), which counts and logs it too.

@@ -17,6 +17,10 @@ overflows, or that does not take a write within ``sse_write_timeout_s``, is cut 
 it gets ``event: reconnect`` when it can still receive one, and resumes with
 ``Last-Event-ID`` from Postgres.
 
+A run whose chunks expired (``KODA_CHUNK_RETENTION``, processors/retention.py) has one
+``chunk`` row holding its whole output and its terminal event: a viewer gets those two.
+A client resuming before that output row first gets an id-less ``reset``.
+
 Authentication: ``Authorization: Bearer <token>``, or, because a browser's
 ``EventSource`` cannot set headers, ``?ticket=<ticket>`` from ``POST
 /v1/runs/{run_id}/stream-ticket`` (60 s, this run and user only; gateway/auth.py), on
@@ -34,7 +38,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 
-from koda_runtime import metrics
+from koda_runtime import metrics, tracing
 from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.components import Components
 from koda_runtime.gateway.dependencies import Gateway, StreamUser
@@ -157,7 +161,30 @@ async def run_events(
         feed.unsubscribe(viewer)
         slot.release()
         raise
-    return RunEventStream(gw=gw, viewer=viewer, after=position, user_id=user_id, slot=slot)
+    return RunEventStream(
+        gw=gw,
+        viewer=viewer,
+        after=position,
+        user_id=user_id,
+        slot=slot,
+        trace=(head.traceparent, request.headers.get(tracing.HEADER)),
+    )
+
+
+def _viewer_span(
+    run_id: str, after: int, run_trace: str | None, own: str | None
+) -> tracing.Span:
+    """A viewer's connection as a span (koda/tracing.py): in the viewer's own trace (a
+    client's ``traceparent``, else a new one), linked to the run's trace."""
+    if not tracing.ON:
+        return tracing.INVALID_SPAN
+    return tracing.start(
+        "GET /v1/runs/{run_id}/events",
+        kind=tracing.SpanKind.SERVER,
+        parent=own,
+        links=tracing.links_to(run_trace),
+        attributes={"koda.run_id": run_id, "koda.sse.after": after},
+    )
 
 
 class _Stalled(Exception):
@@ -196,6 +223,7 @@ class RunEventStream(Response):
         after: int,
         user_id: str,
         slot: StreamSlot | None = None,
+        trace: tuple[str | None, str | None] = (None, None),
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -212,11 +240,14 @@ class RunEventStream(Response):
         self.last = after
         self.slot = slot
         self._send: Any = None
+        # The run's traceparent (the viewer's span links to it) and the viewer's own.
+        self.trace = trace
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         metrics.SSE_CONNECTIONS.inc()
         self._send = send
         watcher: asyncio.Task[None] | None = None
+        span = _viewer_span(self.run_id, self.last, *self.trace)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             watcher = asyncio.create_task(self._watch_disconnect(receive))
@@ -236,6 +267,9 @@ class RunEventStream(Response):
             if self.slot is not None:
                 self.slot.release()
             metrics.SSE_CONNECTIONS.dec()
+            if span.is_recording():
+                span.set_attribute("koda.sse.last_seq", self.last)
+                span.end()
 
     async def _watch_disconnect(self, receive: Any) -> None:
         while True:
@@ -253,6 +287,7 @@ class RunEventStream(Response):
 
     async def _stream(self) -> None:
         try:
+            await self._reset_if_expired()
             if await self._catch_up("replay"):
                 return
             await self._follow_live()
@@ -341,6 +376,17 @@ class RunEventStream(Response):
         await self._write(bytes(out))
         metrics.SSE_EVENTS.labels(source="replay").inc(written)
         return ended
+
+    async def _reset_if_expired(self) -> None:
+        """A client resuming inside a run whose chunks expired holds part of an answer
+        that is now stored as one event holding all of it: tell it to drop what it has
+        (an id-less ``reset``) before that event."""
+        if self.last < 0:
+            return
+        output_seq = await self.gw.store.expired_output_seq(self.run_id)
+        if output_seq is not None and self.last < output_seq:
+            data = json_data({"run_id": self.run_id, "kind": "reset", "reason": "expired"})
+            await self._write(event_frame(None, ChunkKind.RESET.value, data))
 
     def _end_frame(self, status: RunStatus) -> bytes:
         data = json_data({"run_id": self.run_id, "status": status.value})

@@ -63,6 +63,10 @@ class NewRun:
     # A scheduled run: the schedule and the UTC minute it fired for.
     schedule_id: str | None = None
     scheduled_for: datetime | None = None
+    # The W3C trace context its records carry (koda/tracing.py); None: not traced.
+    traceparent: str | None = None
+    # runs.created_by (0014): ``user:<id>`` or ``service:<name>``; None: ``user:<user_id>``.
+    created_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class AdmittedRun:
     merged: bool = False  # the request was merged into this (running) run
     # Budget periods past their soft threshold whose alert nobody has recorded yet.
     soft_alerts: tuple[Period, ...] = ()
+    traceparent: str | None = None  # a created run's (NewRun.traceparent)
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ class RunView:
     output: str
     schedule_id: str | None = None
     scheduled_for: datetime | None = None
+    created_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,7 @@ class PendingRun:
     created_at: datetime
     schedule_id: str | None = None
     scheduled_for: datetime | None = None
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,7 @@ class StreamHead:
 
     status: RunStatus
     complete_through: int | None
+    traceparent: str | None = None  # the run's trace, which a viewer's span links to
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,9 @@ class StoredEvent:
 
 _TERMINAL_KINDS = sorted(k.value for k in TERMINAL_KINDS)
 
-_STREAM_HEAD = text("SELECT status FROM runs WHERE id = :run_id AND user_id = :user_id")
+_STREAM_HEAD = text(
+    "SELECT status, traceparent FROM runs WHERE id = :run_id AND user_id = :user_id"
+)
 _RUN_END = text(
     """
     SELECT max(seq) FILTER (WHERE kind = ANY(:terminal)) AS terminal_seq, max(seq) AS last_seq
@@ -142,6 +152,10 @@ _RUN_END = text(
     """
 )
 _RUN_STATUS = text("SELECT status FROM runs WHERE id = :run_id")
+# Set once the sweep collapsed the run's chunks (processors/retention.py).
+_OUTPUT_SEQ = text(
+    "SELECT output_seq FROM runs WHERE id = :run_id AND chunks_expired_at IS NOT NULL"
+)
 _EVENTS_AFTER = text(
     """
     SELECT seq, kind, content, attempt FROM messages
@@ -155,6 +169,8 @@ _GET_RUN = text(
     """
     SELECT r.id, r.status, r.attempt, r.session_id, r.created_at, r.started_at,
            r.first_chunk_at, r.finished_at, r.error, r.schedule_id, r.scheduled_for,
+           -- NULL (runs before 0014, a run-now's single insert): the user's own.
+           COALESCE(r.created_by, 'user:' || r.user_id) AS created_by,
            COALESCE((
                SELECT string_agg(m.content, '' ORDER BY m.seq)
                  FROM messages m
@@ -185,7 +201,7 @@ _CLAIM_UNPUBLISHED = text(
             ORDER BY created_at
             LIMIT :batch
               FOR UPDATE SKIP LOCKED)
-    RETURNING id, user_id, session_id, created_at, schedule_id, scheduled_for
+    RETURNING id, user_id, session_id, created_at, schedule_id, scheduled_for, traceparent
     """
 )
 
@@ -202,13 +218,14 @@ _ADMIT_SESSIONS = text(
 _ADMIT_RUNS = text(
     """
     INSERT INTO runs (id, session_id, user_id, idempotency_key, input, metadata, partition,
-                      schedule_id, scheduled_for)
+                      schedule_id, scheduled_for, traceparent, created_by)
     SELECT q.id, q.sid, q.uid, q.key, CAST(q.input AS jsonb), CAST(q.meta AS jsonb), q.part,
-           q.sched, q.at
+           q.sched, q.at, q.tp, q.cb
       FROM unnest(CAST(:ids AS text[]), CAST(:sids AS text[]), CAST(:uids AS text[]),
                   CAST(:keys AS text[]), CAST(:inputs AS text[]), CAST(:metas AS text[]),
-                  CAST(:parts AS int[]), CAST(:scheds AS text[]), CAST(:ats AS timestamptz[]))
-           AS q(id, sid, uid, key, input, meta, part, sched, at)
+                  CAST(:parts AS int[]), CAST(:scheds AS text[]), CAST(:ats AS timestamptz[]),
+                  CAST(:tps AS text[]), CAST(:bys AS text[]))
+           AS q(id, sid, uid, key, input, meta, part, sched, at, tp, cb)
     ON CONFLICT (idempotency_key) DO NOTHING
     RETURNING id, status, created_at
     """
@@ -249,7 +266,7 @@ _ACTIVE_RUNS = text(
     """
     SELECT user_id, count(*) AS n FROM runs
      WHERE user_id = ANY(CAST(:users AS text[]))
-       AND status IN ('pending', 'running', 'streaming')
+       AND status IN ('pending', 'running', 'streaming', 'waiting')
      GROUP BY user_id
     """
 )
@@ -384,7 +401,15 @@ class RunStore:
         return [
             None
             if (row := rows.get(r.run_id)) is None
-            else AdmittedRun(r.run_id, r.user_id, r.session_id, row.status, row.created_at, True)
+            else AdmittedRun(
+                r.run_id,
+                r.user_id,
+                r.session_id,
+                row.status,
+                row.created_at,
+                True,
+                traceparent=r.traceparent,
+            )
             for r in batch
         ]
 
@@ -550,6 +575,7 @@ class RunStore:
             output=row.output,
             schedule_id=row.schedule_id,
             scheduled_for=row.scheduled_for,
+            created_by=row.created_by,
         )
 
     async def mark_published(self, run_ids: list[str]) -> None:
@@ -579,7 +605,15 @@ class RunStore:
         except SQLAlchemyError as exc:
             raise DatabaseError(f"claiming unpublished runs failed: {type(exc).__name__}") from exc
         return [
-            PendingRun(r.id, r.user_id, r.session_id, r.created_at, r.schedule_id, r.scheduled_for)
+            PendingRun(
+                r.id,
+                r.user_id,
+                r.session_id,
+                r.created_at,
+                r.schedule_id,
+                r.scheduled_for,
+                r.traceparent,
+            )
             for r in rows
         ]
 
@@ -608,7 +642,7 @@ class RunStore:
                 ).first()
                 if row is None:
                     return None
-                status = RunStatus(row.status)
+                status, traceparent = RunStatus(row.status), row.traceparent
                 through = None
                 if status.terminal:
                     end = (
@@ -619,7 +653,17 @@ class RunStore:
                     through = end.terminal_seq if end.terminal_seq is not None else end.last_seq
         except SQLAlchemyError as exc:
             raise DatabaseError(f"reading a run failed: {type(exc).__name__}") from exc
-        return StreamHead(status, None if through is None else int(through))
+        return StreamHead(status, None if through is None else int(through), traceparent)
+
+    async def expired_output_seq(self, run_id: str) -> int | None:
+        """The seq of the one row holding the whole output of a run whose chunks expired
+        (KODA_CHUNK_RETENTION); None while they are kept, or when it has no such row."""
+        try:
+            async with self.engine.connect() as conn:
+                seq = (await conn.execute(_OUTPUT_SEQ, {"run_id": run_id})).scalar()
+        except SQLAlchemyError as exc:
+            raise DatabaseError(f"reading a run failed: {type(exc).__name__}") from exc
+        return None if seq is None else int(seq)
 
     async def terminal_seq(self, run_id: str) -> int | None:
         """The seq of the run's terminal event, or None if it has none (yet)."""
@@ -711,6 +755,7 @@ async def _admit_batch(
                 row.created_at,
                 True,
                 soft_alerts=soft,
+                traceparent=run.traceparent,
             )
     # A replay answers with its key's run, over budget or not.
     again = sorted({r.idempotency_key for i, r in enumerate(batch) if answers[i] is None})
@@ -797,6 +842,8 @@ def _run_params(ordered: list[NewRun]) -> dict[str, list[Any]]:
         "parts": [r.partition for r in ordered],
         "scheds": [r.schedule_id for r in ordered],
         "ats": [r.scheduled_for for r in ordered],
+        "tps": [r.traceparent for r in ordered],
+        "bys": [r.created_by or f"user:{r.user_id}" for r in ordered],
     }
 
 

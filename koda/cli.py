@@ -5,6 +5,7 @@ Errors a user can hit print one line naming the problem and the fix, and exit 2.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -24,11 +25,13 @@ db_app = typer.Typer(no_args_is_help=True, help="Database migrations.")
 chunks_app = typer.Typer(no_args_is_help=True, help="The chunk topic as a replay log.")
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters.")
 schemas_app = typer.Typer(no_args_is_help=True, help="JSON Schemas of koda's records.")
+webhooks_app = typer.Typer(no_args_is_help=True, help="Webhooks: ended runs call back.")
 app.add_typer(topics_app, name="topics")
 app.add_typer(db_app, name="db")
 app.add_typer(chunks_app, name="chunks")
 app.add_typer(dlq_app, name="dlq")
 app.add_typer(schemas_app, name="schemas")
+app.add_typer(webhooks_app, name="webhooks")
 
 CONFIRM_PROD = typer.Option(False, "--confirm-prod", help="Required in prod.")
 # ROLE=compactor's round interval: a chunk lost between a commit and its produce is on
@@ -208,7 +211,8 @@ def replay_command(
     to: str = typer.Option(
         "duckdb:///warehouse.duckdb",
         "--to",
-        help="duckdb:///FILE, postgresql://USER@HOST/DB[?schema=S] or parquet:///DIR.",
+        help="duckdb:///FILE, postgresql://USER@HOST/DB[?schema=S], parquet:///DIR,"
+        " iceberg:///DIR or iceberg+rest://HOST:PORT/PATH.",
     ),
     start: str | None = typer.Option(None, "--from", help="earliest (the default)."),
     from_timestamp: str | None = typer.Option(
@@ -232,6 +236,12 @@ def replay_command(
         None, "--save-offsets", help="Write where it stopped, for --from-offsets."
     ),
     quiet: bool = typer.Option(False, "--quiet", help="No progress line."),
+    postgres: bool = typer.Option(
+        True,
+        "--postgres/--no-postgres",
+        help="With the runs topic, also export run inputs, merges, schedules and memories"
+        " from Postgres (docs/data-dictionary.md).",
+    ),
 ) -> None:
     """Replay koda's topics into a warehouse; idempotent (upserts on natural keys)."""
     from koda_runtime.stopping import stop_on_signals
@@ -247,8 +257,10 @@ def replay_command(
         dry_run=dry_run,
         max_rate=max_rate,
         save_offsets=save_offsets,
-        **({} if batch is None else {"batch_records": batch}),
+        with_postgres=postgres,
     )
+    if batch is not None:
+        options = dataclasses.replace(options, batch_records=batch)
     with stop_on_signals() as stop:
         summary = run_replay(settings, options, progress=Progress(enabled=not quiet), stop=stop)
     typer.echo("\n".join(summary.lines()))
@@ -323,7 +335,12 @@ def chunks_compact(
 
     if port is not None and every is None:
         fail("--port serves the probes of a repeating compactor: give --every S too")
-    settings = load_settings(kafka=True, database=True)
+    # The repeating role rides out Kafka or Postgres being away, at start too (it is not
+    # ready until a round completes); a one-shot run names the one that does not answer.
+    if every is not None:
+        settings = load_settings(login=True)
+    else:
+        settings = load_settings(kafka=True, database=True)
     compactor = ChunkCompactor(settings)
     try:
         if every is not None:
@@ -332,11 +349,19 @@ def chunks_compact(
 
             configure_logging()
             server = None if port is None else serve_health(compactor, port, settings.worker_host)
+            # The chunk-upkeep role also runs the retention sweep, in a thread of its own
+            # at the same interval (processors/retention.py).
+            from koda_runtime.processors.retention import RetentionSweeper
+
+            sweeper = RetentionSweeper(settings)
+            stop_sweeper = sweeper.start(every)
             try:
                 # SIGTERM ends the loop after the round in progress.
                 with stop_on_signals() as stop:
                     compactor.run_forever(every, older_than, should_stop=stop.is_set)
             finally:
+                stop_sweeper()
+                sweeper.close()
                 if server is not None:
                     server.shutdown()
             return
@@ -424,11 +449,13 @@ def require_confirmation(settings: Settings, confirmed: bool, what: str) -> None
 @friendly
 def worker_command() -> None:
     """Run one worker of the consumer group in the foreground (SIGTERM drains)."""
-    from koda_runtime.logs import configure_logging
+    from koda_runtime.logs import configure_logging, observe
     from koda_runtime.processors.bootstrap import run_worker
 
     configure_logging()
-    run_worker(load_settings(login=True))
+    settings = load_settings(login=True)
+    observe(settings, "worker")  # KODA_LOG_FORMAT, and traces when OTEL_* say so
+    run_worker(settings)
 
 
 @app.command(
@@ -438,7 +465,10 @@ def worker_command() -> None:
 def entrypoint_command(
     ctx: typer.Context,
     role: str = typer.Option(
-        ..., "--role", envvar="ROLE", help="gateway|worker|scheduler|compactor|migrate|topics"
+        ...,
+        "--role",
+        envvar="ROLE",
+        help="gateway|worker|scheduler|compactor|webhooks|migrate|topics",
     ),
 ) -> None:
     """The container entrypoint: exec the ROLE's command in this process (stays PID 1)."""
@@ -451,6 +481,8 @@ def entrypoint_command(
         # The chunk-topic upkeep; the container's args add --port (a later --every wins).
         "compactor": ["chunks", "compact", "--every", str(COMPACTOR_EVERY_S)],
         "migrate": ["db", "upgrade"],
+        # The webhook dispatcher; the container's args add --port.
+        "webhooks": ["webhooks", "dispatch"],
         "topics": ["topics", "apply"],
     }
     if role not in commands:
@@ -461,15 +493,76 @@ def entrypoint_command(
     os.execv(sys.executable, argv)  # noqa: S606 - replaces this process, keeps the PID
 
 
+@webhooks_app.command("dispatch")
+@friendly
+def webhooks_dispatch(
+    port: int | None = typer.Option(
+        None,
+        "--port",
+        min=1,
+        max=65535,
+        help="Serve /livez, /readyz and /metrics on this port (default KODA_WEBHOOK_PORT).",
+    ),
+) -> None:
+    """Deliver ended runs to their webhooks (own consumer group; SIGTERM stops)."""
+    from koda_runtime.logs import configure_logging, observe
+    from koda_runtime.processors.webhooks import run_dispatcher
+
+    configure_logging()
+    settings = load_settings(login=True)
+    observe(settings, "webhooks")
+    run_dispatcher(settings, port)
+
+
+traces_app = typer.Typer(no_args_is_help=True, help="Read a run's trace from its receiver.")
+app.add_typer(traces_app, name="traces")
+
+
+@traces_app.command("show")
+@friendly
+def traces_show(
+    run: str = typer.Argument(..., metavar="RUN_ID|TRACE_ID", help="A run id, or a trace id."),
+    query: str | None = typer.Option(
+        None,
+        "--query",
+        help="The receiver's query API (Jaeger's, e.g. http://jaeger:16686); default: the "
+        "Jaeger of `koda services up --with-tracing`.",
+    ),
+) -> None:
+    """Draw one run's trace (gateway, worker, model, viewers) as its receiver holds it."""
+    from koda_runtime import traceview
+    from koda_runtime.db import sync_engine
+    from koda_runtime.localstack import jaeger
+    from koda_runtime.localstack.cli import DEFAULT_STATE_DIR
+
+    if query is None:
+        ports = jaeger.load_ports(DEFAULT_STATE_DIR.resolve())
+        if ports is None:
+            fail("no --query and no local Jaeger: start one with `koda services up --with-tracing`")
+            return
+        query = ports.url
+    trace_id = run.lower()
+    if not traceview.is_trace_id(trace_id):
+        engine = sync_engine(load_settings(database=True))
+        try:
+            trace_id = traceview.run_trace_id(engine, run)
+        finally:
+            engine.dispose()
+    for line in traceview.render(traceview.fetch(query, trace_id)):
+        typer.echo(line)
+
+
 @app.command("scheduler")
 @friendly
 def scheduler_command() -> None:
     """Run one scheduler replica in the foreground: due schedules become runs (SIGTERM stops)."""
-    from koda_runtime.logs import configure_logging
+    from koda_runtime.logs import configure_logging, observe
     from koda_runtime.scheduler.app import run_scheduler
 
     configure_logging()
-    run_scheduler(load_settings(login=True))
+    settings = load_settings(login=True)
+    observe(settings, "scheduler")
+    run_scheduler(settings)
 
 
 @app.command("gateway")
@@ -477,10 +570,12 @@ def scheduler_command() -> None:
 def gateway_command() -> None:
     """Run the HTTP gateway in the foreground on KODA_GATEWAY_PORT."""
     from koda_runtime.gateway.server import serve
-    from koda_runtime.logs import configure_logging
+    from koda_runtime.logs import configure_logging, observe
 
     configure_logging()
-    serve(load_settings(login=True))
+    settings = load_settings(login=True)
+    observe(settings, "gateway")
+    serve(settings)
 
 
 @app.command("dev")
@@ -500,6 +595,7 @@ def dev_command(
 
 def _add_optional_apps() -> None:
     from koda_runtime.gateway.client import runs_app
+    from koda_runtime.gateway.erasure_cli import users_app
     from koda_runtime.gateway.memories_cli import memories_app
     from koda_runtime.gateway.schedules_cli import schedules_app
     from koda_runtime.localstack.cli import services_app
@@ -508,12 +604,15 @@ def _add_optional_apps() -> None:
     app.add_typer(runs_app, name="runs")
     app.add_typer(memories_app, name="memories")
     app.add_typer(schedules_app, name="schedules")
+    app.add_typer(users_app, name="users")
 
 
 def _add_ledger_apps() -> None:
     from koda_runtime.ledgercli import register
+    from koda_runtime.retentioncli import register as register_retention
 
     register(app, friendly)
+    register_retention(app, friendly)
 
 
 # At import, like the commands above: they need nothing beyond koda and schemas.

@@ -2,8 +2,9 @@
 
 Every process (gateway, workers, scheduler, compactor) imports its metrics from here and exposes
 :data:`REGISTRY` on ``/metrics``; nothing else creates a metric. Creating the
-families does no I/O; :func:`start_metrics_server` (the scheduler's, on
-``KODA_SCHEDULER_PORT``) is the only function that opens a socket.
+families does no I/O; :func:`start_metrics_server` is the only function that opens a
+socket. Each process's server answers with :func:`exposition`: OpenMetrics, which
+carries the run-latency histograms' trace exemplars, when the scraper asks for it.
 
 Names follow Prometheus conventions: a ``koda_`` prefix, counters end in
 ``_total``, durations are histograms in seconds (``_seconds``). Label values are
@@ -38,7 +39,8 @@ never from user ids, run ids or free text.
     run phases    koda_run_phase_seconds{phase} (worker: claim, streaming, finish)
     chunk topic   koda_chunk_runs_compacted_total, koda_chunks_republished_total{by},
                   koda_chunk_upkeep_last_pass_timestamp_seconds,
-                  koda_chunk_upkeep_interval_seconds (the compactor)
+                  koda_chunk_upkeep_interval_seconds,
+                  koda_chunk_upkeep_failures_total{cause} (the compactor)
     scheduler     koda_schedule_fires_total, koda_schedule_fire_conflicts_total,
                   koda_schedule_skips_total{reason}, koda_schedule_missed_total,
                   koda_schedule_fire_lag_seconds, koda_schedules_due
@@ -46,6 +48,7 @@ never from user ids, run ids or free text.
 
 from __future__ import annotations
 
+from opentelemetry import trace
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -57,6 +60,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+from prometheus_client.exposition import choose_encoder
 
 __all__ = [
     "ADMISSIONS",
@@ -100,6 +104,7 @@ __all__ = [
     "RUN_PHASE_SECONDS",
     "CHUNK_UPKEEP_INTERVAL_SECONDS",
     "CHUNK_UPKEEP_LAST_PASS",
+    "CHUNK_UPKEEP_FAILURES",
     "SSE_BACKFILLS",
     "SSE_CONNECTIONS",
     "SSE_EVENTS",
@@ -122,8 +127,11 @@ __all__ = [
     "SCHEDULE_FIRE_LAG_SECONDS",
     "SCHEDULE_MISSED",
     "SCHEDULE_SKIPS",
+    "TracedHistogram",
+    "exposition",
     "render",
     "start_metrics_server",
+    "trace_exemplar",
 ]
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -131,6 +139,28 @@ ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def trace_exemplar() -> dict[str, str] | None:
+    """The current OpenTelemetry span as exemplar labels (``trace_id``, ``span_id``, hex),
+    or None outside a valid, sampled span (no tracing set up, or a trace not kept)."""
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid or not context.trace_flags.sampled:
+        return None
+    return {
+        "trace_id": trace.format_trace_id(context.trace_id),
+        "span_id": trace.format_span_id(context.span_id),
+    }
+
+
+class TracedHistogram(Histogram):
+    """A histogram whose observations carry :func:`trace_exemplar` when there is one:
+    the latency panels link a slow bucket to the trace of a run that landed in it.
+    Exemplars show in the OpenMetrics format only (:func:`exposition`)."""
+
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        super().observe(amount, exemplar if exemplar is not None else trace_exemplar())
+
 
 # Runs take seconds to tens of seconds; queue age can reach minutes under backlog.
 _RUN_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -144,26 +174,26 @@ RUNS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
-RUN_DURATION_SECONDS = Histogram(
+RUN_DURATION_SECONDS = TracedHistogram(
     "koda_run_duration_seconds",
     "Wall time from claim (started_at) to the terminal state, by outcome.",
     ["outcome"],
     buckets=_RUN_BUCKETS,
     registry=REGISTRY,
 )
-TIME_TO_FIRST_CHUNK_SECONDS = Histogram(
+TIME_TO_FIRST_CHUNK_SECONDS = TracedHistogram(
     "koda_time_to_first_chunk_seconds",
     "Time from a run's creation to its first output chunk (running -> streaming).",
     buckets=_RUN_BUCKETS,
     registry=REGISTRY,
 )
-QUEUE_AGE_SECONDS = Histogram(
+QUEUE_AGE_SECONDS = TracedHistogram(
     "koda_queue_age_seconds",
     "Time a run waited between creation and its claim by a worker (created -> started).",
     buckets=_RUN_BUCKETS,
     registry=REGISTRY,
 )
-RUN_PHASE_SECONDS = Histogram(
+RUN_PHASE_SECONDS = TracedHistogram(
     "koda_run_phase_seconds",
     "Time a run spends in one phase, by phase: claim (its claim's group write, from "
     "asking to the answer), streaming (a model call, from its first token to the end of "
@@ -183,7 +213,8 @@ RUNS_WAITING = Gauge(
     "koda_runs_waiting",
     "Records of this worker not started yet, by what they wait for: user_order (a run of "
     "the same user is ahead), worker_full (a slot of KODA_MAX_INFLIGHT), model_cap (a "
-    "model call slot of KODA_MODEL_CONCURRENCY; the run is still pending).",
+    "model call slot of KODA_MODEL_CONCURRENCY; the run is still pending), approval (its "
+    "run waits for a person, holding no slot).",
     ["reason"],
     registry=REGISTRY,
 )
@@ -426,14 +457,14 @@ MODEL_CALLS = Counter(
     ["model", "outcome"],
     registry=REGISTRY,
 )
-MODEL_TIME_TO_FIRST_TOKEN_SECONDS = Histogram(
+MODEL_TIME_TO_FIRST_TOKEN_SECONDS = TracedHistogram(
     "koda_model_time_to_first_token_seconds",
     "Time from sending a model call to its first streamed token.",
     ["model"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60),
     registry=REGISTRY,
 )
-MODEL_CALL_SECONDS = Histogram(
+MODEL_CALL_SECONDS = TracedHistogram(
     "koda_model_call_seconds",
     "Duration of one model call (one try), whatever its outcome.",
     ["model"],
@@ -503,6 +534,14 @@ CHUNK_UPKEEP_INTERVAL_SECONDS = Gauge(
     "The compactor's --every: seconds it waits after a round before the next one.",
     registry=REGISTRY,
 )
+CHUNK_UPKEEP_FAILURES = Counter(
+    "koda_chunk_upkeep_failures_total",
+    "Compactor rounds that failed, by cause: postgres (the store did not answer), kafka "
+    "(the broker did not take the records), other (a bug: see the log). The round is "
+    "tried again; /readyz fails until one completes.",
+    ["cause"],
+    registry=REGISTRY,
+)
 
 # --- scheduler ------------------------------------------------------------------
 
@@ -555,12 +594,19 @@ def render() -> bytes:
     return generate_latest(REGISTRY)
 
 
+def exposition(accept: str | None) -> tuple[bytes, str]:
+    """The registry and its content type in the format a scraper's ``Accept`` header asks
+    for: OpenMetrics (with exemplars) when it lists ``application/openmetrics-text``,
+    else the Prometheus text format."""
+    encode, content_type = choose_encoder(accept or "")
+    return encode(REGISTRY), content_type
+
+
 def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:  # noqa: S104
     """Serve :data:`REGISTRY` on ``http://host:port/metrics`` from a daemon thread.
 
-    For a process without an HTTP server of its own: the scheduler (the gateway and
-    the workers serve ``/metrics`` from theirs). ``port`` 0 is refused: pick a port,
-    or skip the server.
+    For a process without an HTTP server of its own (every koda role now serves
+    ``/metrics`` from its own). ``port`` 0 is refused: pick a port, or skip the server.
     """
     if port <= 0:
         raise ValueError(f"metrics port must be 1..65535, got {port}")

@@ -66,6 +66,65 @@ def _api_tokens(raw: str) -> dict[str, str]:
     return tokens
 
 
+# Service tokens (KODA_SERVICE_TOKENS): what a backend may do on behalf of users.
+SCOPES = ("submit", "read", "cancel")
+SERVICE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(frozen=True)
+class ServiceToken:
+    """A backend's token: its ``name`` (runs record ``service:<name>``) and ``scopes``."""
+
+    name: str
+    scopes: frozenset[str]
+
+
+def _service_tokens(raw: str) -> dict[str, ServiceToken]:
+    """``token:name:scope+scope,...`` (scopes of SCOPES); errors name the entry and the
+    service, never the token."""
+    tokens: dict[str, ServiceToken] = {}
+    names: set[str] = set()
+    for n, entry in enumerate(filter(None, (p.strip() for p in raw.split(","))), 1):
+        token, name, scopes = (part.strip() for part in (entry.split(":", 2) + ["", ""])[:3])
+        where = f"KODA_SERVICE_TOKENS: entry {n}"
+        if not token or not name or not scopes:
+            raise ConfigError(f"{where} is not <token>:<name>:<scope>+<scope>")
+        if not SERVICE_NAME.fullmatch(name):
+            raise ConfigError(
+                f"{where}: the name {name[:40]!r} is not 1-64 chars of A-Z a-z 0-9 . _ -"
+            )
+        asked = [s.strip() for s in scopes.split("+")]
+        unknown = [s for s in asked if s not in SCOPES]
+        if unknown:
+            raise ConfigError(
+                f"{where} (service {name!r}): unknown scope {unknown[0][:40]!r}: use "
+                f"{', '.join(SCOPES)} joined by +"
+            )
+        if token in tokens:
+            raise ConfigError(
+                f"{where} (service {name!r}) repeats the token of service "
+                f"{tokens[token].name!r}: give every service a token of its own"
+            )
+        if name in names:
+            raise ConfigError(f"{where}: service {name!r} is named twice: one token per name")
+        names.add(name)
+        tokens[token] = ServiceToken(name, frozenset(asked))
+    return tokens
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+DURATION_SHAPE = "a duration: a number and s, m, h, d or w (30d, 12h; no unit: seconds); 0: forever"
+
+
+def parse_duration(raw: str) -> float:
+    """``30d``, ``12h``, ``90m``, ``45s``, ``2w`` or a bare number of seconds, as seconds."""
+    match = _DURATION.fullmatch(raw.strip().lower())
+    if match is None:
+        raise ValueError(raw)
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
 def _token_problem(token: str) -> str | None:
     """Why prod refuses ``token`` as a secret, or None; never quotes the token."""
     if len(token) < MIN_PROD_TOKEN_CHARS:
@@ -96,7 +155,21 @@ def prod_secret_problems(settings: Settings) -> list[str]:
         if why is not None:
             problems.append(f"KODA_API_TOKENS: the token of user {user[:40]!r} {why}")
         seen[token] = user
+    for token, service in settings.service_tokens.items():
+        why = _token_problem(token)
+        if why is not None:
+            problems.append(f"KODA_SERVICE_TOKENS: the token of service {service.name!r} {why}")
+        if token in seen:
+            problems.append(
+                f"KODA_SERVICE_TOKENS: the token of service {service.name!r} is also the "
+                f"KODA_API_TOKENS token of user {seen[token][:40]!r}: give it a token of its own"
+            )
     admin = settings.admin_token
+    if admin is not None and admin in settings.service_tokens:
+        problems.append(
+            "KODA_ADMIN_TOKEN is also a KODA_SERVICE_TOKENS token: the admin token must be "
+            "a token of its own"
+        )
     if admin is not None:
         why = _token_problem(admin)
         if why is not None:
@@ -253,7 +326,16 @@ def _with_local_stack(
 
 # Fault points a test can switch on with KODA_TEST_FAULT (see processors/faults.py);
 # prod refuses every one of them.
-TEST_FAULTS = ("kill-after-chunks-commit", "kill-after-finish-commit", "fail-before-claim")
+TEST_FAULTS = (
+    "kill-after-chunks-commit",
+    "kill-after-finish-commit",
+    "fail-before-claim",
+    # `koda replay --to iceberg://`: topics/replay/sinks/iceberg.py
+    "kill-between-iceberg-tables",
+    "kill-after-iceberg-batch",
+    # `koda memories reembed`: gateway/memories_cli.py
+    "kill-after-reembed-batch",
+)
 # Variables read outside the knob loop (the environment, the worker's identity, the
 # local stack's state dir), for the settings table: (variable, default, meaning).
 OTHER_VARIABLES = (
@@ -402,6 +484,22 @@ class Settings:
         parse=_api_tokens,
         shape="a comma-separated list of token:user_id",
     )
+    service_tokens: Mapping[str, ServiceToken] = knob(
+        env="KODA_SERVICE_TOKENS",
+        doc="backends' bearer tokens, acting for the user named in `X-Koda-User`: "
+        "`token:name:scope+scope,...`; scopes `submit`, `read`, `cancel` (dev and prod)",
+        factory=dict,
+        secret=True,
+        parse=_service_tokens,
+        shape="a comma-separated list of token:name:scope+scope (scopes: submit, read, cancel)",
+    )
+    batch_max_runs: int = knob(
+        100,
+        "KODA_BATCH_MAX_RUNS",
+        "runs one `POST /v1/runs/batch` may carry; more is refused with 413",
+        lo=1,
+        hi=1000,
+    )
     # failed logins and stream tickets (gateway/auth.py)
     auth_failures: int = knob(
         20,
@@ -439,6 +537,14 @@ class Settings:
         30.0,
         "KODA_MERGE_WINDOW_S",
         "a message into a session whose running run is younger than this merges into it",
+        unit="s",
+        lo=0,
+        hi=3600,
+    )
+    erasure_wait_s: float = knob(
+        30.0,
+        "KODA_ERASURE_WAIT_S",
+        "a user's erasure waits this long for their cancelled runs to end, then answers 409",
         unit="s",
         lo=0,
         hi=3600,
@@ -494,6 +600,47 @@ class Settings:
         unit="s",
         lo=0,
         hi=365 * 86400,
+    )
+    # retention (processors/retention.py): how long Postgres keeps what a run left
+    chunk_retention_s: float = knob(
+        7 * 86400.0,
+        "KODA_CHUNK_RETENTION",
+        "a run's chunk rows are kept this long after it ended (7d), then collapsed into "
+        "its final output (not before the run is compacted: KODA_COMPACT_AFTER)",
+        unit="s",
+        lo=0,
+        hi=3650 * 86400,
+        parse=parse_duration,
+        shape=DURATION_SHAPE,
+    )
+    run_retention_s: float = knob(
+        0.0,
+        "KODA_RUN_RETENTION",
+        "runs are deleted, with their chunks, merges and usage, this long after they "
+        "ended (0: kept for ever; not before the run is compacted)",
+        unit="s",
+        lo=0,
+        hi=3650 * 86400,
+        parse=parse_duration,
+        shape=DURATION_SHAPE,
+    )
+    ledger_retention_s: float = knob(
+        0.0,
+        "KODA_LEDGER_RETENTION",
+        "ledger rows are deleted by whole UTC months, once a month ended this long ago "
+        "(0: kept for ever; else at least 31d)",
+        unit="s",
+        lo=0,
+        hi=3650 * 86400,
+        parse=parse_duration,
+        shape=DURATION_SHAPE,
+    )
+    retention_batch: int = knob(
+        1000,
+        "KODA_RETENTION_BATCH",
+        "rows the retention sweep deletes per statement (each its own transaction)",
+        lo=10,
+        hi=100_000,
     )
     # worker (the id and its source are read by _identity, not by the knob loop)
     worker_id: str = field(default_factory=generated_worker_id)
@@ -742,7 +889,11 @@ class Settings:
     )
     # koda scheduler
     scheduler_port: int = knob(
-        0, "KODA_SCHEDULER_PORT", "the scheduler's /metrics port (0: none)", lo=0, hi=65535
+        0,
+        "KODA_SCHEDULER_PORT",
+        "the scheduler's /livez, /readyz and /metrics port (0: none)",
+        lo=0,
+        hi=65535,
     )
     scheduler_poll_s: float = knob(
         5.0,
@@ -754,6 +905,57 @@ class Settings:
     )
     scheduler_batch: int = knob(
         500, "KODA_SCHEDULER_BATCH", "due schedules fired per batch", lo=1, hi=100_000
+    )
+    # Webhooks (gateway/webhooks.py, `koda webhooks dispatch`: processors/webhooks.py)
+    webhook_allow_private: bool | None = knob(
+        None,
+        "KODA_WEBHOOK_ALLOW_PRIVATE",
+        "webhooks may reach loopback, private and link-local addresses "
+        "(unset: yes in dev, no in prod)",
+    )
+    webhook_timeout_s: float = knob(
+        10.0, "KODA_WEBHOOK_TIMEOUT", "each webhook POST's timeout", unit="s", lo=0.1, hi=300
+    )
+    webhook_concurrency: int = knob(
+        32, "KODA_WEBHOOK_CONCURRENCY", "webhook POSTs in flight per dispatcher", lo=1, hi=1024
+    )
+    webhook_per_endpoint: int = knob(
+        4,
+        "KODA_WEBHOOK_PER_ENDPOINT",
+        "webhook POSTs in flight to one endpoint per dispatcher (a slow receiver holds no more)",
+        lo=1,
+        hi=1024,
+    )
+    webhook_retry_first_s: float = knob(
+        5.0,
+        "KODA_WEBHOOK_RETRY_FIRST",
+        "wait after a delivery's first failed attempt; doubles per attempt, with jitter",
+        unit="s",
+        lo=0.01,
+        hi=3600,
+    )
+    webhook_retry_max_s: float = knob(
+        300.0,
+        "KODA_WEBHOOK_RETRY_MAX",
+        "longest wait between two attempts of a delivery",
+        unit="s",
+        lo=0.01,
+        hi=86400,
+    )
+    webhook_horizon_s: float = knob(
+        86400.0,
+        "KODA_WEBHOOK_HORIZON",
+        "a delivery not accepted this long after the run ended is given up (`failed`)",
+        unit="s",
+        lo=1,
+        hi=30 * 86400,
+    )
+    webhook_port: int = knob(
+        0,
+        "KODA_WEBHOOK_PORT",
+        "the webhook dispatcher's /livez, /readyz and /metrics port (0: none)",
+        lo=0,
+        hi=65535,
     )
     # The cost ledger and budgets. Off only to measure their cost (benchmarks): no ledger
     # rows, no budget checks, as before the ledger existed.
@@ -781,12 +983,37 @@ class Settings:
         lo=0,
         hi=5,
     )
+    memory_distil_lease_s: float = knob(
+        120.0,
+        "KODA_MEMORY_DISTIL_LEASE_S",
+        "seconds a worker holds a finished run's memory distillation before another may "
+        "take it (a worker that died holding it)",
+        lo=1,
+        hi=86400,
+    )
     max_tool_turns: int = knob(
         8,
         "KODA_MAX_TOOL_TURNS",
         "model completions per run; reaching it ends the run `failed`",
         lo=1,
         hi=100,
+    )
+    # Tools users add (processors/tools/): modules whose @tool functions the model is
+    # offered, beside the `koda.tools` entry points.
+    tools: str = knob(
+        "",
+        "KODA_TOOLS",
+        "comma-separated modules whose `@tool` functions the `openai` handler offers (with "
+        "the `koda.tools` entry points); one that does not import stops the worker",
+    )
+    approval_timeout_s: float = knob(
+        3600.0,
+        "KODA_APPROVAL_TIMEOUT_S",
+        "a run waiting this long for a person's approve or reject of a tool call is "
+        "rejected (the model is told nobody approved it)",
+        unit="s",
+        lo=1,
+        hi=30 * 86400,
     )
     # Limits on an admitted run (processors/streaming.py): crossing one ends it `failed`.
     max_run_s: float = knob(
@@ -813,6 +1040,40 @@ class Settings:
         lo=1024,
         hi=1 << 30,
     )
+    # logs and traces (koda/logs.py, koda/tracing.py): OpenTelemetry's own variables
+    log_format: str = knob(
+        "text",
+        "KODA_LOG_FORMAT",
+        "log lines as `key=value` text, or one JSON object per line",
+        choices=("text", "json"),
+    )
+    otel_endpoint: str | None = knob(
+        None,
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTLP/HTTP receiver of traces, e.g. `http://127.0.0.1:4318` (unset: no tracing)",
+    )
+    otel_service_name: str | None = knob(
+        None, "OTEL_SERVICE_NAME", "the service name of the spans (unset: `koda-<role>`)"
+    )
+    otel_sampler: str = knob(
+        "parentbased_always_on",
+        "OTEL_TRACES_SAMPLER",
+        "which traces are kept (the SDK's sampler names)",
+        choices=(
+            "always_on",
+            "always_off",
+            "traceidratio",
+            "parentbased_always_on",
+            "parentbased_always_off",
+            "parentbased_traceidratio",
+        ),
+    )
+    otel_sampler_arg: float | None = knob(
+        None, "OTEL_TRACES_SAMPLER_ARG", "the ratio of a traceidratio sampler", lo=0, hi=1
+    )
+    otel_sdk_disabled: bool = knob(
+        False, "OTEL_SDK_DISABLED", "no tracing even with an endpoint set"
+    )
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -836,6 +1097,11 @@ class Settings:
         if self.memory_auto_inject and not 3 <= self.memory_auto_inject <= 5:
             raise ConfigError(
                 f"KODA_MEMORY_AUTO_INJECT={self.memory_auto_inject}: 0 (off) or 3 to 5 memories"
+            )
+        if self.ledger_retention_s and self.ledger_retention_s < 31 * 86400:
+            raise ConfigError(
+                f"KODA_LEDGER_RETENTION={self.ledger_retention_s:g}s must be 0 (forever) or "
+                "at least 31d: finance and the monthly budgets read whole months"
             )
         if not self.handler:
             raise ConfigError("KODA_HANDLER is empty: name a handler (demo, openai or a plugin)")

@@ -8,6 +8,12 @@ record per cancel or merge, so reading all partitions costs nothing, and no
 assignment has to follow the runs topic's through a rebalance (a second topic in the
 group would be co-partitioned only by an assignor that Faust does not use here).
 
+A run that waits for a person (``waiting``, processors/tools/) executes nowhere; the
+worker holding its partition parks its record (:meth:`ControlBoard.park`) and any
+control record of the run wakes it to look at the row again: the gateway's approve and
+reject send a ``merge`` record with the run's unchanged input version (a no-op for a
+run in flight), a cancel its ``cancel`` record.
+
 The record is only a wake-up. A worker that misses it (it was draining, the
 partition moved, the worker died) is covered by Postgres: every chunk write tells
 the board what the row says (``RunStore.observer``), the finish refuses to end a
@@ -16,13 +22,16 @@ run that was cancelled or whose input changed, and the next claim sees the reque
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from koda_runtime import tracing
 from koda_runtime.lifecycle.control import CANCEL, MERGE, ControlRecord, decode_control
 from koda_runtime.lifecycle.handler import CancelToken
 from koda_runtime.processors.store import RunSteer
+from koda_runtime.schemas.records import header_value
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CONTROL
 from koda_runtime.topics.kafka.tail import TailEvents, TopicTail
@@ -35,7 +44,8 @@ EVENTS = TailEvents(
     not_ready="run_control_tail_not_ready",
     partitions_added="run_control_partitions_added",
 )
-Record = tuple[bytes | None, int, int]
+# value, partition, offset, and the traceparent header (koda/tracing.py) or None
+Record = tuple[bytes | None, int, int, bytes | None]
 # The catalogue fixes run-control's partition count (`koda topics check` verifies it).
 DISCOVERY_INTERVAL_S = 30.0
 
@@ -100,6 +110,19 @@ class ControlBoard:
     def __init__(self) -> None:
         self.runs: dict[str, RunControl] = {}
         self.delivered = 0  # control records acted on (tests and metrics read it)
+        # Runs waiting for a person whose record this worker holds: set to wake them.
+        self.parked: dict[str, asyncio.Event] = {}
+
+    def park(self, run_id: str) -> asyncio.Event:
+        """The event a control record of ``run_id`` sets (until :meth:`unpark`)."""
+        event = self.parked.get(run_id)
+        if event is None:
+            event = self.parked[run_id] = asyncio.Event()
+        return event
+
+    def unpark(self, run_id: str, event: asyncio.Event) -> None:
+        if self.parked.get(run_id) is event:
+            del self.parked[run_id]
 
     def open(self, run_id: str) -> RunControl:
         control = self.runs.get(run_id)
@@ -111,7 +134,12 @@ class ControlBoard:
         self.runs.pop(run_id, None)
 
     def deliver(self, record: ControlRecord) -> bool:
-        """Act on ``record`` if the run executes here; True if it did."""
+        """Act on ``record`` if the run executes (or waits) here; True if it did."""
+        waiting = self.parked.get(record.run_id)
+        if waiting is not None:
+            waiting.set()
+            self.delivered += 1
+            return True
         control = self.runs.get(record.run_id)
         if control is None:
             return False
@@ -145,7 +173,10 @@ class ControlListener:
             "control-tail",
             self.topic,
             start="end",
-            route=lambda messages: [(m.value(), m.partition(), m.offset()) for m in messages],
+            route=lambda messages: [
+                (m.value(), m.partition(), m.offset(), header_value(m.headers(), tracing.HEADER))
+                for m in messages
+            ],
             deliver=self._deliver,
             events=EVENTS,
             discovery_interval_s=DISCOVERY_INTERVAL_S,
@@ -164,8 +195,11 @@ class ControlListener:
         log.info("run-control tail started partitions=%d", partitions)
 
     def _deliver(self, records: list[Record]) -> None:
-        for value, partition, offset in records:
-            self._handle(value, partition, offset)
+        for value, partition, offset, trace in records:
+            with tracing.span("koda.control", parent=trace) as span:
+                self._handle(value, partition, offset)
+                if span.is_recording():
+                    span.set_attributes({"messaging.kafka.offset": offset})
 
     def _handle(self, value: bytes | None, partition: int, offset: int) -> None:
         record = decode_control(value)

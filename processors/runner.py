@@ -27,10 +27,12 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from koda_runtime import tracing
 from koda_runtime.errors import HandlerError, RecordError
 from koda_runtime.lifecycle.attempts import (
     ERROR_ROW_CHARS,
@@ -57,9 +59,11 @@ from koda_runtime.metrics import (
 )
 from koda_runtime.processors import faults
 from koda_runtime.processors.billing import Billing
+from koda_runtime.processors.chains import Parked
 from koda_runtime.processors.control import ControlBoard, RunControl
 from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.history import history_for
+from koda_runtime.processors.memory.distiller import distiller_for
 from koda_runtime.processors.ports import Record, RunOutput, WorkerStore
 from koda_runtime.processors.republish import ChunkRepair
 from koda_runtime.processors.store import (
@@ -79,10 +83,12 @@ from koda_runtime.processors.streaming import (
     refusal,
     stream,
 )
+from koda_runtime.processors.tools import AwaitingApproval, build_toolbox
 from koda_runtime.schemas.records import (
     RUN_REQUESTED,
     RunRequested,
     decode_run_requested,
+    header_value,
     headers_for,
 )
 from koda_runtime.settings import Settings
@@ -98,6 +104,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("koda.worker")
+
+# A run waiting for a person looks at its row again this often even when no control
+# record woke it (one was missed): Postgres holds the decision.
+APPROVAL_RECHECK_S = 30.0
 
 # The offset a dead letter names for a trigger the worker made itself (a predecessor's;
 # schemas/record_specs.py documents it).
@@ -238,6 +248,28 @@ def _all_delivered(run_id: str, delivered: list[Any]) -> bool:
     return not failures
 
 
+def _run_spans(trigger: Trigger, run_id: str, worker_id: str) -> AbstractContextManager[Any]:
+    """The run's attempt spans (koda/tracing.py): children of the trace the record's
+    headers carry; a predecessor run, which has no record in hand, is linked to it."""
+    if not tracing.ON:
+        return contextlib.nullcontext()
+    record = trigger.record if isinstance(trigger, Predecessor) else trigger
+    header = header_value(record.headers, tracing.HEADER)
+    own = not isinstance(trigger, Predecessor)
+    return tracing.run_spans(
+        parent=header if own else None,
+        links=() if own else tracing.links_to(header),
+        attributes={
+            "koda.run_id": run_id,
+            "koda.worker_id": worker_id,
+            "messaging.system": "kafka",
+            "messaging.destination.name": record.topic,
+            "messaging.destination.partition.id": str(record.partition),
+            "messaging.kafka.offset": record.offset,
+        },
+    )
+
+
 def _model_of(handler: Handler) -> str:
     """The model an estimated call is priced as: the handler's, else its name."""
     return str(getattr(handler, "model", handler.name))
@@ -295,6 +327,15 @@ class RunExecutor:
         self.model_slots = ModelSlots(settings.model_concurrency)
         self.tries = RecordTries(settings.record_tries)
         self.history = history_for(store, settings.context_tokens)
+        # The tools users add and their journal (processors/tools/): ConfigError at start
+        # for a module that does not import or a bad declaration.
+        self.toolbox = build_toolbox(settings, store)
+        use_tools = getattr(handler, "use_tools", None)
+        if callable(use_tools):
+            use_tools(self.toolbox)
+        # Distils a done run's memories off its path (processors/memory/distiller.py);
+        # None when the handler does not remember.
+        self.distiller = distiller_for(handler, settings)
 
     async def process(self, record: Record, fence: Fence, cancel: CancelToken) -> None:
         """Do the record's work; return when it may be acked.
@@ -303,10 +344,12 @@ class RunExecutor:
         until the record has had its tries (:class:`RecordTries`); then the record is
         dead-lettered ``failed_before_claim`` with the last error, and acked.
         """
+        if self.distiller is not None:
+            self.distiller.start()  # no-op while it runs
         progress = Progress()
         try:
             await self._process(record, fence, progress)
-        except FencedOut:
+        except (FencedOut, Parked):
             raise
         except Exception as exc:
             if progress.claimed:
@@ -339,6 +382,11 @@ class RunExecutor:
         faults.before_claim(self.settings.test_fault, req.user_id)
         run = await self.store.load_run(req.run_id)
         if run is None:
+            if await self.store.erased(req.user_id):
+                # Its user was erased (gateway/erasure.py): nothing of the run may come
+                # back, not even as a dead letter holding the user's id.
+                log.info("skip erased run_id=%s %s", req.run_id, where)
+                return
             await self._dead_letter(record, 0, "unknown_run", f"no run {req.run_id} in Postgres")
             return
         if run.user_id != req.user_id:
@@ -356,12 +404,16 @@ class RunExecutor:
     async def _execute(
         self, trigger: Trigger, run: RunRow, fence: Fence, progress: Progress
     ) -> None:
+        if run.status is RunStatus.WAITING:
+            await self._still_waiting(run.id)
         async with self.model_slots.hold():
             control = self.board.open(run.id)
             try:
-                await self._attempts(trigger, run, fence, control, progress)
+                with _run_spans(trigger, run.id, self.worker_id):  # one span per attempt
+                    await self._attempts(trigger, run, fence, control, progress)
             finally:
                 self.board.close(run.id)
+                self.toolbox.release(run.id)
 
     async def _attempts(
         self,
@@ -381,7 +433,9 @@ class RunExecutor:
         billed: list[Usage] = []
         turns: tuple[Turn, ...] | None = None
         while True:
-            claim = await self.writer.claim(ClaimWrite(fence, run_id, self.worker_id))
+            span = tracing.attempt()
+            with tracing.span("koda.claim"):
+                claim = await self.writer.claim(ClaimWrite(fence, run_id, self.worker_id))
             if claim is None:
                 current = await self.store.load_run(run_id)
                 if current is not None and current.status.terminal:
@@ -390,6 +444,8 @@ class RunExecutor:
             progress.claimed = True
             claimed_at = time.monotonic()  # the attempt's deadline counts from here
             attempt = claim.attempt
+            if span.is_recording():
+                span.set_attribute("koda.attempt", attempt)
             rerun = control.attempt_version < claim.input_version
             token = control.begin(claim.input_version)
             if claim.input is not None:
@@ -419,6 +475,7 @@ class RunExecutor:
                 turns,
                 max_output_tokens=self.settings.max_output_tokens or None,
             )
+            self.toolbox.bind(run_id, attempt, fence)  # the tool journal's writes are fenced
             if claim.cancel_requested:
                 # The request is durable: whoever claims next ends the run, never reruns it.
                 if not resumed:  # earlier output may be in Postgres only (its writer died)
@@ -482,6 +539,9 @@ class RunExecutor:
                         self.settings.max_output_bytes,
                     ),
                 )
+            except AwaitingApproval as waiting:
+                await self._wait(batcher, ctx, tally, waiting)  # the run is `waiting` now
+                raise Parked(self._waiter(run_id, self.toolbox.approval_timeout_s)) from None
             except HandlerError as exc:
                 if not control.stopping:  # stopped on purpose: the handler's complaint is moot
                     after = await self._failed(batcher, ctx, tally, exc)
@@ -531,6 +591,77 @@ class RunExecutor:
                 control.merged(finished.input_version)
             futures += await self._merged_stop(batcher, ctx, tally)
             billed = [*billed, *own]
+
+    async def _still_waiting(self, run_id: str) -> None:
+        """A ``waiting`` run goes on (is claimed) once its tool step is decided, a cancel
+        is requested or ``KODA_APPROVAL_TIMEOUT_S`` passed; until then :class:`Parked`."""
+        journal = self.toolbox.journal
+        if journal is None:
+            return
+        event = self.board.park(run_id)  # before the read: a decision after it wakes us
+        pending = await journal.pending(run_id)
+        if (
+            pending is None
+            or pending.status != RunStatus.WAITING.value
+            or pending.cancel_requested
+            or pending.decision is not None
+            or pending.step is None
+            or pending.age_s >= self.toolbox.approval_timeout_s
+        ):
+            self.board.unpark(run_id, event)
+            return
+        left = self.toolbox.approval_timeout_s - pending.age_s
+        log.info(
+            "run still waiting run_id=%s step=%s: no decision yet (%.0f s left)",
+            run_id,
+            pending.step,
+            left,
+        )
+        raise Parked(self._waiter(run_id, left), f"run {run_id} waits for approval")
+
+    def _waiter(self, run_id: str, left_s: float) -> Callable[[], Awaitable[None]]:
+        """Wait (no slot held) for a control record of ``run_id``, its approval timeout,
+        or :data:`APPROVAL_RECHECK_S`; then the chain processes its record again."""
+        event = self.board.park(run_id)
+
+        async def wait() -> None:
+            try:
+                await asyncio.wait_for(event.wait(), timeout=min(left_s, APPROVAL_RECHECK_S))
+            except TimeoutError:
+                pass
+            finally:
+                self.board.unpark(run_id, event)
+
+        return wait
+
+    async def _wait(
+        self, batcher: ChunkBatcher, ctx: RunContext, tally: CallTally, waiting: AwaitingApproval
+    ) -> None:
+        """The model called a tool that needs a person: the ``approval_required`` event
+        with what this attempt said, its calls billed (``cancelled``: the resumed attempt
+        answers again), then ``→ waiting`` under the fence and its transition event."""
+        fence, run_id = batcher.fence, ctx.run_id
+        self.board.park(run_id)  # a decision right after the move wakes the wait
+        batcher.add(ChunkKind.APPROVAL_REQUIRED, waiting.event())
+        await batcher.flush()
+        await asyncio.gather(*batcher.futures)
+        sent = await self.billing.record_attempt(fence, ctx, tally, Outcome.CANCELLED)
+        if self.toolbox.journal is not None:
+            await self.toolbox.journal.park(fence, run_id)
+        sent.append(
+            await self.emitter.event(
+                fence.partition, run_id, "transition", to=RunStatus.WAITING.value,
+                attempt=ctx.attempt,
+            )
+        )  # fmt: skip
+        await asyncio.gather(*sent)
+        log.info(
+            "run waiting run_id=%s attempt=%d step=%d tool=%s: for a person's approval",
+            run_id,
+            ctx.attempt,
+            waiting.step,
+            waiting.name,
+        )
 
     async def _failed(
         self, batcher: ChunkBatcher, ctx: RunContext, tally: CallTally, exc: HandlerError
@@ -617,9 +748,11 @@ class RunExecutor:
             first_output=first_output(batcher.streaming, final),
             input_version=input_version,
             ledger=self.billing.calls(ctx, own, outcome, written),
+            distil=status is RunStatus.DONE and self.distiller is not None,
         )
         try:
-            finished = await self.writer.finish(write)
+            with tracing.span("koda.finish"):
+                finished = await self.writer.finish(write)
             if finished is None:
                 raise FencedOut(f"run {run_id}: {_FINISH_VERB[status]} fenced out")
         except (FencedOut, asyncio.CancelledError):
@@ -637,6 +770,8 @@ class RunExecutor:
         if isinstance(finished, Superseded):
             batcher.give_back(final)
             return finished
+        if write.distil and self.distiller is not None:
+            self.distiller.wake()
         try:
             sent = await self.emitter.chunks(fence.partition, final)
         except Exception as exc:

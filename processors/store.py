@@ -18,6 +18,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 import psycopg
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda_runtime.db import driver_connection, for_driver, send
@@ -28,7 +29,9 @@ from koda_runtime.lifecycle.ledger import Exceeded, LedgerCall, exceeded
 from koda_runtime.lifecycle.states import ACTIVE, OPEN, RunStatus
 from koda_runtime.processors import sql
 from koda_runtime.processors.coalesce import CoalescedReads
+from koda_runtime.processors.memory.marks import MARK_DISTIL
 from koda_runtime.schemas import ledger
+from koda_runtime.schemas.erasures import user_digest
 from koda_runtime.schemas.ledger import PricedCall, insert_calls
 
 T = TypeVar("T")
@@ -53,6 +56,8 @@ _INSERT_CHUNKS = for_driver(sql.INSERT_CHUNKS)
 _INSERT_USAGE = for_driver(sql.INSERT_USAGE)
 _TRANSITION = for_driver(sql.TRANSITION)
 _INSERT_CALLS = for_driver(ledger.INSERT_CALLS)
+_MARK_DISTIL = for_driver(MARK_DISTIL)
+_ERASED = text("SELECT 1 FROM erasures WHERE user_digest = :digest LIMIT 1")
 
 # What a statement queued in a pipeline gives once the pipeline has synced.
 Read = Callable[[], Awaitable[T]]
@@ -131,6 +136,9 @@ class FinishWrite:
     input_version: int | None = None
     # The finishing attempt's billable calls, written to the ledger in the same transaction.
     ledger: Sequence[LedgerCall] = ()
+    # A ``done`` run whose memories are to be distilled: its marker is written in the
+    # same transaction (processors/memory/distiller.py).
+    distil: bool = False
 
     def __post_init__(self) -> None:
         if not self.status.terminal:
@@ -419,6 +427,8 @@ class RunStore:
                 pricing = await _insert_usage(raw, finishes)
                 moving = await _transition(raw, mine)
                 billing = await _insert_calls(raw, [c for w in mine for c in w.ledger])
+                if marks_due := [w.run_id for w in finishes if w.distil]:
+                    await send(raw, _MARK_DISTIL, {"ids": marks_due})
                 spending = await _spent_budgets(raw, [w for w in mine if w not in finishes])
             inserted = await inserting()
             costs = await pricing()
@@ -467,6 +477,13 @@ class RunStore:
             return [
                 Chunk(run_id, int(r.seq), ChunkKind(r.kind), r.content, r.attempt) for r in rows
             ]
+
+    async def erased(self, user_id: str) -> bool:
+        """Whether an erasure of ``user_id`` was recorded (schemas/erasures.py). Asked
+        only of a record whose run has no row."""
+        async with self.reader.connect() as conn:
+            row = await conn.execute(_ERASED, {"digest": user_digest(user_id)})
+            return row.first() is not None
 
 
 async def _mark_published(

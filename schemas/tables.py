@@ -78,6 +78,15 @@ runs = Table(
     # person submitted it.
     Column("schedule_id", Text, nullable=True),
     Column("scheduled_for", DateTime(timezone=True), nullable=True),
+    # Retention (0012): when the chunk rows were collapsed into the run's output, the
+    # seq of the row holding it, and the seq through which rows are still to go.
+    Column("chunks_expired_at", DateTime(timezone=True), nullable=True),
+    Column("output_seq", Integer, nullable=True),
+    Column("expire_through", Integer, nullable=True),
+    # The run's W3C trace context (0017); NULL when it was not traced.
+    Column("traceparent", Text, nullable=True),
+    # Who created it (0014): user:<id> or service:<name>; NULL reads as user:<user_id>.
+    Column("created_by", Text, nullable=True),
     UniqueConstraint("idempotency_key", name="uq_runs_idempotency_key"),
     CheckConstraint(f"status IN ({STATUS_VALUES})", name="ck_runs_status"),
     Index("ix_runs_user_id_created_at", "user_id", "created_at"),
@@ -117,8 +126,16 @@ runs = Table(
     Index(
         "ix_runs_open_user_id",
         "user_id",
-        postgresql_where=text("status IN ('pending', 'running', 'streaming')"),
+        postgresql_where=text("status IN ('pending', 'running', 'streaming', 'waiting')"),
     ),
+    # The retention sweep's scans (0012).
+    Index(
+        "ix_runs_unexpired_finished_at",
+        "finished_at",
+        postgresql_where=text("chunks_expired_at IS NULL AND finished_at IS NOT NULL"),
+    ),
+    Index("ix_runs_finished_at", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
+    Index("ix_runs_expiring", "id", postgresql_where=text("expire_through IS NOT NULL")),
 )
 
 # One row per message merged into a running run (0004), keyed like a run.
@@ -188,7 +205,8 @@ ledger = Table(
     metadata,
     Column("id", BigInteger, Identity(), primary_key=True),
     Column("user_id", Text, nullable=False),
-    Column("run_id", Text, ForeignKey("runs.id"), nullable=True),  # NULL: system work
+    # NULL: system work. No foreign key (0013): the rows outlive an erased user's runs.
+    Column("run_id", Text, nullable=True),
     Column("attempt", Integer, nullable=False),
     Column("call_index", Integer, nullable=False),
     Column("model", Text, nullable=False),
@@ -286,6 +304,13 @@ schedules = Table(
     Column("last_fire_at", DateTime(timezone=True), nullable=True),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # The schedule's own webhook (0015): its runs go there alone; NULL: the owner's.
+    Column(
+        "webhook_id",
+        Text,
+        ForeignKey("webhooks.id", ondelete="SET NULL", name="fk_schedules_webhook_id"),
+        nullable=True,
+    ),
     CheckConstraint(f"overlap IN ({OVERLAP_VALUES})", name="ck_schedules_overlap"),
     CheckConstraint("daily_cap >= 1", name="ck_schedules_daily_cap"),
     CheckConstraint("catchup_s >= 0", name="ck_schedules_catchup_s"),
@@ -301,4 +326,129 @@ schedules = Table(
         "next_fire_at",
         postgresql_where=text("next_fire_at IS NOT NULL"),
     ),
+)
+
+# Per-user erasure receipts (0013): the user only as the SHA-256 hex of the id
+# (schemas/erasures.py); completed_at NULL: the deletions began and did not finish.
+erasures = Table(
+    "erasures",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("user_digest", Text, nullable=False),
+    Column("pseudonym", Text, nullable=False),
+    Column("requested_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("completed_at", DateTime(timezone=True), nullable=True),
+    Column("counts", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("requested_by", Text, nullable=False),
+    CheckConstraint("user_digest ~ '^[0-9a-f]{64}$'", name="ck_erasures_user_digest"),
+    Index("ix_erasures_user_digest", "user_digest"),
+)
+
+# Webhooks (0015): a user's endpoints, one delivery per (endpoint, terminal run), and
+# each delivery's attempts (schemas/webhooks.py holds their SQL).
+webhooks = Table(
+    "webhooks",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("user_id", Text, nullable=False),
+    Column("url", Text, nullable=False),
+    # whsec_...: the dispatcher signs with it; never returned after creation.
+    Column("secret", Text, nullable=False),
+    Column("description", Text, nullable=True),
+    Column("all_runs", Boolean, nullable=False, server_default=text("true")),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ix_webhooks_user_id_created_at", "user_id", "created_at"),
+)
+
+webhook_deliveries = Table(
+    "webhook_deliveries",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("webhook_id", Text, ForeignKey("webhooks.id", ondelete="CASCADE"), nullable=False),
+    Column("run_id", Text, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("user_id", Text, nullable=False),
+    Column("status", Text, nullable=False, server_default=text("'pending'")),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("next_attempt_at", DateTime(timezone=True), nullable=True),
+    Column("claim", Text, nullable=True),
+    Column("last_status_code", Integer, nullable=True),
+    Column("last_error", Text, nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("delivered_at", DateTime(timezone=True), nullable=True),
+    UniqueConstraint("webhook_id", "run_id", name="uq_webhook_deliveries_webhook_run"),
+    CheckConstraint(
+        "status IN ('pending', 'delivered', 'failed')", name="ck_webhook_deliveries_status"
+    ),
+    Index(
+        "ix_webhook_deliveries_due",
+        "next_attempt_at",
+        postgresql_where=text("status = 'pending'"),
+    ),
+    Index("ix_webhook_deliveries_run_id", "run_id"),
+    Index("ix_webhook_deliveries_webhook_created_at", "webhook_id", "created_at"),
+)
+
+webhook_attempts = Table(
+    "webhook_attempts",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column(
+        "delivery_id",
+        Text,
+        ForeignKey("webhook_deliveries.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("attempt", Integer, nullable=False),
+    Column("started_at", DateTime(timezone=True), nullable=False),
+    Column("duration_ms", Integer, nullable=False),
+    Column("status_code", Integer, nullable=True),
+    Column("error", Text, nullable=True),
+    Index("ix_webhook_attempts_delivery_id", "delivery_id", "attempt"),
+)
+
+# Runs whose memories are still to be distilled (0020; processors/memory/distiller.py).
+# The memories table itself (0009, 0020) is not mirrored here: its pgvector column has
+# no SQLAlchemy type in this package.
+memory_distillations = Table(
+    "memory_distillations",
+    metadata,
+    Column("run_id", Text, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("user_id", Text, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("due_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("tries", Integer, nullable=False, server_default=text("0")),
+    Column("last_error", Text, nullable=True),
+    Column("gave_up_at", DateTime(timezone=True), nullable=True),
+    CheckConstraint("tries >= 0", name="ck_memory_distillations_tries"),
+    Index("ix_memory_distillations_due", "due_at", postgresql_where=text("gave_up_at IS NULL")),
+)
+
+# The journal of a run's side-effect and approval tool calls (0018, 0019;
+# processors/tools/journal.py).
+tool_steps = Table(
+    "tool_steps",
+    metadata,
+    Column("run_id", Text, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("position", Integer, nullable=False),
+    Column("tool", Text, nullable=False),
+    Column("arguments", Text, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("result", Text, nullable=True),
+    Column("attempt", Integer, nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("calls", Integer, nullable=False, server_default=text("0")),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("finished_at", DateTime(timezone=True), nullable=True),
+    Column("superseded_at", DateTime(timezone=True), nullable=True),
+    # A person's approve or reject of an approval tool's step (0019).
+    Column("decision", Text, nullable=True),
+    Column("decided_by", Text, nullable=True),
+    Column("decided_at", DateTime(timezone=True), nullable=True),
+    PrimaryKeyConstraint("run_id", "step", name="pk_tool_steps"),
+    CheckConstraint(
+        "status IN ('initiated', 'finished', 'awaiting')", name="ck_tool_steps_status"
+    ),
+    CheckConstraint("decision IN ('approved', 'rejected')", name="ck_tool_steps_decision"),
+    CheckConstraint("step >= 1 AND position >= 1", name="ck_tool_steps_step"),
 )

@@ -5,7 +5,7 @@
 const store = window.sessionStorage;
 const auth = { token: store.getItem("koda.token") || "", admin: store.getItem("koda.admin") || "" };
 const ENDS = new Set(["done", "error", "cancelled"]);
-const KINDS = ["chunk", "reset", "status", "done", "error", "cancelled"];
+const KINDS = ["chunk", "reset", "status", "approval_required", "done", "error", "cancelled"];
 let cleanup = [];
 
 // ---- helpers ---------------------------------------------------------------
@@ -130,7 +130,7 @@ function signOut() {
   showSignIn();
 }
 
-const VIEWS = { chat: chatView, runs: runsView, run: runView, workers: workersView, schedules: schedulesView, usage: usageView };
+const VIEWS = { chat: chatView, runs: runsView, run: runView, workers: workersView, schedules: schedulesView, webhooks: webhooksView, usage: usageView };
 
 function route() {
   for (const stop of cleanup) stop();
@@ -245,6 +245,10 @@ async function chatView(root) {
         attempt.textContent = n > 1 ? `retry: attempt ${n}` : "";
       },
       status: (s) => status.replaceChildren(statusBadge(s)),
+      approval: (call) => {
+        status.replaceChildren(statusBadge("waiting"));
+        notes.append(approvalCard(id, call));
+      },
       end: async (kind) => {
         stop.disabled = true;
         try {
@@ -310,6 +314,24 @@ async function chatView(root) {
   await showHistory();
 }
 
+// A tool call the run waits for: its name and arguments, with Approve and Reject.
+function approvalCard(runId, call) {
+  const said = el("span", { class: "muted" });
+  const decide = async (what) => {
+    try {
+      const res = await api(`/v1/runs/${encodeURIComponent(runId)}/${what}`, { method: "POST" });
+      said.textContent = res.decision;
+      approve.disabled = reject.disabled = true;
+    } catch (err) {
+      said.textContent = err.message;
+    }
+  };
+  const approve = el("button", { type: "button", class: "approve", onclick: () => decide("approve") }, "Approve");
+  const reject = el("button", { type: "button", class: "reject", onclick: () => decide("reject") }, "Reject");
+  return el("li", { class: "approval", "data-step": call.step },
+    "waiting for your approval: ", el("code", {}, `${call.name}(${JSON.stringify(call.arguments)})`), " ", approve, " ", reject, " ", said);
+}
+
 // A client_message_id: 128 random bits as hex (crypto.randomUUID needs a secure context).
 function messageId() {
   const bytes = crypto.getRandomValues(new Uint8Array(16));
@@ -370,6 +392,7 @@ function followRun(id, on) {
         if (kind === "chunk") on.chunk(data);
         else if (kind === "reset") on.reset(data);
         else if (kind === "status") on.status(data.content || "running");
+        else if (kind === "approval_required" && on.approval) on.approval(JSON.parse(data.content));
         if (ENDS.has(kind)) {
           close();
           on.end(kind);
@@ -558,6 +581,54 @@ async function schedulesView(root) {
     await load();
   });
   await load();
+}
+
+// ---- webhooks ------------------------------------------------------------------
+
+async function webhooksView(root, selected) {
+  const message = el("p", { id: "webhooks-message", class: "muted" });
+  const url = el("input", { id: "webhook-url", placeholder: "https://example.com/koda-hook", size: 40 });
+  const create = el("form", { class: "card row" }, "URL ", url, el("button", { type: "submit" }, "Create"));
+  const list = el("div", { id: "webhooks-list" });
+  const deliveries = el("div", { id: "webhook-deliveries" });
+  root.append(el("h2", {}, "Webhooks"), create, message, list, deliveries);
+
+  async function load() {
+    const { webhooks } = await api("/v1/webhooks");
+    list.replaceChildren(table(["Webhook", "URL", "Runs", "Created", ""],
+      webhooks.map((w) => [el("a", { href: `#webhooks/${encodeURIComponent(w.id)}` }, w.id), w.url,
+        w.all_runs ? "all" : "its schedules'", when(w.created_at),
+        el("button", { type: "button", class: "secondary", "data-action": "delete", onclick: () => remove(w.id) }, "Delete")]),
+      (i) => ({ "data-webhook": webhooks[i].id })));
+  }
+  async function remove(id) {
+    try {
+      await api(`/v1/webhooks/${encodeURIComponent(id)}`, { method: "DELETE" });
+      message.textContent = `deleted ${id}`;
+    } catch (err) {
+      message.replaceChildren(failure(err));
+    }
+    await load();
+  }
+  async function showDeliveries(id) {
+    const found = await api(`/v1/webhooks/${encodeURIComponent(id)}/deliveries`);
+    const tries = (d) => d.tries.map((t) => `#${t.attempt} ${when(t.started_at)} ${t.duration_ms} ms ${t.status_code ?? t.error}`).join("; ");
+    deliveries.replaceChildren(el("h3", {}, `Deliveries of ${id}`), table(["Delivery", "Run", "Status", "Attempts", "Next attempt", "Tries"],
+      found.deliveries.map((d) => [d.id, runLink(d.run_id), statusBadge(d.status), String(d.attempts), when(d.next_attempt_at) || "-", tries(d)]),
+      (i) => ({ "data-delivery": found.deliveries[i].id })));
+  }
+  create.addEventListener("submit", async (e) => {
+    e.preventDefault();
+    try {
+      const made = await api("/v1/webhooks", { method: "POST", body: { url: url.value } });
+      message.replaceChildren(el("span", {}, `created ${made.id}; its signing secret, shown only now: `, el("code", { id: "webhook-secret" }, made.secret)));
+    } catch (err) {
+      message.replaceChildren(failure(err));
+    }
+    await load();
+  });
+  await load();
+  if (selected) await showDeliveries(selected);
 }
 
 // ---- usage ---------------------------------------------------------------------

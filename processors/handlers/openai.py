@@ -13,6 +13,10 @@ With memory on (``KODA_MEMORY``, the default) the model is offered the built-in
 ``memory_search`` tool, may get the user's most relevant memories in a system message
 (``KODA_MEMORY_AUTO_INJECT``), and after the answer one more model call distils what
 the user said into memories.
+
+Tools users add (processors/tools/, given by the worker through ``use_tools``) are
+offered too; their calls go through the toolbox (argument checks, timeouts, retries,
+and the journal that replays a side effect's result on a rerun).
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from koda_runtime import tracing
 from koda_runtime.errors import ConfigError, HandlerError
 from koda_runtime.lifecycle.handler import Item, RunContext, RunFailed, Status, ToolActivity, Usage
 from koda_runtime.metrics import (
@@ -47,7 +52,11 @@ from koda_runtime.processors.handlers.provider import (
 )
 from koda_runtime.processors.handlers.tools import ToolCall, ToolCallAssembler, activity
 from koda_runtime.processors.memory import tool as tool_module
+from koda_runtime.processors.memory.distil import Statement, statement
 from koda_runtime.processors.memory.service import MemoryService
+
+if TYPE_CHECKING:
+    from koda_runtime.processors.tools import Steps, Toolbox
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +81,10 @@ DISTIL_PROMPT = (
     "From the user's messages below, list the durable facts the user stated about "
     "themselves, their life, preferences or plans, each as one short sentence in the "
     'third person ("The user lives in Lisbon."). Leave out questions, greetings and '
-    'anything not stated by the user. Answer with JSON only: {"statements": [...]}'
+    "anything not stated by the user. Give each fact a subject: a short key naming what "
+    'it is about, the same key for any later fact that would replace it ("home", '
+    '"occupation", "employer", "diet", "favourite colour", "sister home", "dog name"). '
+    'Answer with JSON only: {"statements": [{"text": "...", "subject": "..."}]}'
 )
 
 
@@ -110,6 +122,8 @@ class OpenAIHandler:
         self._model = model
         self._memory = memory
         self._max_turns = max_tool_turns
+        # The tools users add (processors/tools/), given by the worker: use_tools().
+        self._toolbox: Toolbox | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
@@ -123,12 +137,20 @@ class OpenAIHandler:
             ),
         )
 
+    def use_tools(self, toolbox: Toolbox) -> None:
+        """Offer ``toolbox``'s tools to the model (besides ``memory_search``)."""
+        self._toolbox = toolbox
+
     async def stream(self, ctx: RunContext) -> AsyncIterator[Item]:
         """The model loop: stream a completion; when it asks for tools, run them, feed
         the results back and stream the next completion, up to ``max_tool_turns``
-        completions. Then distil what the user said into memories."""
+        completions. The run's memories are distilled after it is done (:meth:`distil`)."""
         messages: list[dict[str, Any]] = with_turns(ctx.turns, request_messages(ctx.input))
         tools = [tool_module.DEFINITION] if self._memory is not None else []
+        steps = None
+        if self._toolbox is not None and self._toolbox.tools:
+            tools += self._toolbox.definitions()
+            steps = self._toolbox.attempt(ctx)
         if self._memory is not None:
             recalled, usage = await self._memory.for_prompt(ctx, _last_user_text(messages))
             for u in usage:
@@ -167,38 +189,44 @@ class OpenAIHandler:
                 yield ToolActivity(
                     activity(call_id=call.id, name=call.name, arguments=call.arguments)
                 )
-                result, usage = await self._run_tool(ctx, call)
+                with tracing.span(f"execute_tool {call.name[:80]}", attributes=_tool_attrs(call)):
+                    result, usage, replayed = await self._run_tool(ctx, call, steps)
                 for u in usage:
                     yield u
-                yield ToolActivity(activity(call_id=call.id, name=call.name, result=result))
+                yield ToolActivity(
+                    activity(call_id=call.id, name=call.name, result=result)
+                    if not replayed
+                    else activity(call_id=call.id, name=call.name, result=result, replayed=True)
+                )
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         else:
             raise RunFailed(
                 f"the model asked for tools in all {self._max_turns} model turns allowed "
                 "(KODA_MAX_TOOL_TURNS) without giving a final answer"
             )
-        if self._memory is not None:
-            # The answer is complete: a memory that cannot be made is logged and
-            # skipped, never a reason to fail (and re-run) the user's run.
-            try:
-                statements, usage = await self._distil(ctx)
-            except HandlerError as exc:
-                log.warning("memory not written run_id=%s: %s", ctx.run_id, str(exc)[:300])
-                return
-            for u in usage:
-                yield u
-            try:
-                remembered = await self._memory.remember(ctx, statements)
-            except HandlerError as exc:  # the embedder failed; a database error propagates
-                log.warning("memory not written run_id=%s: %s", ctx.run_id, str(exc)[:300])
-                return
-            for u in remembered:
-                yield u
 
-    async def _run_tool(self, ctx: RunContext, call: ToolCall) -> tuple[str, list[Usage]]:
+    @property
+    def memory(self) -> MemoryService | None:
+        return self._memory
+
+    async def distil(self, ctx: RunContext, tries: int) -> tuple[list[Statement], list[Usage]]:
+        """The run's statements worth remembering, with their subjects: one model call,
+        made by the worker's distiller after the run is done (processors/memory/
+        distiller.py), never on the run's path. HandlerError: try again later."""
+        return await self._distil(ctx)
+
+    async def _run_tool(
+        self, ctx: RunContext, call: ToolCall, steps: Steps | None
+    ) -> tuple[str, list[Usage], bool]:
+        """The call's result for the model, its usage, and whether the journal replayed
+        it (processors/tools/toolbox.py)."""
         if call.name == tool_module.NAME and self._memory is not None:
-            return await self._memory.search_tool(ctx, call.arguments)
-        return f"error: there is no tool named {call.name!r}", []
+            result, usage = await self._memory.search_tool(ctx, call.arguments)
+            return result, usage, False
+        if steps is not None and call.name in steps.box.tools:
+            outcome = await steps.call(call.name, call.arguments, call.id)
+            return outcome.result, [], outcome.replayed
+        return f"error: there is no tool named {call.name!r}", [], False
 
     async def _complete(
         self,
@@ -239,14 +267,15 @@ class OpenAIHandler:
             tries += 1
             t = _Try()
             started = time.monotonic()
+            t.span = _call_span(route.model, tries)
             try:
                 async for item in self._try(ctx, {**body, "model": route.model}, assembler, t):
                     yield item
             except BaseException:
                 t.outcome = CallOutcome.CANCELLED if ctx.cancel.cancelled else CallOutcome.CUT
-                self._tried(route, t.outcome, started)
+                self._tried(route, t, started)
                 raise
-            self._tried(route, t.outcome, started)
+            self._tried(route, t, started)
             if t.outcome in (CallOutcome.OK, CallOutcome.CANCELLED):
                 return
             if t.outcome is CallOutcome.REFUSED:
@@ -314,7 +343,7 @@ class OpenAIHandler:
                         return
                     for item in parse_event(data, model, watched):
                         if isinstance(item, Usage):
-                            t.reported = True
+                            t.reported, t.usage = True, item
                         else:
                             if not t.streamed:
                                 t.first_token_at = time.monotonic()
@@ -332,11 +361,14 @@ class OpenAIHandler:
         if t.streamed and not t.reported:
             yield self._estimate(body, t.streamed)
 
-    def _tried(self, route: Route, outcome: CallOutcome, started: float) -> None:
-        """A try's outcome on the metrics and in the breaker."""
+    def _tried(self, route: Route, t: _Try, started: float) -> None:
+        """A try's outcome on the metrics, in the breaker and on its span."""
+        outcome = t.outcome
         MODEL_CALLS.labels(model=route.model, outcome=outcome.value).inc()
         MODEL_CALL_SECONDS.labels(model=route.model).observe(time.monotonic() - started)
         self._breaker.record(route, outcome)
+        if t.span.is_recording():
+            _end_call_span(t, started)
 
     def _announce(self, ctx: RunContext, route: Route) -> Status | None:
         """A ``status`` chunk when this attempt's call goes to another model than its
@@ -358,7 +390,7 @@ class OpenAIHandler:
         chars = sum(len(str(m.get("content") or "")) for m in body["messages"])
         return Usage(str(body["model"]), (chars + 3) // 4, streamed, estimated=True)
 
-    async def _distil(self, ctx: RunContext) -> tuple[list[str], list[Usage]]:
+    async def _distil(self, ctx: RunContext) -> tuple[list[Statement], list[Usage]]:
         """One model call: the statements worth remembering from the user's messages."""
         said = [m["content"] for m in request_messages(ctx.input) if m["role"] == "user"]
         if not any(s.strip() for s in said):
@@ -403,10 +435,66 @@ class OpenAIHandler:
                 exc,
             )
             return [], usage
-        return [str(s) for s in statements if isinstance(s, str) and s.strip()], usage
+        return _statements(statements), usage
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def _call_span(model: str, tries: int) -> tracing.Span:
+    """One try's span, a child of the attempt's (not made current: the try spans the
+    generator's yields). Named as OpenTelemetry's GenAI conventions name a chat call."""
+    if not tracing.ON:
+        return tracing.INVALID_SPAN
+    return tracing.start(
+        f"chat {model}",
+        kind=tracing.SpanKind.CLIENT,
+        attributes={
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": "openai",
+            "gen_ai.request.model": model,
+            "koda.model.try": tries,
+        },
+    )
+
+
+def _end_call_span(t: _Try, started: float) -> None:
+    """The try's outcome, time to first token (an attribute and an event) and tokens."""
+    span = t.span
+    span.set_attribute("koda.model.outcome", t.outcome.value)
+    if t.first_token_at is not None:
+        span.set_attribute("gen_ai.response.time_to_first_token", t.first_token_at - started)
+        tracing.event_at(span, "first_token", t.first_token_at)
+    if t.usage is not None:
+        span.set_attributes(
+            {
+                "gen_ai.response.model": t.usage.model,
+                "gen_ai.usage.input_tokens": t.usage.prompt_tokens,
+                "gen_ai.usage.output_tokens": t.usage.completion_tokens,
+            }
+        )
+    if t.outcome not in (CallOutcome.OK, CallOutcome.CANCELLED):
+        tracing.failed(span, f"{t.outcome.value}: {t.detail}")
+    span.end()
+
+
+def _tool_attrs(call: ToolCall) -> dict[str, str] | None:
+    if not tracing.ON:
+        return None
+    return {"gen_ai.tool.name": call.name[:80], "gen_ai.tool.call.id": call.id[:80]}
+
+
+def _statements(raw: list[Any]) -> list[Statement]:
+    """The distillation's statements: objects with ``text`` and ``subject``, or plain
+    strings (their subject found by processors/memory/truth.py's rules)."""
+    out: list[Statement] = []
+    for item in raw:
+        if isinstance(item, str) and item.strip():
+            out.append(statement(item))
+        elif isinstance(item, dict) and isinstance(item.get("text"), str) and item["text"].strip():
+            subject = item.get("subject")
+            out.append(statement(item["text"], subject if isinstance(subject, str) else None))
+    return out
 
 
 def _check_arguments(calls: list[ToolCall]) -> None:
@@ -487,6 +575,8 @@ class _Try:
         self.first_token_at: float | None = None  # monotonic time of the first piece
         self.reported = False  # the usage came
         self.fed = False  # tool-call fragments came
+        self.usage: Usage | None = None  # the provider's usage record, once it came
+        self.span: tracing.Span = tracing.INVALID_SPAN  # the try's span (koda/tracing.py)
 
     @property
     def progressed(self) -> bool:

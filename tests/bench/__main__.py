@@ -11,6 +11,7 @@ run (or the exported ``KODA_KAFKA_BOOTSTRAP``/``KODA_DATABASE_URL`` are used).
     python -m tests.bench --only w1 --runs 20000   # one workload, full size
     python -m tests.bench --only w2 --w2-pin       # W2 with the load generator pinned
     python -m tests.bench --only w4 --quick        # W4 (koda vs a direct FastAPI app), small
+    python -m tests.bench --only tracing --quick   # tracing's cost on W1 and W2, off vs on
 
 The last table, Goals (tests/bench/goals.py), is every goal of this round with its
 measured figure and met / not met. Replay runs here too (tests/bench/replay.py,
@@ -29,14 +30,14 @@ from collections.abc import Callable
 
 from koda_runtime.localstack import StackInfo
 from koda_runtime.topics.replay.engine import BATCH_RECORDS
-from tests.bench import replay, w1_throughput, w2_latency, w3_gateway, w4_assistant
+from tests.bench import replay, tracing_cost, w1_throughput, w2_latency, w3_gateway, w4_assistant
 from tests.bench.common import Table, services
 from tests.bench.goals import goals_table
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tests.bench")
-    every = ["w1", "w2", "w3", "replay", "w4"]
+    every = ["w1", "w2", "w3", "replay", "w4", "tracing"]
     ap.add_argument("--only", nargs="+", choices=every, default=every)
     ap.add_argument(
         "--quick",
@@ -50,6 +51,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--w3-requests", type=int, default=1000)
     ap.add_argument("--replay-records", type=int, default=200_000)
     w4_assistant.add_args(ap, prefix="w4-")
+    tracing_cost.add_args(ap, prefix="tracing-")
     args = ap.parse_args()
     if args.repeat < 3 and not args.quick:
         ap.error("--repeat must be at least 3 (use --quick for a smoke run)")
@@ -60,6 +62,17 @@ def parse() -> argparse.Namespace:
         args.w4_warm_s, args.w4_hold_s, args.w4_bisections, args.w4_start = 6, 8, 0, 2.0
         args.w4_cap = min(args.w4_cap, 32.0)
     return args
+
+
+def tracing_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The tracing bench's own arguments (``--tracing-...``), its small counts with --quick."""
+    own = argparse.Namespace(
+        **{k[8:]: v for k, v in vars(args).items() if k.startswith("tracing_")},
+        repeat=args.repeat,
+    )
+    if args.quick:
+        tracing_cost.quick(own)
+    return own
 
 
 def main() -> None:
@@ -84,6 +97,7 @@ def main() -> None:
             stack, args.replay_records, args.repeat, BATCH_RECORDS
         )[0],
         "w4": lambda stack: w4_assistant.run_w4(stack, w4),
+        "tracing": lambda stack: tracing_cost.run_tracing(stack, tracing_args(args)),
     }
     failed: list[str] = []
     with services() as stack:

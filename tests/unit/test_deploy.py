@@ -6,7 +6,8 @@
   routes, the worker health server's routes);
 * Postgres connections: replicas x pool size fit within max_connections;
 * every long-running koda process (gateway, workers, schedulers, the compactor) runs
-  with its probes and is scraped for /metrics, in compose and in k8s.
+  with its probes and is scraped for /metrics, in compose and in k8s;
+* compose's Prometheus keeps exemplars and its Grafana links them to Jaeger.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from koda_runtime.gateway.server import GRACEFUL_SHUTDOWN_S
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.compactor import ROUTES as COMPACTOR_ROUTES
 from koda_runtime.processors.health import ROUTES as WORKER_ROUTES
+from koda_runtime.scheduler.app import ROUTES as SCHEDULER_ROUTES
 from koda_runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,6 +106,14 @@ def compactor_pool() -> int:
     return engine.pool.size() + engine.pool._max_overflow  # type: ignore[attr-defined]
 
 
+def webhooks_pool() -> int:
+    """A webhook dispatcher's pool size, as processors/webhooks.py builds it."""
+    from koda_runtime.processors.webhooks import POOL_SIZE
+
+    engine = async_engine(DEFAULTS, pool_size=POOL_SIZE)
+    return engine.pool.size() + engine.pool._max_overflow  # type: ignore[attr-defined]
+
+
 def option(args: list[str], name: str) -> str:
     """The value of the last ``name`` option in ``args`` (click keeps the last one)."""
     values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
@@ -157,6 +167,7 @@ def test_compose_runs_kraft_postgres_jobs_gateway_workers_and_prometheus(compose
         "worker",
         "scheduler",
         "compactor",
+        "webhooks",
         "prometheus",
     }
     kafka = services["kafka"]
@@ -218,6 +229,38 @@ def test_compose_healthchecks_use_endpoints_that_exist(compose) -> None:
     assert health_path(services["worker"]["healthcheck"]["test"]) in WORKER_ROUTES
     assert health_path(services["compactor"]["healthcheck"]["test"]) == "/livez"
     assert "/livez" in COMPACTOR_ROUTES
+    scheduler = services["scheduler"]
+    assert health_path(scheduler["healthcheck"]["test"]) == "/livez" in SCHEDULER_ROUTES
+    port = scheduler["environment"]["KODA_SCHEDULER_PORT"]
+    assert f"127.0.0.1:{port}/livez" in " ".join(scheduler["healthcheck"]["test"])
+
+
+def test_compose_prometheus_keeps_exemplars_and_grafana_links_them_to_jaeger(compose) -> None:
+    """The run-latency exemplars (trace ids) reach Prometheus only over OpenMetrics and are
+    kept only with exemplar storage on; Grafana gets the dashboard and both datasources."""
+    services = compose["services"]
+    command = services["prometheus"]["command"]
+    assert "--enable-feature=exemplar-storage" in command
+    mounted = {m.split(":")[1] for m in services["prometheus"]["volumes"]}
+    (config_flag,) = [c for c in command if c.startswith("--config.file=")]
+    assert config_flag.split("=", 1)[1] in mounted
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    assert config["global"]["scrape_protocols"][0] == "OpenMetricsText1.0.0"
+    grafana = services["grafana"]
+    mounts = dict(m.rsplit(":", 1)[0].split(":", 1) for m in grafana["volumes"])
+    assert mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
+    assert (DEPLOY / "grafana" / "provisioning" / "datasources").is_dir()
+    dashboards = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "koda.yaml").read_text()
+    )
+    (provider,) = dashboards["providers"]
+    assert mounts["./grafana/koda.json"] == provider["options"]["path"] + "/koda.json"
+    datasources = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "datasources" / "koda.yaml").read_text()
+    )
+    urls = {d["type"]: d["url"] for d in datasources["datasources"]}
+    assert urls == {"prometheus": "http://prometheus:9090", "jaeger": "http://jaeger:16686"}
+    assert {"prometheus", "jaeger"} <= set(services)
 
 
 def dockerfile_env() -> dict[str, str]:
@@ -240,7 +283,7 @@ def compose_metrics_ports(compose: dict[str, Any]) -> dict[str, int]:
             ports[name] = int(env["KODA_WORKER_PORT"])
         elif role == "scheduler":
             ports[name] = int(env.get("KODA_SCHEDULER_PORT", 0))
-        elif role == "compactor":
+        elif role in ("compactor", "webhooks"):
             ports[name] = int(option(service["command"], "--port"))
         else:
             assert role in (None, "migrate", "topics"), (name, role)
@@ -278,7 +321,7 @@ def test_prometheus_scrapes_every_koda_process(compose) -> None:
         for n in c["names"]
     }
     ports = compose_metrics_ports(compose)
-    assert set(ports) == {"gateway", "worker", "scheduler", "compactor"}
+    assert set(ports) == {"gateway", "worker", "scheduler", "compactor", "webhooks"}
     for name, port in ports.items():
         assert port > 0, f"{name} serves no /metrics"
         # Several replicas: through Docker's DNS, which answers each replica's address.
@@ -313,6 +356,7 @@ def test_compose_connections_fit_postgres(compose) -> None:
         + gateways * gateway_pool
         + scheduler["deploy"]["replicas"] * scheduler_pool()
         + services["compactor"].get("deploy", {}).get("replicas", 1) * compactor_pool()
+        + services["webhooks"].get("deploy", {}).get("replicas", 1) * webhooks_pool()
         + MIGRATE_CONNECTIONS
     )
     assert needed <= max_connections - PG_RESERVED, (needed, max_connections)
@@ -498,11 +542,55 @@ def test_k8s_compactor_role_probes_and_port(k8s) -> None:
     assert live["periodSeconds"] * live["failureThreshold"] < STALL_AFTER_S
 
 
+def test_the_webhook_dispatcher_runs_as_its_own_role_with_probes(compose, k8s) -> None:
+    from koda_runtime.processors.webhooks import STALL_AFTER_S
+
+    service = compose["services"]["webhooks"]
+    assert service["environment"]["ROLE"] == "webhooks"
+    assert service["image"] == compose["services"]["migrate"]["image"]
+    port = int(option(service["command"], "--port"))
+    assert health_path(service["healthcheck"]["test"]) == "/livez"
+    assert f"127.0.0.1:{port}/livez" in " ".join(service["healthcheck"]["test"])
+    for dep in ("migrate", "topics"):
+        assert service["depends_on"][dep]["condition"] == "service_completed_successfully"
+    c = container(k8s[("Deployment", "koda-webhooks")])
+    assert {e["name"]: e.get("value") for e in c["env"]}["ROLE"] == "webhooks"
+    assert probe_path(c, "livenessProbe") == "/livez"
+    assert probe_path(c, "readinessProbe") == "/readyz"
+    (k8s_port,) = c["ports"]
+    assert k8s_port["containerPort"] == int(option(c["args"], "--port")) == port
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] < STALL_AFTER_S
+
+
+def test_k8s_scheduler_probes_ask_its_health_endpoints(k8s) -> None:
+    from koda_runtime.scheduler.app import STALL_AFTER_S
+
+    scheduler = k8s[("Deployment", "koda-scheduler")]
+    c = container(scheduler)
+    assert probe_path(c, "livenessProbe") == "/livez"
+    assert probe_path(c, "readinessProbe") == "/readyz"
+    assert {"/livez", "/readyz"} <= set(SCHEDULER_ROUTES)
+    (port,) = c["ports"]
+    config = k8s[("ConfigMap", "koda-config")]["data"]
+    assert port["containerPort"] == int(config["KODA_SCHEDULER_PORT"])
+    for kind in ("livenessProbe", "readinessProbe"):
+        assert c[kind]["httpGet"]["port"] == port["name"]
+    # The loop's own stall limit is what liveness acts on; the probe only asks it.
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] < STALL_AFTER_S
+
+
+def test_k8s_readme_says_how_prometheus_keeps_the_exemplars() -> None:
+    readme = (K8S / "README.md").read_text()
+    assert "--enable-feature=exemplar-storage" in readme and "OpenMetrics" in readme
+
+
 def k8s_metrics_port(doc: dict[str, Any], config: dict[str, str]) -> int:
     """The port a Deployment's process serves /metrics on, as the process reads it."""
     c = container(doc)
     role = {e["name"]: e.get("value") for e in c["env"]}["ROLE"]
-    if role == "compactor":
+    if role in ("compactor", "webhooks"):
         return int(option(c["args"], "--port"))
     setting = {
         "gateway": "KODA_GATEWAY_PORT",
@@ -520,6 +608,7 @@ def test_k8s_every_deployment_is_scraped_on_its_metrics_port(k8s) -> None:
         "koda-worker",
         "koda-scheduler",
         "koda-compactor",
+        "koda-webhooks",
     }
     for name, doc in deployments.items():
         annotations = doc["spec"]["template"]["metadata"]["annotations"]
@@ -575,11 +664,14 @@ def test_k8s_connections_fit_postgres(k8s) -> None:
     scheduler_pods = schedulers["replicas"] + schedulers["strategy"]["rollingUpdate"]["maxSurge"]
     compactors = k8s[("Deployment", "koda-compactor")]["spec"]
     assert compactors["strategy"]["type"] == "Recreate"  # no second pod during a rollout
+    hooks = k8s[("Deployment", "koda-webhooks")]["spec"]
+    webhook_pods = hooks["replicas"] + hooks["strategy"]["rollingUpdate"]["maxSurge"]
     needed = (
         worker_pods * worker_pool
         + gateway_pods * gateway_pool
         + scheduler_pods * scheduler_pool()
         + compactors["replicas"] * compactor_pool()
+        + webhook_pods * webhooks_pool()
         + MIGRATE_CONNECTIONS
     )
     assert needed <= max_connections - PG_RESERVED, (needed, max_connections)

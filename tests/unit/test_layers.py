@@ -38,10 +38,13 @@ LAYER_OF = {
     f"{KODA}.cli": "entry",
     f"{KODA}.devrun": "entry",
     f"{KODA}.ledgercli": "entry",
+    f"{KODA}.retentioncli": "entry",
     f"{KODA}.localstack.cli": "entry",
     SCHEMAS: "schemas",
     TOPICS: "topics",
     GATEWAY: "gateway",
+    # A command-line module (``koda memories``): reembed drives the workers' memory code.
+    f"{GATEWAY}.memories_cli": "entry",
     PROCESSORS: "processors",
     SCHEDULER: "scheduler",
 }

@@ -86,4 +86,43 @@ def test_the_compose_prometheus_loads_the_alert_rules() -> None:
     assert "./prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
     jobs = {job["job_name"] for job in config["scrape_configs"]}
     # The gateway's and workers' jobs are named as the local Prometheus names them.
-    assert jobs == {"koda-gateway", "koda-worker", "koda-scheduler", "koda-compactor"}
+    assert jobs == {
+        "koda-gateway",
+        "koda-worker",
+        "koda-scheduler",
+        "koda-compactor",
+        "koda-webhooks",
+    }
+
+
+def test_the_slow_run_panel_shows_exemplars_linked_to_their_trace() -> None:
+    """Exemplars on the run-duration buckets, and the trace_id label (the name
+    koda/metrics.py gives it) opens the Jaeger datasource the provisioning declares."""
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    (panel,) = [p for p in dashboard["panels"] if p["title"].startswith("Slow runs")]
+    traced = [t for t in panel["targets"] if t.get("exemplar")]
+    assert traced and all("koda_run_duration_seconds_bucket" in t["expr"] for t in traced)
+    links = {
+        o["matcher"]["options"]: prop["value"]
+        for o in panel["fieldConfig"]["overrides"]
+        if o["matcher"]["id"] == "byName"
+        for prop in o["properties"]
+        if prop["id"] == "links"
+    }
+    (link,) = links["trace_id"]
+    assert link["internal"]["datasourceUid"] == "jaeger"
+    assert link["internal"]["query"]["query"] == "${__value.raw}"
+    context = SpanContext(1, 2, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    with trace.use_span(NonRecordingSpan(context), end_on_exit=False):
+        exemplar = metrics.trace_exemplar()
+    assert exemplar is not None and "trace_id" in exemplar
+    provisioned = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "datasources" / "koda.yaml").read_text()
+    )
+    by_uid = {d["uid"]: d for d in provisioned["datasources"]}
+    assert by_uid["jaeger"]["type"] == "jaeger"
+    (destination,) = by_uid["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    assert destination == {"name": "trace_id", "datasourceUid": "jaeger"}

@@ -18,7 +18,7 @@ from koda_runtime import settingsdoc
 from koda_runtime.errors import ConfigError
 from koda_runtime.knobs import Knob, knobs
 from koda_runtime.naming import AppEnv
-from koda_runtime.settings import OTHER_VARIABLES, KafkaSecurity, Settings
+from koda_runtime.settings import OTHER_VARIABLES, KafkaSecurity, ServiceToken, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV = {"APP_ENV": "dev"}
@@ -102,6 +102,18 @@ def part(settings: Settings, cls: type) -> Any:
     return settings if cls is Settings else settings.kafka_security
 
 
+# A value of each knob read by a parse function, and what it reads as.
+PARSED: dict[str, tuple[str, Any]] = {
+    "KODA_CHUNK_RETENTION": ("2d", 2 * 86400.0),
+    "KODA_RUN_RETENTION": ("12h", 12 * 3600.0),
+    "KODA_LEDGER_RETENTION": ("6w", 42 * 86400.0),
+    "KODA_SERVICE_TOKENS": (
+        "tok:backend:submit+read",
+        {"tok": ServiceToken("backend", frozenset({"submit", "read"}))},
+    ),
+}
+
+
 def test_every_variable_reaches_its_field() -> None:
     """One value per knob, in range, set through the environment, lands in its field."""
     defaults = {f.name: f.default for cls in (Settings, KafkaSecurity) for f in fields(cls)}
@@ -114,7 +126,7 @@ def test_every_variable_reaches_its_field() -> None:
         if spec.choices:
             raw, value = spec.choices[-1], spec.choices[-1]
         elif spec.parse is not None:
-            raw, value = "tok:user", {"tok": "user"}
+            raw, value = PARSED.get(spec.env, ("tok:user", {"tok": "user"}))
         elif kind in (int, float):
             assert spec.lo is not None and spec.hi is not None
             # the lower bound, or the upper one where the default is the lower one (and
