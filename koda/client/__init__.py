@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 from koda_runtime.client._async import AsyncClient
-from koda_runtime.client._sse import Event
 from koda_runtime.client._sync import Client
 from koda_runtime.client._wire import (
     ON_BEHALF_HEADER,
@@ -29,6 +28,7 @@ from koda_runtime.client._wire import (
     ClientError,
     GatewayUnreachable,
 )
+from koda_runtime.sse import Event
 
 __all__ = [
     "ON_BEHALF_HEADER",

@@ -8,7 +8,6 @@ from typing import Any
 
 import httpx
 
-from koda_runtime.client._sse import Event, EventParser
 from koda_runtime.client._wire import (
     DEFAULT_TIMEOUT_S,
     FOLLOW_GIVE_UP_S,
@@ -29,6 +28,7 @@ from koda_runtime.client._wire import (
     run_body,
     run_path,
 )
+from koda_runtime.sse import Event, EventParser
 
 OnRetry = Callable[[Exception, int | None], None]
 

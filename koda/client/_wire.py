@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 import httpx
 
-from koda_runtime.client._sse import RECONNECT, Event
+from koda_runtime.sse import RECONNECT, Event
 
 # The header naming the user a service token acts for (gateway/principal.py).
 ON_BEHALF_HEADER = "X-Koda-User"

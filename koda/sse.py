@@ -1,9 +1,10 @@
-"""The client side of koda's Server-Sent Events: whole events out of bytes in any split.
+"""Reading koda's Server-Sent Events: whole events out of bytes in any split.
 
 One run event is one frame (docs/design.md §5): ``id: <seq>``, ``event: <kind>``,
-``data: <JSON>``, a blank line. The client stands on its own (it imports nothing of the
-gateway), so it carries its own parser of the format gateway/eventstream.py writes;
-tests/unit/test_client_wire.py holds the two to one another.
+``data: <JSON>``, a blank line; gateway/eventstream.py writes them. The parser lives in
+the core so that the gateway (``koda runs follow``, its tests, the benches) and
+``koda_runtime.client``, which imports nothing of the gateway, read them with one piece
+of code.
 """
 
 from __future__ import annotations
