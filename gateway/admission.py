@@ -41,8 +41,8 @@ from koda_runtime.lifecycle.ids import (
 )
 from koda_runtime.lifecycle.ledger import Period
 from koda_runtime.naming import Names
-from koda_runtime.schemas.records import RunRequested
 from koda_runtime.topics.catalogue import RUN_CONTROL, partition_for_key
+from koda_runtime.topics.records.codec import RunRequested
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ from koda_runtime.gateway.models import (
 from koda_runtime.lifecycle.chunks import ChunkKind, chunk_key
 from koda_runtime.lifecycle.control import CANCEL, MAX_REASON_CHARS, ControlRecord
 from koda_runtime.lifecycle.states import RunStatus
-from koda_runtime.schemas.records import RUN_CHUNK, chunk_value, headers_for
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
+from koda_runtime.topics.records.codec import RUN_CHUNK, chunk_value, headers_for
 
 log = logging.getLogger(__name__)
 

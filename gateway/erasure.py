@@ -60,9 +60,9 @@ from koda_runtime.lifecycle.control import CANCEL, ControlRecord
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.lifecycle.states import TERMINAL
 from koda_runtime.schemas.erasures import pseudonym, user_digest
-from koda_runtime.schemas.records import RUN_CHUNK, chunk_value, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_CONTROL, partition_for_key
+from koda_runtime.topics.records.codec import RUN_CHUNK, chunk_value, headers_for
 
 log = logging.getLogger(__name__)
 

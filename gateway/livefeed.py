@@ -45,10 +45,10 @@ from koda_runtime import metrics
 from koda_runtime.errors import RecordError
 from koda_runtime.gateway.eventstream import TERMINAL_KINDS, event_frame
 from koda_runtime.lifecycle.chunks import split_chunk_key
-from koda_runtime.schemas.records import decode_keyed_chunk
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS
 from koda_runtime.topics.kafka.tail import REBUILD_AFTER_S, TailEvents, TopicTail
+from koda_runtime.topics.records.codec import decode_keyed_chunk
 
 log = logging.getLogger(__name__)
 

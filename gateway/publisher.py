@@ -16,10 +16,10 @@ from koda_runtime import metrics
 from koda_runtime.errors import KodaError
 from koda_runtime.gateway.exceptions import PublishError
 from koda_runtime.kafka import producer_config
-from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS
 from koda_runtime.topics.kafka.producer import AsyncProducer, Delivery
+from koda_runtime.topics.records.codec import RUN_REQUESTED, RunRequested, headers_for
 
 ROLE = "gateway"
 

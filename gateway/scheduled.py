@@ -41,9 +41,9 @@ from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.lifecycle.states import TERMINAL
 from koda_runtime.scheduling import CronSpec, Overlap, Policy, QuietHours
 from koda_runtime.schemas import ledger
-from koda_runtime.schemas.records import RunRequested
 from koda_runtime.schemas.tables import schedules, sessions
 from koda_runtime.topics.catalogue import partition_for_key
+from koda_runtime.topics.records.codec import RunRequested
 
 _COLUMNS = (
     "id",

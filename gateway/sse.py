@@ -57,7 +57,7 @@ from koda_runtime.gateway.quotas import StreamSlot, stream_slots
 from koda_runtime.gateway.store import StoredEvent
 from koda_runtime.lifecycle.chunks import END_KIND, TERMINAL_KINDS, ChunkKind
 from koda_runtime.lifecycle.states import RunStatus
-from koda_runtime.schemas.records import chunk_value
+from koda_runtime.topics.records.codec import chunk_value
 
 log = logging.getLogger(__name__)
 
@@ -171,9 +171,7 @@ async def run_events(
     )
 
 
-def _viewer_span(
-    run_id: str, after: int, run_trace: str | None, own: str | None
-) -> tracing.Span:
+def _viewer_span(run_id: str, after: int, run_trace: str | None, own: str | None) -> tracing.Span:
     """A viewer's connection as a span (koda/tracing.py): in the viewer's own trace (a
     client's ``traceparent``, else a new one), linked to the run's trace."""
     if not tracing.ON:

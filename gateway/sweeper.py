@@ -21,7 +21,7 @@ from koda_runtime import metrics
 from koda_runtime.errors import KodaError
 from koda_runtime.gateway.publisher import RunPublisher
 from koda_runtime.gateway.store import RunStore
-from koda_runtime.schemas.records import RunRequested
+from koda_runtime.topics.records.codec import RunRequested
 
 log = logging.getLogger(__name__)
 

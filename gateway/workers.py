@@ -37,10 +37,10 @@ from typing import Any
 
 from koda_runtime import metrics
 from koda_runtime.errors import RecordError
-from koda_runtime.schemas.heartbeats import Beat, decode_beat
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS
 from koda_runtime.topics.kafka.offsets import GroupOffsetReader, PartitionLag
+from koda_runtime.topics.records.heartbeats import Beat, decode_beat
 from koda_runtime.topics.workerlog import worker_log_tail
 
 log = logging.getLogger(__name__)

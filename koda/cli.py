@@ -269,7 +269,9 @@ def replay_command(
 
 
 SCHEMAS_OUT = typer.Option(
-    None, "--out", help="Write into this folder (default: schemas/json of the source checkout)."
+    None,
+    "--out",
+    help="Write into this folder (default: topics/records/json of the source checkout).",
 )
 
 
@@ -279,9 +281,9 @@ def schemas_write(
     check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 on drift."),
     out: Path | None = SCHEMAS_OUT,
 ) -> None:
-    """Regenerate schemas/json/*.schema.json from the record specs."""
+    """Regenerate topics/records/json/*.schema.json from the record specs."""
     from koda_runtime import resources
-    from koda_runtime.schemas.json_schemas import DIRECTORY, drift, write_all
+    from koda_runtime.topics.records.json_schemas import DIRECTORY, drift, write_all
 
     if check:
         directory = out or DIRECTORY
@@ -292,7 +294,9 @@ def schemas_write(
             raise typer.Exit(1)
         typer.echo("JSON Schemas match the record specs")
         return
-    directory = out or resources.checkout_path("schemas", "json", what="koda schemas write")
+    directory = out or resources.checkout_path(
+        "topics", "records", "json", what="koda schemas write"
+    )
     for path in write_all(directory):
         typer.echo(f"wrote {path}")
     typer.echo(f"JSON Schemas up to date in {directory}")

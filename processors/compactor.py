@@ -77,9 +77,15 @@ from koda_runtime.lifecycle.chunks import (
 )
 from koda_runtime.lifecycle.states import TERMINAL, RunStatus
 from koda_runtime.metrics import CHUNK_RUNS_COMPACTED, CHUNKS_REPUBLISHED
-from koda_runtime.schemas.records import RUN_CHUNK, RUN_FINAL, FinalRecord, chunk_value, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
+from koda_runtime.topics.records.codec import (
+    RUN_CHUNK,
+    RUN_FINAL,
+    FinalRecord,
+    chunk_value,
+    headers_for,
+)
 
 log = logging.getLogger(__name__)
 

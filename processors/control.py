@@ -31,10 +31,10 @@ from koda_runtime import tracing
 from koda_runtime.lifecycle.control import CANCEL, MERGE, ControlRecord, decode_control
 from koda_runtime.lifecycle.handler import CancelToken
 from koda_runtime.processors.store import RunSteer
-from koda_runtime.schemas.records import header_value
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CONTROL
 from koda_runtime.topics.kafka.tail import TailEvents, TopicTail
+from koda_runtime.topics.records.codec import header_value
 
 log = logging.getLogger("koda.worker")
 

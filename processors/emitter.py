@@ -30,7 +30,9 @@ from aiokafka.errors import (
 from koda_runtime.lifecycle.chunks import Chunk, chunk_key
 from koda_runtime.metrics import DEAD_LETTERS, RECORDS_SKIPPED
 from koda_runtime.processors.ports import Record
-from koda_runtime.schemas.records import (
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS_DLQ
+from koda_runtime.topics.records.codec import (
     DEAD_LETTER,
     RUN_CHUNK,
     RUN_EVENT,
@@ -40,8 +42,6 @@ from koda_runtime.schemas.records import (
     event_value,
     headers_for,
 )
-from koda_runtime.settings import Settings
-from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS_DLQ
 
 SendFn = Callable[..., Awaitable[Any]]
 

@@ -23,9 +23,9 @@ from typing import Any
 
 from koda_runtime.background import BackgroundTask
 from koda_runtime.metrics import HEARTBEATS
-from koda_runtime.schemas.heartbeats import Beat, beat_headers
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import WORKERS
+from koda_runtime.topics.records.heartbeats import Beat, beat_headers
 
 log = logging.getLogger("koda.worker")
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from koda_runtime.errors import RecordError
 from koda_runtime.metrics import WORKER_ID_TWIN_BEATS
 from koda_runtime.processors.heartbeat import Heartbeat
-from koda_runtime.schemas.heartbeats import Beat, decode_beat
 from koda_runtime.settings import Settings
+from koda_runtime.topics.records.heartbeats import Beat, decode_beat
 from koda_runtime.topics.workerlog import worker_log_tail
 
 log = logging.getLogger("koda.worker")

@@ -84,14 +84,14 @@ from koda_runtime.processors.streaming import (
     stream,
 )
 from koda_runtime.processors.tools import AwaitingApproval, build_toolbox
-from koda_runtime.schemas.records import (
+from koda_runtime.settings import Settings
+from koda_runtime.topics.records.codec import (
     RUN_REQUESTED,
     RunRequested,
     decode_run_requested,
     header_value,
     headers_for,
 )
-from koda_runtime.settings import Settings
 
 __all__ = [
     "MAX_CLAIMS_PER_ATTEMPT",

@@ -61,7 +61,6 @@ from koda_runtime import __version__, metrics
 from koda_runtime.db import async_engine
 from koda_runtime.kafka import consumer_config
 from koda_runtime.lifecycle.chunks import TERMINAL_KINDS, split_chunk_key
-from koda_runtime.schemas.records import decode_keyed_chunk, decode_keyed_final
 from koda_runtime.schemas.webhooks import (
     Claimed,
     claim_due,
@@ -73,6 +72,7 @@ from koda_runtime.schemas.webhooks import (
 )
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS
+from koda_runtime.topics.records.codec import decode_keyed_chunk, decode_keyed_final
 from koda_runtime.webhooks import (
     UrlPolicy,
     WebhookUrlRefused,

@@ -37,15 +37,15 @@ from dataclasses import dataclass, field
 
 from koda_runtime.errors import RecordError
 from koda_runtime.lifecycle.chunks import TERMINAL_KINDS, split_chunk_key, visible_output
-from koda_runtime.schemas.records import (
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUN_CHUNKS
+from koda_runtime.topics.kafka.bounded import BoundedReader
+from koda_runtime.topics.records.codec import (
     ChunkRecord,
     FinalRecord,
     decode_keyed_chunk,
     decode_keyed_final,
 )
-from koda_runtime.settings import Settings
-from koda_runtime.topics.catalogue import RUN_CHUNKS
-from koda_runtime.topics.kafka.bounded import BoundedReader
 
 log = logging.getLogger(__name__)
 

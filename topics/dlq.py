@@ -29,10 +29,10 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from koda_runtime.errors import DeadLetterError, RecordError, TopicError
 from koda_runtime.kafka import producer_config
-from koda_runtime.schemas.dead_letters import DeadLetter, decode_dead_letter
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ
 from koda_runtime.topics.kafka.bounded import BoundedReader
+from koda_runtime.topics.records.dead_letters import DeadLetter, decode_dead_letter
 
 ROLE = "dlq-replay"
 TIMEOUT_S = 30.0

@@ -6,8 +6,8 @@ import base64
 import json
 from datetime import UTC, datetime
 
-from koda_runtime.schemas.dead_letters import DeadLetter
 from koda_runtime.topics.dlq import LetterAt
+from koda_runtime.topics.records.dead_letters import DeadLetter
 
 PREVIEW = 60
 

@@ -20,9 +20,9 @@ from confluent_kafka import Producer
 
 from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.ids import uuid7
-from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS
+from koda_runtime.topics.records.codec import RUN_REQUESTED, RunRequested, headers_for
 
 
 def build(settings: Settings) -> Any:

@@ -44,10 +44,10 @@ from koda_runtime.processors.chunkverify import verify_chunks
 from koda_runtime.processors.compactor import _TERMINAL_STATUSES, _UNPUBLISHED, ChunkCompactor
 from koda_runtime.processors.store import ClaimWrite, Fence, FinishWrite, PublishedWrite, RunStore
 from koda_runtime.schemas.migrate import upgrade
-from koda_runtime.schemas.records import RUN_CHUNK, chunk_value, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
+from koda_runtime.topics.records.codec import RUN_CHUNK, chunk_value, headers_for
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 
 

@@ -28,10 +28,10 @@ from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.localstack import StackInfo, down, up
 from koda_runtime.schemas.migrate import upgrade
-from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from koda_runtime.topics.catalogue import RUNS, partition_for_key
+from koda_runtime.topics.records.codec import RUN_REQUESTED, RunRequested, headers_for
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.runs import group_settled
 

@@ -24,9 +24,9 @@ from confluent_kafka import OFFSET_END, Consumer, Producer, TopicPartition
 from koda_runtime.kafka import consumer_config, producer_config
 from koda_runtime.lifecycle.chunks import chunk_key
 from koda_runtime.lifecycle.ids import uuid7
-from koda_runtime.schemas.records import RUN_CHUNK, chunk_value, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
+from koda_runtime.topics.records.codec import RUN_CHUNK, chunk_value, headers_for
 
 TICK_S = 0.005  # the producer's schedule: rate * TICK_S records every 5 ms
 

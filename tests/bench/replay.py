@@ -50,9 +50,9 @@ from koda_runtime.kafka import consumer_config, producer_config
 from koda_runtime.lifecycle.chunks import chunk_key
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.localstack import StackInfo
-from koda_runtime.schemas.records import RUN_CHUNK, chunk_value, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
+from koda_runtime.topics.records.codec import RUN_CHUNK, chunk_value, headers_for
 from koda_runtime.topics.replay import ReplayOptions, run_replay
 from koda_runtime.topics.replay.engine import BATCH_RECORDS
 from tests.bench.common import Table, fmt, namespace, services

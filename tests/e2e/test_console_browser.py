@@ -23,11 +23,11 @@ from sqlalchemy import text
 
 from koda_runtime.lifecycle.control import merge_inputs
 from koda_runtime.processors.handlers.demo import demo_tokens
-from koda_runtime.schemas.heartbeats import Beat, beat_headers
 from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from koda_runtime.topics.catalogue import WORKERS
+from koda_runtime.topics.records.heartbeats import Beat, beat_headers
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter

@@ -27,15 +27,15 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from koda_runtime.kafka import consumer_config
-from koda_runtime.schemas.dead_letters import decode_dead_letter
-from koda_runtime.schemas.records import (
+from koda_runtime.settings import Settings
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ, partition_for_key
+from koda_runtime.topics.records.codec import (
     RUN_REQUESTED,
     RunRequested,
     decode_run_requested,
     headers_for,
 )
-from koda_runtime.settings import Settings
-from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ, partition_for_key
+from koda_runtime.topics.records.dead_letters import decode_dead_letter
 from tests.fixtures.processes import WorkerPool
 from tests.fixtures.runs import (
     Submitter,

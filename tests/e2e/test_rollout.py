@@ -37,9 +37,9 @@ from confluent_kafka.admin import AdminClient
 
 from koda_runtime.kafka import producer_config
 from koda_runtime.processors.handlers.demo import demo_tokens
-from koda_runtime.schemas.records import RUN_REQUESTED, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ
+from koda_runtime.topics.records.codec import RUN_REQUESTED, headers_for
 from tests.fixtures.processes import ROOT, WorkerProcess
 from tests.fixtures.runs import Submitter, group_settled, read_topic
 from tests.support import wait_until

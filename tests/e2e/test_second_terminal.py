@@ -24,9 +24,14 @@ from confluent_kafka import Producer
 from koda_runtime.kafka import producer_config
 from koda_runtime.localstack import StackInfo, env_lines
 from koda_runtime.localstack.procs import free_port
-from koda_runtime.schemas.records import DEAD_LETTER, RUN_REQUESTED, dead_letter_value, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ
+from koda_runtime.topics.records.codec import (
+    DEAD_LETTER,
+    RUN_REQUESTED,
+    dead_letter_value,
+    headers_for,
+)
 
 # Well below librdkafka's 30 s metadata timeout, the failure this guards against; far
 # above the probe's 3 s deadline so a loaded machine does not fail it.

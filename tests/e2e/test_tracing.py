@@ -27,10 +27,10 @@ from koda_runtime import traceview
 from koda_runtime.db import sync_engine
 from koda_runtime.localstack import jaeger
 from koda_runtime.schemas.migrate import upgrade
-from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, header_value, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from koda_runtime.topics.catalogue import RUNS
+from koda_runtime.topics.records.codec import RUN_REQUESTED, RunRequested, header_value, headers_for
 from tests.fixtures.model_server import PIECES, FakeCompletions, serve_model
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess

@@ -25,10 +25,10 @@ from koda_runtime.lifecycle.chunks import visible_output
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.processors.compactor import ChunkCompactor
 from koda_runtime.schemas.migrate import upgrade
-from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from koda_runtime.topics.catalogue import RUNS_DLQ
+from koda_runtime.topics.records.codec import RUN_REQUESTED, RunRequested, headers_for
 from koda_runtime.topics.replay import tables as t
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import ROOT, GatewayProcess, WorkerProcess, settings_env

@@ -37,10 +37,10 @@ from schemathesis.core.result import Ok
 
 from koda_runtime.kafka import producer_config
 from koda_runtime.schemas.migrate import upgrade
-from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ
+from koda_runtime.topics.records.codec import RUN_REQUESTED, RunRequested, headers_for
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter, read_topic

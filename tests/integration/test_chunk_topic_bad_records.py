@@ -21,10 +21,10 @@ from confluent_kafka import Producer
 from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.chunks import chunk_key
 from koda_runtime.processors.handlers.demo import demo_tokens
-from koda_runtime.schemas.records import MAX_JSON_DEPTH, chunk_value
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
 from koda_runtime.topics.chunklog import read_chunk_log
+from koda_runtime.topics.records.codec import MAX_JSON_DEPTH, chunk_value
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.fixtures.runs import Submitter
 from tests.sse_client import bearer, contents, follow_run

@@ -39,10 +39,10 @@ from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.chunks import chunk_key, visible_output
 from koda_runtime.processors.compactor import ChunkCompactor
 from koda_runtime.processors.handlers.demo import demo_tokens
-from koda_runtime.schemas.records import RUN_CHUNK, chunk_value, headers_for
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
 from koda_runtime.topics.chunklog import RunLog, read_chunk_log
+from koda_runtime.topics.records.codec import RUN_CHUNK, chunk_value, headers_for
 from tests.fixtures.processes import ROOT, WorkerProcess, free_port, settings_env
 from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until

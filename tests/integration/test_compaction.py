@@ -17,10 +17,10 @@ from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.chunks import chunk_key, final_key, visible_output
 from koda_runtime.processors.compactor import ChunkCompactor
 from koda_runtime.processors.handlers.demo import demo_tokens
-from koda_runtime.schemas.records import chunk_value
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS
 from koda_runtime.topics.chunklog import read_chunk_log
+from koda_runtime.topics.records.codec import chunk_value
 from tests.fixtures.processes import ROOT, GatewayProcess, WorkerProcess, settings_env
 from tests.fixtures.runs import Submitter, read_topic
 from tests.sse_client import bearer, contents, read_stream

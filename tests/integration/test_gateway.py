@@ -32,10 +32,10 @@ from koda_runtime.gateway.components import build_components
 from koda_runtime.lifecycle.ids import scoped_idempotency_key, uuid7
 from koda_runtime.naming import AppEnv
 from koda_runtime.schemas.migrate import upgrade
-from koda_runtime.schemas.records import decode_run_requested, header_value
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from koda_runtime.topics.catalogue import partition_for_key
+from koda_runtime.topics.records.codec import decode_run_requested, header_value
 from tests.fixtures.gateway import db_rows, dead_publisher, read_runs_topic, records_of, serve_app
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.runs import payload

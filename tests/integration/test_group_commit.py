@@ -41,8 +41,8 @@ from koda_runtime.processors.store import (
     GroupWrite,
     RunStore,
 )
-from koda_runtime.schemas.records import chunk_value
 from koda_runtime.settings import Settings
+from koda_runtime.topics.records.codec import chunk_value
 from tests.support import async_wait_until
 
 TOPIC = "group-commit-runs"

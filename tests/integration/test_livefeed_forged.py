@@ -12,9 +12,9 @@ from koda_runtime import metrics
 from koda_runtime.gateway.livefeed import LiveEvent, LiveFeed
 from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.chunks import chunk_key
-from koda_runtime.schemas.records import chunk_value
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS
+from koda_runtime.topics.records.codec import chunk_value
 from tests.fixtures.livefeed import collect
 from tests.support import async_wait_until
 

@@ -11,7 +11,10 @@ from typer.testing import CliRunner
 
 from koda_runtime import cli
 from koda_runtime.kafka import producer_config
-from koda_runtime.schemas.records import (
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import apply_topics
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ, catalogue, partition_for_key
+from koda_runtime.topics.records.codec import (
     DEAD_LETTER,
     MAX_DEAD_LETTER_ORIGINAL,
     RUN_REQUESTED,
@@ -19,9 +22,6 @@ from koda_runtime.schemas.records import (
     dead_letter_value,
     headers_for,
 )
-from koda_runtime.settings import Settings
-from koda_runtime.topics.admin import apply_topics
-from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ, catalogue, partition_for_key
 from tests.fixtures.processes import settings_env
 from tests.fixtures.runs import read_topic
 from tests.support import wait_until

@@ -31,17 +31,17 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     ResourceType,
 )
 
-from koda_runtime.schemas.dead_letters import decode_dead_letter
-from koda_runtime.schemas.records import (
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import admin_client
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ, partition_for_key
+from koda_runtime.topics.dlq import replay_dead_letters
+from koda_runtime.topics.records.codec import (
     DEAD_LETTER_MAX_BYTES,
     RUN_REQUESTED,
     RunRequested,
     headers_for,
 )
-from koda_runtime.settings import Settings
-from koda_runtime.topics.admin import admin_client
-from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ, partition_for_key
-from koda_runtime.topics.dlq import replay_dead_letters
+from koda_runtime.topics.records.dead_letters import decode_dead_letter
 from tests.fixtures.processes import WorkerProcess
 from tests.fixtures.runs import Submitter, read_topic
 from tests.support import wait_until

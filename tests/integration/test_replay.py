@@ -23,9 +23,6 @@ from confluent_kafka import Consumer, TopicPartition
 from sqlalchemy import text
 
 from koda_runtime.kafka import consumer_config
-from koda_runtime.schemas import record_specs
-from koda_runtime.schemas.json_schemas import DIRECTORY, file_name
-from koda_runtime.schemas.records import header_value
 from koda_runtime.topics.catalogue import (
     RUN_CHUNKS,
     RUN_EVENTS,
@@ -35,6 +32,9 @@ from koda_runtime.topics.catalogue import (
     WORKERS,
     partition_for_key,
 )
+from koda_runtime.topics.records import formats as record_specs
+from koda_runtime.topics.records.codec import header_value
+from koda_runtime.topics.records.json_schemas import DIRECTORY, file_name
 from koda_runtime.topics.replay import tables as t
 from tests.fixtures.processes import ROOT
 from tests.fixtures.runs import committed_offsets, read_topic

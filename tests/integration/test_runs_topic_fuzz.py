@@ -49,8 +49,10 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from koda_runtime.kafka import consumer_config, producer_config
-from koda_runtime.schemas.dead_letters import DeadLetter, decode_dead_letter
-from koda_runtime.schemas.records import (
+from koda_runtime.settings import Settings
+from koda_runtime.topics.admin import admin_client
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ, WORKER_GROUP
+from koda_runtime.topics.records.codec import (
     DEAD_LETTER_MAX_BYTES,
     MAX_JSON_DEPTH,
     MAX_RUN_HEADERS_BYTES,
@@ -65,9 +67,7 @@ from koda_runtime.schemas.records import (
     event_value,
     headers_for,
 )
-from koda_runtime.settings import Settings
-from koda_runtime.topics.admin import admin_client
-from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ, WORKER_GROUP
+from koda_runtime.topics.records.dead_letters import DeadLetter, decode_dead_letter
 from tests.fixtures.processes import WorkerProcess
 from tests.fixtures.runs import Submitter, committed_offsets, users_by_partition
 from tests.support import wait_until

@@ -31,10 +31,10 @@ from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.chunks import chunk_key, visible_output
 from koda_runtime.processors.handlers.demo import demo_tokens
 from koda_runtime.schemas.migrate import upgrade
-from koda_runtime.schemas.records import chunk_value
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
+from koda_runtime.topics.records.codec import chunk_value
 from tests.fixtures.gateway import serve_app
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import GatewayProcess, WorkerProcess

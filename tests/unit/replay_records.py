@@ -11,7 +11,8 @@ from typing import Any
 
 from koda_runtime.lifecycle.chunks import chunk_key, final_key
 from koda_runtime.naming import AppEnv, Names
-from koda_runtime.schemas.records import (
+from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
+from koda_runtime.topics.records.codec import (
     DEAD_LETTER,
     RUN_CHUNK,
     RUN_EVENT,
@@ -23,7 +24,6 @@ from koda_runtime.schemas.records import (
     dead_letter_value,
     headers_for,
 )
-from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
 from koda_runtime.topics.replay.prices import Price, PriceBook
 from koda_runtime.topics.replay.rows import RecordDecoder, RowBatch
 

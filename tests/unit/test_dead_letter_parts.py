@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from koda_runtime.schemas.dead_letters import DeadLetter, decode_dead_letter
-from koda_runtime.schemas.records import (
+from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ
+from koda_runtime.topics.dlq import LetterAt, LetterId, _replay_one
+from koda_runtime.topics.dlq_view import detail_lines
+from koda_runtime.topics.records.codec import (
     DEAD_LETTER,
     MAX_DEAD_LETTER_HEADER_VALUE,
     MAX_DEAD_LETTER_KEY,
@@ -17,9 +19,7 @@ from koda_runtime.schemas.records import (
     dead_letter_value,
     headers_for,
 )
-from koda_runtime.topics.catalogue import RUNS, RUNS_DLQ
-from koda_runtime.topics.dlq import LetterAt, LetterId, _replay_one
-from koda_runtime.topics.dlq_view import detail_lines
+from koda_runtime.topics.records.dead_letters import DeadLetter, decode_dead_letter
 from koda_runtime.topics.replay import tables as t
 from tests.unit.replay_records import NAMES, FakeMessage, decode
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 import pytest
 
 from koda_runtime.errors import DeadLetterError
-from koda_runtime.schemas.dead_letters import decode_dead_letter
-from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, dead_letter_value, headers_for
 from koda_runtime.topics.dlq import LetterAt, LetterId
 from koda_runtime.topics.dlq_view import detail_lines, list_line, run_id_of
+from koda_runtime.topics.records.codec import (
+    RUN_REQUESTED,
+    RunRequested,
+    dead_letter_value,
+    headers_for,
+)
+from koda_runtime.topics.records.dead_letters import decode_dead_letter
 
 
 def at(value: bytes | None, key: bytes | None = b"alice", reason: str = "unknown_run") -> LetterAt:

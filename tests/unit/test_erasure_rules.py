@@ -12,8 +12,8 @@ from koda_runtime.lifecycle.handler import CancelToken
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.runner import Record, RunExecutor
 from koda_runtime.schemas.erasures import pseudonym, user_digest
-from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, headers_for
 from koda_runtime.settings import USER_ID, Settings
+from koda_runtime.topics.records.codec import RUN_REQUESTED, RunRequested, headers_for
 from tests.unit.worker_fakes import TOPIC, FakeOutput, FakeStore, ScriptedHandler
 
 SETTINGS = Settings(app_env=AppEnv.DEV, worker_id="w-unit")

@@ -21,13 +21,13 @@ from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.runner import FencedOut, Record, RunExecutor
 from koda_runtime.processors.store import ChunkWrite
-from koda_runtime.schemas.records import (
+from koda_runtime.settings import Settings
+from koda_runtime.topics.records.codec import (
     RUN_REQUESTED,
     RunRequested,
     decode_run_requested,
     headers_for,
 )
-from koda_runtime.settings import Settings
 from tests.support import loop_until
 from tests.unit.worker_fakes import TOPIC, FakeOutput, FakeStore, ScriptedHandler
 

@@ -33,8 +33,8 @@ from koda_runtime.naming import AppEnv
 from koda_runtime.processors.runner import Record, RunExecutor
 from koda_runtime.processors.store import Batched, GroupResult, GroupWrite
 from koda_runtime.processors.streaming import ChunkBatcher, refusal
-from koda_runtime.schemas.records import RUN_REQUESTED, RunRequested, headers_for
 from koda_runtime.settings import Settings
+from koda_runtime.topics.records.codec import RUN_REQUESTED, RunRequested, headers_for
 from tests.support import loop_until
 from tests.unit.worker_fakes import TOPIC, FakeOutput, FakeStore, ScriptedHandler
 

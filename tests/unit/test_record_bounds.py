@@ -26,8 +26,9 @@ from koda_runtime.metrics import DEAD_LETTERS, RECORDS_SKIPPED
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.emitter import Emitter, refused
 from koda_runtime.processors.runner import Record, RecordTries, RunExecutor
-from koda_runtime.schemas.dead_letters import decode_dead_letter
-from koda_runtime.schemas.records import (
+from koda_runtime.settings import Settings
+from koda_runtime.topics.chunklog import ChunkLog
+from koda_runtime.topics.records.codec import (
     DEAD_LETTER_MAX_BYTES,
     MAX_DEAD_LETTER_HEADERS,
     MAX_DEAD_LETTER_KEY,
@@ -48,8 +49,7 @@ from koda_runtime.schemas.records import (
     headers_for,
     json_depth_exceeds,
 )
-from koda_runtime.settings import Settings
-from koda_runtime.topics.chunklog import ChunkLog
+from koda_runtime.topics.records.dead_letters import decode_dead_letter
 from tests.unit.worker_fakes import TOPIC, FakeOutput, FakeStore, ScriptedHandler
 
 USER = b"alice"

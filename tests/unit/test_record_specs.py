@@ -14,18 +14,8 @@ from typer.testing import CliRunner
 
 from koda_runtime import cli
 from koda_runtime.errors import RecordError
-from koda_runtime.schemas import record_specs
-from koda_runtime.schemas.events import Transition, UsageEvent, decode_run_event
-from koda_runtime.schemas.heartbeats import Beat
-from koda_runtime.schemas.json_schemas import (
-    DIRECTORY,
-    drift,
-    file_name,
-    json_schema,
-    render,
-    write_all,
-)
-from koda_runtime.schemas.records import (
+from koda_runtime.topics.records import formats as record_specs
+from koda_runtime.topics.records.codec import (
     FinalRecord,
     RunRequested,
     chunk_value,
@@ -36,7 +26,17 @@ from koda_runtime.schemas.records import (
     event_value,
     headers_for,
 )
-from koda_runtime.schemas.specs import RecordSpec
+from koda_runtime.topics.records.events import Transition, UsageEvent, decode_run_event
+from koda_runtime.topics.records.heartbeats import Beat
+from koda_runtime.topics.records.json_schemas import (
+    DIRECTORY,
+    drift,
+    file_name,
+    json_schema,
+    render,
+    write_all,
+)
+from koda_runtime.topics.records.specs import RecordSpec
 
 
 def validator(spec: RecordSpec) -> jsonschema.Draft202012Validator:
@@ -47,7 +47,7 @@ def validator(spec: RecordSpec) -> jsonschema.Draft202012Validator:
 
 def test_the_committed_json_schemas_match_the_specs() -> None:
     """Fails when a spec changed and `koda schemas write` was not run."""
-    assert drift() == [], "run `koda schemas write` and commit schemas/json/"
+    assert drift() == [], "run `koda schemas write` and commit topics/records/json/"
     assert sorted(p.name for p in DIRECTORY.glob("*.schema.json")) == sorted(
         file_name(s) for s in record_specs.ALL
     )

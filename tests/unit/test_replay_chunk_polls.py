@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from koda_runtime.lifecycle.ids import uuid7
-from koda_runtime.schemas.records import chunk_value
+from koda_runtime.topics.records.codec import chunk_value
 from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.chunk_polls import ChunkPolls
 from koda_runtime.topics.replay.rows import RecordDecoder, RowBatch, plain_chunk_poll

@@ -13,8 +13,8 @@ from koda_runtime.gateway.eventstream import EventParser, comment, event_frame, 
 from koda_runtime.gateway.livefeed import LiveEvent, Viewer
 from koda_runtime.gateway.sse import resume_position
 from koda_runtime.lifecycle.chunks import chunk_key, final_key, split_chunk_key, visible_output
-from koda_runtime.schemas.records import FinalRecord, chunk_value
 from koda_runtime.topics.chunklog import ChunkLog
+from koda_runtime.topics.records.codec import FinalRecord, chunk_value
 
 
 def test_frames_parse_back_in_any_split() -> None:

@@ -150,7 +150,7 @@ async def test_the_dispatchers_resolver_refuses_a_name_that_now_points_inside() 
 
 def test_only_terminal_records_name_ended_runs() -> None:
     from koda_runtime.processors.webhooks import terminal_runs
-    from koda_runtime.schemas.records import FinalRecord, chunk_value
+    from koda_runtime.topics.records.codec import FinalRecord, chunk_value
 
     class Msg:
         def __init__(self, key: bytes | None, value: bytes | None) -> None:

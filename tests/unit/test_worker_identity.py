@@ -19,8 +19,8 @@ from koda_runtime.kafka import runs_consumer_config
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.heartbeat import Heartbeat
 from koda_runtime.processors.identity import RELOG_S, TwinWatch
-from koda_runtime.schemas.heartbeats import Beat
 from koda_runtime.settings import Settings
+from koda_runtime.topics.records.heartbeats import Beat
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 DEV = {"APP_ENV": "dev"}

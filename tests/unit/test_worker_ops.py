@@ -23,8 +23,8 @@ from koda_runtime.processors.health import (
     LoopProbe,
 )
 from koda_runtime.processors.heartbeat import Heartbeat
-from koda_runtime.schemas.heartbeats import Beat, decode_beat
 from koda_runtime.settings import Settings
+from koda_runtime.topics.records.heartbeats import Beat, decode_beat
 from tests.support import async_wait_until
 
 SETTINGS = Settings(

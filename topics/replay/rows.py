@@ -30,10 +30,9 @@ from koda_runtime.errors import RecordError
 from koda_runtime.lifecycle.chunks import SEQ_WIDTH, split_chunk_key
 from koda_runtime.lifecycle.states import TERMINAL, RunStatus
 from koda_runtime.naming import Names
-from koda_runtime.schemas import record_specs as spec
-from koda_runtime.schemas.dead_letters import DeadLetter, decode_dead_letter
-from koda_runtime.schemas.events import Transition, decode_run_event, parse_instant
-from koda_runtime.schemas.records import (
+from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
+from koda_runtime.topics.records import formats as spec
+from koda_runtime.topics.records.codec import (
     CURRENT_VERSION,
     DEAD_LETTER,
     RUN_CHUNK,
@@ -45,8 +44,9 @@ from koda_runtime.schemas.records import (
     header_value,
     headers_for,
 )
-from koda_runtime.schemas.specs import Field
-from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_EVENTS, RUNS, RUNS_DLQ
+from koda_runtime.topics.records.dead_letters import DeadLetter, decode_dead_letter
+from koda_runtime.topics.records.events import Transition, decode_run_event, parse_instant
+from koda_runtime.topics.records.specs import Field
 from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.batch import (
     Message,

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from koda_runtime.lifecycle.chunks import SEQ_WIDTH
-from koda_runtime.schemas import record_specs as spec
-from koda_runtime.schemas.specs import Field
+from koda_runtime.topics.records import formats as spec
+from koda_runtime.topics.records.specs import Field
 from koda_runtime.topics.replay.tables import Table
 
 

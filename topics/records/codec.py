@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from koda_runtime.errors import RecordError
 from koda_runtime.lifecycle.chunks import ChunkKind
-from koda_runtime.schemas import record_specs as spec
+from koda_runtime.topics.records import formats as spec
 
 CONTENT_TYPE = "application/json"
 RUN_REQUESTED = spec.RUN_REQUESTED.name

@@ -1,6 +1,6 @@
 """JSON Schema (draft 2020-12) files for every record koda writes, from the field specs.
 
-The files live in ``schemas/json/<record>.schema.json``; ``koda schemas write``
+The files live in ``topics/records/json/<record>.schema.json``; ``koda schemas write``
 regenerates them and ``koda schemas write --check`` (and a unit test) fails when they
 differ from what the specs say. ``x-koda-topic`` (the catalogue base name) and
 ``x-koda-key`` (what the record key holds) are annotations for data teams.
@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from koda_runtime.schemas.record_specs import ALL
-from koda_runtime.schemas.specs import Field, RecordSpec
+from koda_runtime.topics.records.formats import ALL
+from koda_runtime.topics.records.specs import Field, RecordSpec
 
 DIRECTORY = Path(__file__).resolve().parent / "json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"

@@ -1,7 +1,7 @@
-"""Reading ``run.event/1`` values (written by :func:`koda_runtime.schemas.records.event_value`).
+"""Reading ``run.event/1`` values (written by :func:`.codec.event_value`).
 
 Two variants, told apart by ``event``: a status ``transition`` and a ``usage`` record
-(one model call). Fields are checked against :data:`koda_runtime.schemas.record_specs.RUN_EVENT`.
+(one model call). Fields are checked against :data:`koda_runtime.topics.records.formats.RUN_EVENT`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 
 from koda_runtime.errors import RecordError
-from koda_runtime.schemas import record_specs as spec
-from koda_runtime.schemas.records import json_object
+from koda_runtime.topics.records import formats as spec
+from koda_runtime.topics.records.codec import json_object
 
 
 @dataclass(frozen=True)

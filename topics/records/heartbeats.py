@@ -23,8 +23,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from koda_runtime.errors import RecordError
-from koda_runtime.schemas import record_specs as spec
-from koda_runtime.schemas.records import HEARTBEAT, Headers, dumps, headers_for
+from koda_runtime.topics.records import formats as spec
+from koda_runtime.topics.records.codec import HEARTBEAT, Headers, dumps, headers_for
 
 __all__ = ["HEARTBEAT", "Beat", "beat_headers", "decode_beat"]
 

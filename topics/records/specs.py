@@ -1,10 +1,9 @@
 """Field specs of koda's records: the one description of every record's fields.
 
 Three things read these specs, so they cannot disagree: the encoders in
-:mod:`koda_runtime.schemas.records` and :mod:`koda_runtime.schemas.heartbeats` take their field
-names from them,
+:mod:`.codec` and :mod:`.heartbeats` take their field names from them,
 the decoders check values with :meth:`RecordSpec.check`, and
-:mod:`koda_runtime.schemas.json_schemas` renders them as the JSON Schema files in ``schemas/json/``
+:mod:`.json_schemas` renders them as the JSON Schema files in ``topics/records/json/``
 (``koda schemas write``; ``tests/unit/test_record_specs.py`` fails on drift).
 
 A spec describes what koda *writes*. Readers stay lenient where they always were: an

@@ -1,6 +1,6 @@
 """Reading ``run.dead-letter/1`` values.
 
-They are written by :func:`koda_runtime.schemas.records.dead_letter_value`.
+They are written by :func:`koda_runtime.topics.records.codec.dead_letter_value`.
 """
 
 from __future__ import annotations

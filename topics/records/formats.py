@@ -1,4 +1,4 @@
-"""The specs of every record koda writes (:mod:`koda_runtime.schemas.specs` says what reads them).
+"""The specs of every record koda writes (:mod:`.specs` says what reads them).
 
 ``topic`` is the catalogue base name (``<env>.koda.<topic>`` on the broker; see
 topics/catalogue.py); ``key`` says what the record key holds. Adding a field: add it
@@ -11,7 +11,7 @@ from koda_runtime.lifecycle.chunks import ChunkKind
 from koda_runtime.lifecycle.handler import CALL_KINDS
 from koda_runtime.lifecycle.ledger import Outcome
 from koda_runtime.lifecycle.states import RunStatus
-from koda_runtime.schemas.specs import Field, RecordSpec, Variant
+from koda_runtime.topics.records.specs import Field, RecordSpec, Variant
 
 _TERMINAL_KINDS = tuple(k.value for k in ChunkKind if k.terminal)
 
