@@ -64,7 +64,7 @@ $(JAEGER):
 # mypy and Python see koda_runtime as installed. A file added to or removed from the
 # package changes the list below and installs again (editing a file needs nothing).
 PKG_LIST := $(VENV)/.package-files
-PKG_DIRS := koda gateway processors scheduler topics schemas deploy/local deploy/prometheus
+PKG_DIRS := koda cli gateway processors scheduler topics schemas deploy/local deploy/prometheus
 EDITABLE := --config-settings editable_mode=strict
 
 .PHONY: .package-list

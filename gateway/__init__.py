@@ -3,16 +3,14 @@
     app.create_app(settings)                the ASGI app
     components.build_components(...)        every collaborator, built once
     server.serve(settings)                  uvicorn in the foreground, graceful on SIGTERM
-    client.runs_app                         ``koda runs submit|show|cancel|follow``
 
-Importing this package imports nothing else, so the command line's clients
-(``client``, ``schedules_cli``) load no server code.
+Importing this package imports nothing else, so the command line (``cli/``) loads
+no server code.
 
 Modules: ``app`` (routes + middleware), ``components`` (composition root),
 ``dependencies`` (FastAPI ``Depends``), ``routes`` (HTTP), ``intake`` (request
 checks), ``auth``, ``ratelimit``, ``admission`` (persist + publish), ``store``
 (SQL), ``sse`` (the events endpoint), ``livefeed`` (chunk-topic tail),
 ``eventstream`` (SSE wire), ``publisher`` (producer), ``sweeper``, ``exceptions``
-(domain errors), ``errors`` (HTTP errors and the mapping), ``models``, ``server``,
-``client``.
+(domain errors), ``errors`` (HTTP errors and the mapping), ``models``, ``server``.
 """

@@ -333,7 +333,7 @@ TEST_FAULTS = (
     # `koda replay --to iceberg://`: topics/replay/sinks/iceberg.py
     "kill-between-iceberg-tables",
     "kill-after-iceberg-batch",
-    # `koda memories reembed`: gateway/memories_cli.py
+    # `koda memories reembed`: cli/memories.py
     "kill-after-reembed-batch",
 )
 # Variables read outside the knob loop (the environment, the worker's identity, the

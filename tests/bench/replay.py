@@ -155,7 +155,7 @@ def replay_cli(settings: Settings, root: Path, records: int, batch: int, path: P
     """``koda replay run-chunks`` from the checkout ``root`` (its .venv) into a fresh
     DuckDB file; returns the child's CPU seconds."""
     python = root / ".venv" / "bin" / "python"
-    argv = [str(python), "-m", "koda_runtime", "replay", "run-chunks", "--quiet"]
+    argv = [str(python), "-m", "koda_runtime.cli", "replay", "run-chunks", "--quiet"]
     argv += ["--to", f"duckdb:///{path}", "--batch", str(batch)]
     cpu = child_cpu()
     done = subprocess.run(  # noqa: S603 - our own interpreter and arguments

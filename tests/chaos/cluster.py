@@ -1,6 +1,6 @@
 """The processes under test (one gateway, a pool of workers) and probes into the stack.
 
-Everything here is started the way a user starts it (``python -m koda_runtime worker|gateway``)
+Everything here is started the way a user starts it (``python -m koda_runtime.cli worker|gateway``)
 against a real Kafka and PostgreSQL; the probes read Postgres and the broker directly.
 """
 

@@ -28,9 +28,9 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from sqlalchemy import text
 from typer.testing import CliRunner
 
+from koda_runtime.cli.users import users_app
 from koda_runtime.db import sync_engine
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.erasure_cli import users_app
 from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.chunks import split_chunk_key
 from koda_runtime.localstack import StackInfo

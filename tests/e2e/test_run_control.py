@@ -799,7 +799,7 @@ def test_koda_runs_cancel_cancels_through_the_gateway(cluster: Cluster) -> None:
     user = c.user("cli")
     run_id = post_run(c.g1, user, demo(400, 20))["run_id"]
     wait_until(lambda: "chunk" in c.kinds(run_id), timeout=30, what="output")
-    cmd = [sys.executable, "-m", "koda_runtime", "runs", "cancel", run_id, "--user", user]
+    cmd = [sys.executable, "-m", "koda_runtime.cli", "runs", "cancel", run_id, "--user", user]
     out = subprocess.run(  # noqa: S603
         [*cmd, "--reason", "from the shell", "--gateway", c.g2.url],
         capture_output=True,
@@ -812,7 +812,7 @@ def test_koda_runs_cancel_cancels_through_the_gateway(cluster: Cluster) -> None:
     wait_until(lambda: status_is(c, run_id, "cancelled"), timeout=30, what="cancelled")
     assert c.row(run_id).cancel_reason == "from the shell"
     other = subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "koda_runtime", "runs", "cancel", run_id, "--user", "intruder"]
+        [sys.executable, "-m", "koda_runtime.cli", "runs", "cancel", run_id, "--user", "intruder"]
         + ["--gateway", c.g2.url],
         capture_output=True,
         text=True,

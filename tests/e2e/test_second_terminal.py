@@ -1,7 +1,7 @@
 """A second terminal: `koda` commands find the local stack by its `.koda/services.env`,
 and an address that does not answer fails in one line, fast.
 
-The commands run as a user runs them (``python -m koda_runtime`` in a directory of its own),
+The commands run as a user runs them (``python -m koda_runtime.cli`` in a directory of its own),
 with no KODA_KAFKA_BOOTSTRAP, KODA_DATABASE_URL or APP_ENV in their environment. Only
 KODA_NAMESPACE is set, so that the test's topics and schema are its own even when the
 suite runs against a developer's `make dev` stack.
@@ -50,7 +50,7 @@ def koda(
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.monotonic()
     done = subprocess.run(  # noqa: S603 - our own executable
-        [sys.executable, "-m", "koda_runtime", *args],
+        [sys.executable, "-m", "koda_runtime.cli", *args],
         cwd=cwd,
         env=env,
         capture_output=True,

@@ -61,7 +61,7 @@ def test_browser_and_cli_resume_across_a_gateway_restart(env: Settings) -> None:
             [
                 sys.executable,
                 "-m",
-                "koda_runtime",
+                "koda_runtime.cli",
                 "runs",
                 "follow",
                 run_id,

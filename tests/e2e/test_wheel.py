@@ -96,7 +96,7 @@ def test_the_wheel_installs_as_koda_runtime_and_needs_nothing_from_the_checkout(
         [
             python,
             "-c",
-            "import importlib.util as u; print([n for n in ('koda', 'gateway', 'processors',"
+            "import importlib.util as u; print([n for n in ('koda', 'cli', 'gateway', 'processors',"
             " 'scheduler', 'topics', 'schemas') if u.find_spec(n)])",
         ],
         cwd="/tmp",

@@ -133,7 +133,7 @@ def test_two_workers_forced_to_one_id_are_a_conflict(env: Settings, procs: list[
 
 def test_static_membership_needs_a_stable_id(env: Settings, procs: list[Any]) -> None:
     refused = subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "koda_runtime", "worker"],
+        [sys.executable, "-m", "koda_runtime.cli", "worker"],
         env=settings_env(env, KODA_STATIC_MEMBERSHIP="true"),
         cwd=ROOT,
         capture_output=True,

@@ -159,9 +159,9 @@ def populate(stack: Any) -> Iterator[Populated]:
 
 
 def koda(p: Populated, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``python -m koda_runtime ARGS`` as a user runs it; fails the test on a non-zero exit."""
+    """``python -m koda_runtime.cli ARGS`` as a user runs it; fails the test on a non-zero exit."""
     done = subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "koda_runtime", *args],
+        [sys.executable, "-m", "koda_runtime.cli", *args],
         env=p.env,
         cwd=ROOT,
         capture_output=True,

@@ -20,9 +20,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from koda_runtime.cli.runs import runs_app
 from koda_runtime.client import ApiError, AsyncClient, BatchItem, Client, Event
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.client import runs_app
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.handlers.demo import demo_tokens
 from koda_runtime.schemas.migrate import upgrade

@@ -145,7 +145,7 @@ def test_a_worker_killed_between_the_finish_commit_and_the_produce(
             [
                 sys.executable,
                 "-m",
-                "koda_runtime",
+                "koda_runtime.cli",
                 "replay",
                 "--quiet",
                 "--to",

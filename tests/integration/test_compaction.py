@@ -105,7 +105,7 @@ def test_compaction_keeps_every_output_rebuildable_from_the_topic(
     # The command, again: only the new runs; then nothing; a run marked back is redone.
     def compact_cli() -> str:
         done = subprocess.run(  # noqa: S603
-            [sys.executable, "-m", "koda_runtime", "chunks", "compact", "--older-than", "0"],
+            [sys.executable, "-m", "koda_runtime.cli", "chunks", "compact", "--older-than", "0"],
             env=settings_env(env),
             cwd=ROOT,
             capture_output=True,

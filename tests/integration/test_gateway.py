@@ -26,8 +26,8 @@ import pytest
 from typer.testing import CliRunner
 
 from koda_runtime import metrics
+from koda_runtime.cli.runs import runs_app
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.client import runs_app
 from koda_runtime.gateway.components import build_components
 from koda_runtime.lifecycle.ids import scoped_idempotency_key, uuid7
 from koda_runtime.naming import AppEnv

@@ -17,8 +17,8 @@ from prometheus_client import start_http_server
 from typer.testing import CliRunner
 
 from koda_runtime import metrics
+from koda_runtime.cli.services import services_app
 from koda_runtime.localstack import procs, prometheus, stack
-from koda_runtime.localstack.cli import services_app
 from tests.support import wait_until
 
 

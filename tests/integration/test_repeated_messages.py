@@ -18,8 +18,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from koda_runtime.cli.runs import runs_app
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.client import runs_app
 from koda_runtime.settings import Settings
 from tests.fixtures.gateway import db_rows, serve_app
 from tests.sse_client import bearer

@@ -159,7 +159,7 @@ def test_postgres_and_parquet_hold_the_same_tables_even_from_overlapping_replays
     argv = [
         sys.executable,
         "-m",
-        "koda_runtime",
+        "koda_runtime.cli",
         "replay",
         "--quiet",
         "--batch",
@@ -212,7 +212,7 @@ def test_a_job_killed_half_way_resumes_to_the_same_tables(
     total = backlog(p, topics)
     args = ["replay", "--job", "nightly", "--to", f"duckdb:///{path}", "--batch", "100"]
     proc = subprocess.Popen(  # noqa: S603
-        [sys.executable, "-m", "koda_runtime", *args, "--max-rate", "1500"],
+        [sys.executable, "-m", "koda_runtime.cli", *args, "--max-rate", "1500"],
         env=p.env,
         cwd=ROOT,
         stdout=subprocess.PIPE,

@@ -90,7 +90,7 @@ def replay(
 ) -> subprocess.CompletedProcess[str]:
     env = s.env | ({"KODA_TEST_FAULT": fault} if fault else {})
     return subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "koda_runtime", "replay", "--quiet", *args],
+        [sys.executable, "-m", "koda_runtime.cli", "replay", "--quiet", *args],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -255,7 +255,7 @@ def test_follow_keeps_the_tables_within_seconds_of_the_topics(stack_runs: Stack)
         [
             sys.executable,
             "-m",
-            "koda_runtime",
+            "koda_runtime.cli",
             "replay",
             "--quiet",
             "--follow",

@@ -386,7 +386,7 @@ def test_the_command_counts_then_sweeps(live: Stack) -> None:
     env = settings_env(live.settings, KODA_CHUNK_RETENTION="20d", KODA_RETENTION_BATCH="10")
 
     def koda(*args: str) -> subprocess.CompletedProcess[str]:
-        argv = [sys.executable, "-m", "koda_runtime", "retention", "sweep", *args]
+        argv = [sys.executable, "-m", "koda_runtime.cli", "retention", "sweep", *args]
         return subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
     dry = koda("--dry-run")

@@ -23,10 +23,10 @@ from sqlalchemy import text
 from typer.testing import CliRunner
 
 from koda_runtime import metrics
+from koda_runtime.cli.schedules import schedules_app
 from koda_runtime.db import async_engine
 from koda_runtime.gateway.publisher import RunPublisher
 from koda_runtime.gateway.scheduled import ScheduleStore, fire_key, scheduled_run
-from koda_runtime.gateway.schedules_cli import schedules_app
 from koda_runtime.gateway.store import RunStore
 from koda_runtime.gateway.sweeper import Sweeper
 from koda_runtime.lifecycle.ids import uuid7

@@ -24,8 +24,8 @@ from sqlalchemy import text
 from typer.testing import CliRunner
 
 from koda_runtime import metrics
+from koda_runtime.cli.runs import runs_app
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.client import runs_app
 from koda_runtime.gateway.eventstream import TERMINAL_KINDS, Event, EventParser
 from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.chunks import chunk_key, visible_output

@@ -146,7 +146,7 @@ def test_the_gateway_refuses_to_start_with_one_line() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KODA_") and k != "APP_ENV"}
     env |= PROD | {"KODA_API_TOKENS": f"{ALICE}:alice", "KODA_ADMIN_TOKEN": "REPLACE_ME"}
     proc = subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "koda_runtime", "gateway"],
+        [sys.executable, "-m", "koda_runtime.cli", "gateway"],
         cwd=ROOT,
         env=env,
         capture_output=True,

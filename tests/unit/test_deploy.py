@@ -139,7 +139,7 @@ def test_one_image_multi_stage_non_root_exec_form_python_as_pid_1() -> None:
     assert user and user[-1].split(":")[0] not in ("root", "0")
     (entry,) = [line for line in instructions if line.startswith("ENTRYPOINT ")]
     argv = json.loads(entry.removeprefix("ENTRYPOINT "))  # exec form is a JSON array
-    assert argv[0].endswith("python") and argv[1:] == ["-m", "koda_runtime", "entrypoint"]
+    assert argv[0].endswith("python") and argv[1:] == ["-m", "koda_runtime.cli", "entrypoint"]
     assert not [
         line
         for line in instructions

@@ -10,9 +10,9 @@ from __future__ import annotations
 import io
 
 from koda_runtime import cli
-from koda_runtime.devrun import DEV_COMPACTOR_EVERY_S, child_specs, pump
+from koda_runtime.cli.dev import DEV_COMPACTOR_EVERY_S, child_specs, pump
 
-KODA = ["python", "-m", "koda_runtime"]
+KODA = ["python", "-m", "koda_runtime.cli"]
 
 
 def option(argv: list[str], name: str) -> str:

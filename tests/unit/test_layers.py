@@ -20,31 +20,25 @@ ROOT = Path(__file__).resolve().parents[2]
 NS = "koda_runtime"
 FOLDERS = {
     "koda": NS,
+    "cli": f"{NS}.cli",
     "topics": f"{NS}.topics",
     "schemas": f"{NS}.schemas",
     "gateway": f"{NS}.gateway",
     "processors": f"{NS}.processors",
     "scheduler": f"{NS}.scheduler",
 }
-KODA, TOPICS, SCHEMAS, GATEWAY, PROCESSORS, SCHEDULER = FOLDERS.values()
+KODA, CLI, TOPICS, SCHEMAS, GATEWAY, PROCESSORS, SCHEDULER = FOLDERS.values()
 
-# Module name prefix -> layer. The command-line modules of koda compose every package
-# (they are the entry points); the rest of koda is the core everything else stands on.
+# Module name prefix -> layer. cli/ (every ``koda`` command) composes every package and
+# is the only entry layer; koda/ is the core everything else stands on.
 LAYER_OF = {
     KODA: "core",
     f"{KODA}.lifecycle": "lifecycle",
     f"{KODA}.errors": "errors",
-    f"{KODA}.__main__": "entry",
-    f"{KODA}.cli": "entry",
-    f"{KODA}.devrun": "entry",
-    f"{KODA}.ledgercli": "entry",
-    f"{KODA}.retentioncli": "entry",
-    f"{KODA}.localstack.cli": "entry",
+    CLI: "entry",
     SCHEMAS: "schemas",
     TOPICS: "topics",
     GATEWAY: "gateway",
-    # A command-line module (``koda memories``): reembed drives the workers' memory code.
-    f"{GATEWAY}.memories_cli": "entry",
     PROCESSORS: "processors",
     SCHEDULER: "scheduler",
 }

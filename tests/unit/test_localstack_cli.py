@@ -6,8 +6,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from koda_runtime.cli.services import services_app
 from koda_runtime.localstack import StackInfo, env_lines
-from koda_runtime.localstack.cli import services_app
 
 runner = CliRunner()
 

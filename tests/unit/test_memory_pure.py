@@ -124,7 +124,7 @@ def test_memory_settings_are_read_and_checked() -> None:
 def test_runs_follow_prints_tool_activity(capsys: pytest.CaptureFixture[str]) -> None:
     import json as _json
 
-    from koda_runtime.gateway.client import _Follower
+    from koda_runtime.cli.runs import _Follower
     from koda_runtime.gateway.eventstream import Event
 
     follower = _Follower(None)

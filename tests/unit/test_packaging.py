@@ -22,7 +22,7 @@ from tests.fixtures.processes import ROOT
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SETUPTOOLS = PROJECT["tool"]["setuptools"]
 PACKAGE_DIR: dict[str, str] = SETUPTOOLS["package-dir"]
-BARE = ("koda", "gateway", "processors", "scheduler", "topics", "schemas")
+BARE = ("koda", "cli", "gateway", "processors", "scheduler", "topics", "schemas")
 
 
 def folder_of(package: str) -> Path:

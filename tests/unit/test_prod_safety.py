@@ -139,7 +139,7 @@ def test_entrypoint_execs_the_role_command(monkeypatch: pytest.MonkeyPatch) -> N
         extra = ["--confirm-prod"] if role == "topics" else []
         result = runner.invoke(cli.app, ["entrypoint", *extra], env={"ROLE": role})
         assert result.exit_code == 0, result.output
-        assert execs[-1] == [sys.executable, "-m", "koda_runtime", *tail]
+        assert execs[-1] == [sys.executable, "-m", "koda_runtime.cli", *tail]
     result = runner.invoke(cli.app, ["entrypoint"], env={"ROLE": "shell"})
     assert result.exit_code == 2 and "ROLE='shell'" in result.stderr
 
@@ -151,7 +151,7 @@ def test_entrypoint_runs_the_role_for_real() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KODA_")}
     env.update(PROD_ENV, ROLE="topics")
     proc = subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "koda_runtime", "entrypoint"],
+        [sys.executable, "-m", "koda_runtime.cli", "entrypoint"],
         cwd=ROOT,
         env=env,
         capture_output=True,

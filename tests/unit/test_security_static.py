@@ -18,7 +18,7 @@ from koda_runtime.processors.app import faust_settings
 from koda_runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("koda", "gateway", "processors", "scheduler", "topics", "schemas")
+PACKAGES = ("koda", "cli", "gateway", "processors", "scheduler", "topics", "schemas")
 SQL = re.compile(
     r"\b(SELECT\b.*\bFROM|INSERT\s+INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|TRUNCATE\s+\w"
     r"|(CREATE|ALTER|DROP)\s+(TABLE|SCHEMA|DATABASE|INDEX|VIEW|ROLE))\b",

@@ -314,7 +314,7 @@ def test_services_env_names_the_local_jaeger_only_while_it_runs(tmp_path: Path) 
 def test_services_up_offers_tracing() -> None:
     from typer.testing import CliRunner
 
-    from koda_runtime.localstack.cli import services_app
+    from koda_runtime.cli.services import services_app
 
     out = CliRunner().invoke(services_app, ["up", "--help"], env={"COLUMNS": "200"})
     assert "--with-tracing" in out.output

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import typer
 
-from koda_runtime.gateway.client import DEFAULT_GATEWAY, call, fail
+from koda_runtime.cli.runs import DEFAULT_GATEWAY, call, fail
 
 schedules_app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Create and manage scheduled runs."

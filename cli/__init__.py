@@ -491,7 +491,7 @@ def entrypoint_command(
     }
     if role not in commands:
         fail(f"ROLE={role!r}: use one of {', '.join(commands)}")
-    argv = [sys.executable, "-m", "koda_runtime", *commands[role], *ctx.args]
+    argv = [sys.executable, "-m", "koda_runtime.cli", *commands[role], *ctx.args]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)  # noqa: S606 - replaces this process, keeps the PID
@@ -535,9 +535,9 @@ def traces_show(
 ) -> None:
     """Draw one run's trace (gateway, worker, model, viewers) as its receiver holds it."""
     from koda_runtime import traceview
+    from koda_runtime.cli.services import DEFAULT_STATE_DIR
     from koda_runtime.db import sync_engine
     from koda_runtime.localstack import jaeger
-    from koda_runtime.localstack.cli import DEFAULT_STATE_DIR
 
     if query is None:
         ports = jaeger.load_ports(DEFAULT_STATE_DIR.resolve())
@@ -592,17 +592,17 @@ def dev_command(
     import os
     from pathlib import Path
 
-    from koda_runtime.devrun import run_dev
+    from koda_runtime.cli.dev import run_dev
 
     raise typer.Exit(run_dev(Path(state_dir), os.environ, workers=workers))
 
 
 def _add_optional_apps() -> None:
-    from koda_runtime.gateway.client import runs_app
-    from koda_runtime.gateway.erasure_cli import users_app
-    from koda_runtime.gateway.memories_cli import memories_app
-    from koda_runtime.gateway.schedules_cli import schedules_app
-    from koda_runtime.localstack.cli import services_app
+    from koda_runtime.cli.memories import memories_app
+    from koda_runtime.cli.runs import runs_app
+    from koda_runtime.cli.schedules import schedules_app
+    from koda_runtime.cli.services import services_app
+    from koda_runtime.cli.users import users_app
 
     app.add_typer(services_app, name="services")
     app.add_typer(runs_app, name="runs")
@@ -612,8 +612,8 @@ def _add_optional_apps() -> None:
 
 
 def _add_ledger_apps() -> None:
-    from koda_runtime.ledgercli import register
-    from koda_runtime.retentioncli import register as register_retention
+    from koda_runtime.cli.ledger import register
+    from koda_runtime.cli.retention import register as register_retention
 
     register(app, friendly)
     register_retention(app, friendly)

@@ -26,7 +26,7 @@ from koda_runtime.settings import Settings
 
 CHILD_GRACE_S = 25.0
 DEV_WORKER_PORT = 9101  # worker i serves /livez, /readyz, /metrics on DEV_WORKER_PORT + i
-# The compactor's round interval, as ROLE=compactor runs it (koda/cli.py's is the same).
+# The compactor's round interval, as ROLE=compactor runs it (cli/__init__.py's is the same).
 DEV_COMPACTOR_EVERY_S = 60
 PREFIX_WIDTH = 10  # "scheduler" and "compactor" fit, then " | "
 
@@ -126,7 +126,7 @@ def run_dev(state_dir: Path, environ: Mapping[str, str], *, workers: int = 2) ->
     if drifts:
         print("koda: topic drift: " + "; ".join(map(str, drifts)), file=sys.stderr)
         return 1
-    koda = [sys.executable, "-m", "koda_runtime"]
+    koda = [sys.executable, "-m", "koda_runtime.cli"]
     env.setdefault("KODA_EXPECTED_WORKERS", str(workers))
     base_port = settings.worker_port or DEV_WORKER_PORT
     specs = child_specs(koda, env, workers=workers, base_port=base_port)
