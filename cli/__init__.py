@@ -536,8 +536,8 @@ def traces_show(
     """Draw one run's trace (gateway, worker, model, viewers) as its receiver holds it."""
     from koda_runtime import traceview
     from koda_runtime.cli.services import DEFAULT_STATE_DIR
-    from koda_runtime.db import sync_engine
     from koda_runtime.localstack import jaeger
+    from koda_runtime.schemas.db import sync_engine
 
     if query is None:
         ports = jaeger.load_ports(DEFAULT_STATE_DIR.resolve())
@@ -561,7 +561,7 @@ def traces_show(
 def scheduler_command() -> None:
     """Run one scheduler replica in the foreground: due schedules become runs (SIGTERM stops)."""
     from koda_runtime.logs import configure_logging, observe
-    from koda_runtime.scheduler.app import run_scheduler
+    from koda_runtime.scheduler.bootstrap import run_scheduler
 
     configure_logging()
     settings = load_settings(login=True)

@@ -57,8 +57,8 @@ def _run(work: Callable[[Any], Awaitable[T]]) -> T:
     """Run ``work(conn)`` in one transaction on the environment's database."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from koda_runtime.db import async_engine
     from koda_runtime.errors import DatabaseError
+    from koda_runtime.schemas.db import async_engine
     from koda_runtime.settings import Settings
 
     async def main() -> T:

@@ -13,9 +13,9 @@ from typing import TextIO
 
 import typer
 
-from koda_runtime.db import async_engine
 from koda_runtime.processors.memory import store
 from koda_runtime.processors.memory.service import build_embedder
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.schemas.memories import LIST_LIMIT, forget, forget_many, list_for
 from koda_runtime.settings import Settings
 

@@ -1,7 +1,7 @@
 """The gateway's ASGI app: :func:`create_app` wires routes to built components.
 
-The components (gateway/components.py) are built without connecting; the app's
-lifespan runs them (:meth:`~koda_runtime.gateway.components.Components.serving`): connect, probe,
+The components (gateway/bootstrap.py) are built without connecting; the app's
+lifespan runs them (:meth:`~koda_runtime.gateway.bootstrap.Components.serving`): connect, probe,
 serve, and on shutdown drain deliveries, stop the producer and dispose the engine.
 
 ``/admin`` is guarded as a whole (:class:`AdminGuard`): every path under it needs the
@@ -27,8 +27,8 @@ from koda_runtime.gateway.admin import router as admin_router
 from koda_runtime.gateway.approvals import router as approvals_router
 from koda_runtime.gateway.auth import admit_admin
 from koda_runtime.gateway.batch import router as batch_router
+from koda_runtime.gateway.bootstrap import Components, build_components
 from koda_runtime.gateway.chat import router as chat_router
-from koda_runtime.gateway.components import Components, build_components
 from koda_runtime.gateway.console import install_console
 from koda_runtime.gateway.control import router as control_router
 from koda_runtime.gateway.errors import GatewayError, error_response, install_error_handlers

@@ -35,8 +35,8 @@ from starlette.requests import ClientDisconnect
 from koda_runtime import metrics
 from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.auth import BEARER, authenticate_request
+from koda_runtime.gateway.bootstrap import Components
 from koda_runtime.gateway.caps import CapReached
-from koda_runtime.gateway.components import Components
 from koda_runtime.gateway.control import cancel_run
 from koda_runtime.gateway.control_store import MergeCaps
 from koda_runtime.gateway.dependencies import Gateway, User

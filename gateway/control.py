@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from koda_runtime import metrics
 from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.auth import valid_user_id
-from koda_runtime.gateway.components import Components
+from koda_runtime.gateway.bootstrap import Components
 from koda_runtime.gateway.control_store import CANCELLED, REQUESTED, CancelOutcome
 from koda_runtime.gateway.control_store import RunSummary as RunRow
 from koda_runtime.gateway.dependencies import ADMIN, Gateway, User

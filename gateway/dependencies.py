@@ -25,7 +25,7 @@ from koda_runtime.gateway.auth import (
     authenticate_request,
     authenticate_stream,
 )
-from koda_runtime.gateway.components import Components
+from koda_runtime.gateway.bootstrap import Components
 
 Scheme = HTTPAuthorizationCredentials | None
 

@@ -41,8 +41,8 @@ from koda_runtime import metrics
 from koda_runtime.errors import DatabaseError, KodaError
 from koda_runtime.gateway import control
 from koda_runtime.gateway.auth import authenticate_request
+from koda_runtime.gateway.bootstrap import Components
 from koda_runtime.gateway.caps import CapReached
-from koda_runtime.gateway.components import Components
 from koda_runtime.gateway.control_store import MergeCaps
 from koda_runtime.gateway.errors import DOMAIN_ERRORS, GatewayError, http_error
 from koda_runtime.gateway.eventstream import MEDIA_TYPE, EventParser, comment

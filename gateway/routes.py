@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from koda_runtime import metrics
 from koda_runtime.errors import DatabaseError, KodaError
 from koda_runtime.gateway.auth import BEARER
-from koda_runtime.gateway.components import Components
+from koda_runtime.gateway.bootstrap import Components
 from koda_runtime.gateway.dependencies import Gateway, User
 from koda_runtime.gateway.errors import NotFound
 from koda_runtime.gateway.models import (

@@ -29,8 +29,8 @@ from pydantic import BaseModel, Field
 
 from koda_runtime import metrics
 from koda_runtime.errors import KodaError
+from koda_runtime.gateway.bootstrap import Components
 from koda_runtime.gateway.caps import CapReached
-from koda_runtime.gateway.components import Components
 from koda_runtime.gateway.dependencies import Gateway, User
 from koda_runtime.gateway.errors import InvalidField, NotFound
 from koda_runtime.gateway.intake import (

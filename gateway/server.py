@@ -26,7 +26,7 @@ from typing import Any
 import uvicorn
 
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.components import build_components
+from koda_runtime.gateway.bootstrap import build_components
 from koda_runtime.gateway.sse import StalledStreamLogFilter
 from koda_runtime.logs import configure_logging
 from koda_runtime.settings import Settings

@@ -40,7 +40,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from koda_runtime import metrics, tracing
 from koda_runtime.errors import DatabaseError
-from koda_runtime.gateway.components import Components
+from koda_runtime.gateway.bootstrap import Components
 from koda_runtime.gateway.dependencies import Gateway, StreamUser
 from koda_runtime.gateway.errors import BadRequest, NotFound
 from koda_runtime.gateway.eventstream import (

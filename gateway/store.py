@@ -29,7 +29,6 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda_runtime.db import driver_connection, for_driver, send
 from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.exceptions import (
     OverBudget,
@@ -41,6 +40,7 @@ from koda_runtime.lifecycle.chunks import TERMINAL_KINDS
 from koda_runtime.lifecycle.ledger import Period, exceeded, soft_crossed
 from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.schemas import ledger
+from koda_runtime.schemas.db import driver_connection, for_driver, send
 from koda_runtime.schemas.tables import runs, sessions
 
 # A conflicting row vanished between the conflict and the read (deleted by hand):

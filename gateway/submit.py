@@ -38,8 +38,8 @@ from starlette.routing import BaseRoute
 from koda_runtime import metrics, tracing
 from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.auth import authenticate_request
+from koda_runtime.gateway.bootstrap import Components
 from koda_runtime.gateway.caps import CapReached
-from koda_runtime.gateway.components import Components
 from koda_runtime.gateway.control_store import MergeCaps
 from koda_runtime.gateway.errors import (
     DOMAIN_ERRORS,

@@ -20,7 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from koda_runtime.errors import DatabaseError
-from koda_runtime.gateway.components import Components
+from koda_runtime.gateway.bootstrap import Components
 from koda_runtime.gateway.dependencies import ADMIN, Gateway, User
 from koda_runtime.gateway.errors import BadRequest, InvalidField, NotFound
 from koda_runtime.gateway.intake import check_content_type

@@ -27,7 +27,6 @@ from typing import Any
 
 import faust
 
-from koda_runtime.db import async_engine
 from koda_runtime.processors.app import (
     Dispatcher,
     KodaApp,
@@ -51,6 +50,7 @@ from koda_runtime.processors.lag import LagMonitor
 from koda_runtime.processors.ops import WorkerOps
 from koda_runtime.processors.runner import FencedOut, RunExecutor
 from koda_runtime.processors.store import RunStore
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS
 from koda_runtime.topics.kafka.intake import RunsIntake

@@ -17,8 +17,8 @@ from datetime import datetime
 
 from sqlalchemy import Engine, text
 
-from koda_runtime.db import sync_engine
 from koda_runtime.lifecycle.states import TERMINAL
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 from koda_runtime.topics.chunklog import ChunkLog, read_chunk_log
 

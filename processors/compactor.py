@@ -65,7 +65,6 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from koda_runtime import metrics
-from koda_runtime.db import sync_engine
 from koda_runtime.errors import DatabaseError, KodaError
 from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.chunks import (
@@ -77,6 +76,7 @@ from koda_runtime.lifecycle.chunks import (
 )
 from koda_runtime.lifecycle.states import TERMINAL, RunStatus
 from koda_runtime.metrics import CHUNK_RUNS_COMPACTED, CHUNKS_REPUBLISHED
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
 from koda_runtime.topics.records.codec import (

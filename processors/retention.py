@@ -51,10 +51,10 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from koda_runtime import metrics
-from koda_runtime.db import sync_engine
 from koda_runtime.errors import KodaError
 from koda_runtime.lifecycle.chunks import TERMINAL_KINDS, ChunkKind, visible_output
 from koda_runtime.lifecycle.states import TERMINAL
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,6 @@ import psycopg
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda_runtime.db import driver_connection, for_driver, send
 from koda_runtime.errors import TransitionRejected
 from koda_runtime.lifecycle.chunks import Chunk, ChunkKind
 from koda_runtime.lifecycle.handler import Usage
@@ -31,6 +30,7 @@ from koda_runtime.processors import sql
 from koda_runtime.processors.coalesce import CoalescedReads
 from koda_runtime.processors.memory.marks import MARK_DISTIL
 from koda_runtime.schemas import ledger
+from koda_runtime.schemas.db import driver_connection, for_driver, send
 from koda_runtime.schemas.erasures import user_digest
 from koda_runtime.schemas.ledger import PricedCall, insert_calls
 

@@ -58,9 +58,9 @@ from prometheus_client import Counter, Gauge, Histogram
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda_runtime import __version__, metrics
-from koda_runtime.db import async_engine
 from koda_runtime.kafka import consumer_config
 from koda_runtime.lifecycle.chunks import TERMINAL_KINDS, split_chunk_key
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.schemas.webhooks import (
     Claimed,
     claim_due,

@@ -110,7 +110,7 @@ class Scheduler:
         self.salt = replica or os.urandom(8).hex()
         # Postgres's clock minus ours, refreshed every pass (only used to time sleeps).
         self._skew_s = 0.0
-        # For /livez and /readyz (scheduler/app.py): the loop's last sign of progress, the
+        # For /livez and /readyz (scheduler/bootstrap.py): the loop's last sign of progress, the
         # passes completed, and why the last pass failed (None once one completes).
         self.last_progress = time.monotonic()
         self.passes = 0

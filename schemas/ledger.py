@@ -29,8 +29,8 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from koda_runtime.db import for_driver
 from koda_runtime.lifecycle.ledger import BudgetState, LedgerCall, Period
+from koda_runtime.schemas.db import for_driver
 
 GROUPS = ("user", "day", "model", "kind")
 USD_PLACES = Decimal("0.00000001")

@@ -9,8 +9,8 @@ from alembic.config import Config
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from koda_runtime.db import sync_engine
 from koda_runtime.errors import DatabaseError
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 
 MIGRATIONS = Path(__file__).parent / "migrations"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from koda_runtime.db import sync_engine
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.schemas.tables import metadata
 
 settings = context.config.attributes["koda_settings"]

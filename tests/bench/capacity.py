@@ -38,9 +38,9 @@ import aiohttp
 from confluent_kafka import Consumer, TopicPartition
 from sqlalchemy import text
 
-from koda_runtime.db import sync_engine
 from koda_runtime.kafka import consumer_config
 from koda_runtime.localstack import StackInfo, down, up
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import catalogue
 from tests.bench.common import ServiceCpu, cpu_seconds, namespace, wait_group

@@ -34,7 +34,6 @@ from pathlib import Path
 from confluent_kafka import Producer
 from sqlalchemy import text
 
-from koda_runtime.db import async_engine, sync_engine
 from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.chunks import Chunk, ChunkKind, chunk_key
 from koda_runtime.lifecycle.ids import uuid7
@@ -43,6 +42,7 @@ from koda_runtime.localstack import StackInfo, down, up
 from koda_runtime.processors.chunkverify import verify_chunks
 from koda_runtime.processors.compactor import _TERMINAL_STATUSES, _UNPUBLISHED, ChunkCompactor
 from koda_runtime.processors.store import ClaimWrite, Fence, FinishWrite, PublishedWrite, RunStore
+from koda_runtime.schemas.db import async_engine, sync_engine
 from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics

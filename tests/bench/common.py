@@ -23,10 +23,10 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 from sqlalchemy import text
 
-from koda_runtime.db import sync_engine
 from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.localstack import StackInfo, down, up
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics

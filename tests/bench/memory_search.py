@@ -19,11 +19,11 @@ import time
 import psycopg
 from sqlalchemy import text
 
-from koda_runtime.db import async_engine
 from koda_runtime.processors.memory import store
 from koda_runtime.processors.memory.chunking import content_hash
 from koda_runtime.processors.memory.embedders import to_pgvector, wordllama
 from koda_runtime.processors.memory.tool import MIN_SCORE
+from koda_runtime.schemas.db import async_engine
 from tests.bench.common import Table, namespace, services
 from tests.memory_corpus import PAIRS
 

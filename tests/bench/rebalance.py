@@ -40,8 +40,8 @@ from typing import Any
 
 from sqlalchemy import text
 
-from koda_runtime.db import sync_engine
 from koda_runtime.localstack import StackInfo
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS
 from tests.bench.common import Loader, namespace, users_on_distinct_partitions, wait_group

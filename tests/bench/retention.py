@@ -29,9 +29,9 @@ from typing import Any
 
 from sqlalchemy import text
 
-from koda_runtime.db import sync_engine
 from koda_runtime.localstack import StackInfo
 from koda_runtime.processors.retention import RetentionSweeper
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 from tests.bench.common import Loader, demo_input, fmt, namespace, percentile, services
 from tests.fixtures.processes import WorkerProcess

@@ -31,8 +31,8 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import text
 
-from koda_runtime.db import sync_engine
 from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS
 from tests.bench.common import Table, cpu_seconds, namespace, percentile, services

@@ -18,10 +18,10 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from sqlalchemy import text
 
-from koda_runtime.db import sync_engine
 from koda_runtime.kafka import consumer_config
 from koda_runtime.localstack import StackInfo, down, up
 from koda_runtime.localstack.kafka_cluster import load_cluster
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS, WORKER_GROUP
 from tests.chaos.toxiproxy import GATEWAY_SLOT, SLOTS, WORKER_SLOTS, Network, ToxiproxyServer

@@ -29,11 +29,11 @@ from sqlalchemy import text
 from typer.testing import CliRunner
 
 from koda_runtime.cli.users import users_app
-from koda_runtime.db import sync_engine
 from koda_runtime.gateway.app import create_app
 from koda_runtime.kafka import producer_config
 from koda_runtime.lifecycle.chunks import split_chunk_key
 from koda_runtime.localstack import StackInfo
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.schemas.erasures import erased_digests, pseudonym, user_digest
 from koda_runtime.schemas.tables import erasures
 from koda_runtime.settings import Settings

@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from koda_runtime import traceview
-from koda_runtime.db import sync_engine
 from koda_runtime.localstack import jaeger
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics

@@ -20,10 +20,10 @@ import duckdb
 import httpx
 from sqlalchemy import text
 
-from koda_runtime.db import sync_engine
 from koda_runtime.lifecycle.chunks import visible_output
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.processors.compactor import ChunkCompactor
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics

@@ -21,14 +21,14 @@ import pytest
 from sqlalchemy import text
 
 from koda_runtime import metrics
-from koda_runtime.db import sync_engine
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.components import Components, build_components
+from koda_runtime.gateway.bootstrap import Components, build_components
 from koda_runtime.gateway.exceptions import TooManyActiveRuns
 from koda_runtime.gateway.intake import RunRequest
 from koda_runtime.gateway.scheduled import scheduled_run
 from koda_runtime.gateway.store import _ACTIVE_RUNS, AdmittedRun, NewRun
 from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import partition_for_key
 from tests.fixtures.gateway import db_rows, rows_of, serve_app

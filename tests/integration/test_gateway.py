@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from koda_runtime import metrics
 from koda_runtime.cli.runs import runs_app
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.components import build_components
+from koda_runtime.gateway.bootstrap import build_components
 from koda_runtime.lifecycle.ids import scoped_idempotency_key, uuid7
 from koda_runtime.naming import AppEnv
 from koda_runtime.schemas.migrate import upgrade

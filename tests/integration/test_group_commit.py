@@ -20,7 +20,6 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda_runtime.db import async_engine
 from koda_runtime.errors import TransitionRejected
 from koda_runtime.lifecycle.chunks import Chunk, ChunkKind, SeqCounter
 from koda_runtime.lifecycle.handler import Usage
@@ -41,6 +40,7 @@ from koda_runtime.processors.store import (
     GroupWrite,
     RunStore,
 )
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import Settings
 from koda_runtime.topics.records.codec import chunk_value
 from tests.support import async_wait_until

@@ -9,7 +9,6 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda_runtime.db import async_engine
 from koda_runtime.errors import HandlerError
 from koda_runtime.lifecycle.handler import RunContext, ToolActivity, Usage
 from koda_runtime.processors.handlers.openai import OpenAIHandler
@@ -21,6 +20,7 @@ from koda_runtime.processors.memory.distil import (
 )
 from koda_runtime.processors.memory.embedders import OpenAIEmbedder, wordllama
 from koda_runtime.processors.memory.service import MemoryService
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import Settings
 from tests.fixtures.model_server import ScriptedModel, serve_scripted_model
 from tests.memory_corpus import PAIRS

@@ -13,11 +13,11 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda_runtime.db import async_engine
 from koda_runtime.processors.memory import store, tool
 from koda_runtime.processors.memory.distil import statement
 from koda_runtime.processors.memory.embedders import Embedder, OpenAIEmbedder, wordllama
 from koda_runtime.processors.memory.service import MemoryService
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import Settings
 from tests.fixtures.model_server import ScriptedModel, serve_scripted_model
 from tests.fixtures.processes import koda_argv, settings_env

@@ -7,7 +7,7 @@ import pytest
 from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError
 
-from koda_runtime.db import sync_engine
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.settings import Settings
 from tests.fixtures.namespaces import drop_schema, make_settings

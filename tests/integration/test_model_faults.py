@@ -187,7 +187,7 @@ def worker(module_env: Settings, model_url: str) -> Iterator[WorkerProcess]:
 
 def price(settings: Settings, model: str) -> None:
     """Prompt 1, cached prompt 0.25, completion 4, reasoning 8 USD per million tokens."""
-    from koda_runtime.db import async_engine
+    from koda_runtime.schemas.db import async_engine
 
     async def go() -> None:
         engine = async_engine(settings, pool_size=1)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, text
 
-from koda_runtime.db import sync_engine
 from koda_runtime.errors import PrerequisiteError
 from koda_runtime.localstack import StackInfo, postgres
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.settings import Settings
 from tests.fixtures.namespaces import drop_schema, make_settings

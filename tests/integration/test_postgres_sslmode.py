@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from koda_runtime.db import async_engine, sqlalchemy_url, sync_engine
+from koda_runtime.schemas.db import async_engine, sqlalchemy_url, sync_engine
 from tests.fixtures.namespaces import make_settings
 
 

@@ -24,13 +24,13 @@ import uvicorn
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda_runtime import metrics
-from koda_runtime.db import async_engine
 from koda_runtime.errors import ConfigError
 from koda_runtime.gateway.app import create_app
 from koda_runtime.gateway.server import uvicorn_config
 from koda_runtime.processors.memory import store
 from koda_runtime.processors.memory.embedders import wordllama
 from koda_runtime.processors.memory.service import build_memory
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import Settings
 from tests.fixtures.gateway import db_rows, serve_app
 from tests.sse_client import bearer

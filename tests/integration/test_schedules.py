@@ -24,7 +24,6 @@ from typer.testing import CliRunner
 
 from koda_runtime import metrics
 from koda_runtime.cli.schedules import schedules_app
-from koda_runtime.db import async_engine
 from koda_runtime.gateway.publisher import RunPublisher
 from koda_runtime.gateway.scheduled import ScheduleStore, fire_key, scheduled_run
 from koda_runtime.gateway.store import RunStore
@@ -32,6 +31,7 @@ from koda_runtime.gateway.sweeper import Sweeper
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.scheduler.service import Scheduler
 from koda_runtime.scheduling import CronSpec
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.schemas.migrate import downgrade, upgrade
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS

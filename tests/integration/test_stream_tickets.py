@@ -16,7 +16,7 @@ from sqlalchemy import text
 
 from koda_runtime.gateway.app import create_app
 from koda_runtime.gateway.auth import StreamTickets
-from koda_runtime.gateway.components import Components, build_components
+from koda_runtime.gateway.bootstrap import Components, build_components
 from koda_runtime.gateway.eventstream import EventParser
 from koda_runtime.localstack import StackInfo
 from koda_runtime.naming import AppEnv

@@ -12,10 +12,10 @@ import pytest
 from typer.testing import CliRunner
 
 from koda_runtime.cli.memories import memories_app
-from koda_runtime.db import async_engine
 from koda_runtime.gateway.app import create_app
 from koda_runtime.processors.memory import store, tool
 from koda_runtime.processors.memory.embedders import wordllama
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import Settings
 from tests.fixtures.gateway import serve_app
 from tests.fixtures.model_server import (

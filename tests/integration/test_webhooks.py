@@ -24,7 +24,6 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 
-from koda_runtime.db import async_engine
 from koda_runtime.gateway.app import create_app
 from koda_runtime.gateway.publisher import RunPublisher
 from koda_runtime.gateway.scheduled import ScheduleStore
@@ -32,6 +31,7 @@ from koda_runtime.gateway.store import RunStore
 from koda_runtime.localstack import StackInfo
 from koda_runtime.naming import AppEnv
 from koda_runtime.scheduler.service import Scheduler
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.schemas.migrate import downgrade, upgrade
 from koda_runtime.settings import Settings
 from koda_runtime.webhooks import verify

@@ -25,7 +25,7 @@ from koda_runtime.gateway.auth import (
     TooManyFailedLogins,
     ticket_secret,
 )
-from koda_runtime.gateway.components import build_components
+from koda_runtime.gateway.bootstrap import build_components
 from koda_runtime.gateway.console import CSP
 from koda_runtime.gateway.dependencies import admin_access
 from koda_runtime.gateway.errors import Unauthorized

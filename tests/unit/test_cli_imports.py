@@ -11,7 +11,7 @@ SERVER_MODULES = (
     "starlette",
     "uvicorn",
     "koda_runtime.gateway.app",
-    "koda_runtime.gateway.components",
+    "koda_runtime.gateway.bootstrap",
 )
 
 
@@ -41,7 +41,7 @@ def test_the_koda_command_with_its_subcommands_imports_no_server_module() -> Non
 
 
 def test_the_scheduler_imports_no_server_module() -> None:
-    assert _loaded_after("import koda_runtime.scheduler.app") == []
+    assert _loaded_after("import koda_runtime.scheduler.bootstrap") == []
 
 
 def test_the_probe_sees_a_server_import() -> None:

@@ -21,15 +21,15 @@ from typing import Any
 import pytest
 import yaml
 
-from koda_runtime.db import async_engine
 from koda_runtime.errors import ConfigError
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.components import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S
+from koda_runtime.gateway.bootstrap import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S
 from koda_runtime.gateway.server import GRACEFUL_SHUTDOWN_S
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.compactor import ROUTES as COMPACTOR_ROUTES
 from koda_runtime.processors.health import ROUTES as WORKER_ROUTES
-from koda_runtime.scheduler.app import ROUTES as SCHEDULER_ROUTES
+from koda_runtime.scheduler.bootstrap import ROUTES as SCHEDULER_ROUTES
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def pool_sizes() -> tuple[int, int]:
 
 def scheduler_pool() -> int:
     """A scheduler replica's pool size, as scheduler/app.py builds it."""
-    from koda_runtime.scheduler.app import POOL_SIZE
+    from koda_runtime.scheduler.bootstrap import POOL_SIZE
 
     engine = async_engine(DEFAULTS, pool_size=POOL_SIZE)
     return engine.pool.size() + engine.pool._max_overflow  # type: ignore[attr-defined]
@@ -564,7 +564,7 @@ def test_the_webhook_dispatcher_runs_as_its_own_role_with_probes(compose, k8s) -
 
 
 def test_k8s_scheduler_probes_ask_its_health_endpoints(k8s) -> None:
-    from koda_runtime.scheduler.app import STALL_AFTER_S
+    from koda_runtime.scheduler.bootstrap import STALL_AFTER_S
 
     scheduler = k8s[("Deployment", "koda-scheduler")]
     c = container(scheduler)

@@ -12,7 +12,7 @@ import pytest
 
 from koda_runtime.errors import ConfigError
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.components import Components, build_components
+from koda_runtime.gateway.bootstrap import Components, build_components
 from koda_runtime.gateway.errors import ActiveRunsCapped, http_error
 from koda_runtime.gateway.exceptions import TooManyActiveRuns
 from koda_runtime.gateway.intake import RunRequest

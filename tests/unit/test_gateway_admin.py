@@ -10,7 +10,7 @@ import httpx
 
 from koda_runtime import metrics
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.components import build_components
+from koda_runtime.gateway.bootstrap import build_components
 from koda_runtime.naming import AppEnv
 from koda_runtime.settings import Settings
 from koda_runtime.topics.records.heartbeats import Beat

@@ -15,7 +15,7 @@ import pytest
 
 from koda_runtime import metrics
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.components import build_components
+from koda_runtime.gateway.bootstrap import build_components
 from koda_runtime.gateway.routes import router
 from koda_runtime.gateway.submit import METHOD, PATH, SubmitShortcut
 from tests.unit.test_gateway_http import UNREACHABLE

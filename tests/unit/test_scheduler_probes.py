@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from koda_runtime.scheduler import app
-from koda_runtime.scheduler.app import STALL_AFTER_S, live, ready
+from koda_runtime.scheduler import bootstrap
+from koda_runtime.scheduler.bootstrap import STALL_AFTER_S, live, ready
 
 
 @dataclass
@@ -35,5 +35,5 @@ def test_live_until_the_loop_is_silent_past_the_stall_limit() -> None:
 
 
 def test_the_routes_are_served() -> None:
-    routes = {r.resource.canonical for r in app.health_app(Loop()).router.routes()}  # type: ignore[arg-type, union-attr]
-    assert routes == set(app.ROUTES)
+    routes = {r.resource.canonical for r in bootstrap.health_app(Loop()).router.routes()}  # type: ignore[arg-type, union-attr]
+    assert routes == set(bootstrap.ROUTES)

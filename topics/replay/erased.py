@@ -40,7 +40,7 @@ import json
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from koda_runtime.db import sync_engine
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.schemas.erasures import erased_digests, pseudonym, user_digest
 from koda_runtime.settings import Settings
 from koda_runtime.topics.replay.errors import SourceError

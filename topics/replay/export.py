@@ -33,7 +33,7 @@ from typing import Any
 from sqlalchemy import TextClause, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from koda_runtime.db import sync_engine
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.batch import RowBatch, run_day

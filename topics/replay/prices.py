@@ -18,7 +18,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from koda_runtime.db import sync_engine
+from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 
 log = logging.getLogger("koda.replay")

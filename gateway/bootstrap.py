@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda_runtime.db import async_engine
 from koda_runtime.errors import KodaError
 from koda_runtime.gateway.admission import Admissions
 from koda_runtime.gateway.auth import Authenticator
@@ -36,6 +35,7 @@ from koda_runtime.gateway.store import RunStore
 from koda_runtime.gateway.sweeper import Sweeper
 from koda_runtime.gateway.workers import WorkerDirectory
 from koda_runtime.lifecycle.attempts import claim_bound
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import Settings
 
 log = logging.getLogger(__name__)

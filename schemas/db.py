@@ -1,4 +1,5 @@
-"""Engines for Postgres: sync (migrations, CLI) and async (gateway, workers).
+"""Engines for Postgres: sync (migrations, CLI) and async (gateway, workers), and the
+one wrapper that turns a database failure into :class:`~koda_runtime.errors.DatabaseError`.
 
 Every connection's ``search_path`` is the schema named by the naming function,
 so one database can hold dev, prod and per-test namespaces side by side.
@@ -7,14 +8,18 @@ so one database can hold dev, prod and per-test namespaces side by side.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 from psycopg.rows import namedtuple_row
 from sqlalchemy import Engine, TextClause, create_engine, event
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from koda_runtime.errors import DatabaseError
 from koda_runtime.settings import Settings
 
 log = logging.getLogger("koda.db")
@@ -138,3 +143,19 @@ async def send(raw: psycopg.AsyncConnection[Any], query: str, params: dict[str, 
     cur = raw.cursor(row_factory=namedtuple_row)
     await cur.execute(query, params)
     return cur
+
+
+@contextmanager
+def failing_as(what: str) -> Iterator[None]:
+    """The one Postgres-error wrapper: inside it, a SQLAlchemy or psycopg error becomes
+    ``DatabaseError("<what> failed: <error class>")``. The class name only: a driver's
+    message can hold parameters (a user's input), which never reach a log or a client.
+
+        with failing_as("reading a run"):
+            async with engine.connect() as conn:
+                ...
+    """
+    try:
+        yield
+    except (SQLAlchemyError, psycopg.Error) as exc:
+        raise DatabaseError(f"{what} failed: {type(exc).__name__}") from exc

@@ -30,13 +30,13 @@ from typing import Any
 from aiohttp import web
 
 from koda_runtime import metrics
-from koda_runtime.db import async_engine
 from koda_runtime.gateway.publisher import RunPublisher
 from koda_runtime.gateway.scheduled import ScheduleStore
 from koda_runtime.gateway.store import RunStore
 from koda_runtime.gateway.sweeper import Sweeper
 from koda_runtime.kafka import producer_config
 from koda_runtime.scheduler.service import Scheduler
+from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
