@@ -534,7 +534,7 @@ def traces_show(
     ),
 ) -> None:
     """Draw one run's trace (gateway, worker, model, viewers) as its receiver holds it."""
-    from koda_runtime import traceview
+    from koda_runtime.cli import traces
     from koda_runtime.cli.services import DEFAULT_STATE_DIR
     from koda_runtime.localstack import jaeger
     from koda_runtime.schemas.db import sync_engine
@@ -546,13 +546,13 @@ def traces_show(
             return
         query = ports.url
     trace_id = run.lower()
-    if not traceview.is_trace_id(trace_id):
+    if not traces.is_trace_id(trace_id):
         engine = sync_engine(load_settings(database=True))
         try:
-            trace_id = traceview.run_trace_id(engine, run)
+            trace_id = traces.run_trace_id(engine, run)
         finally:
             engine.dispose()
-    for line in traceview.render(traceview.fetch(query, trace_id)):
+    for line in traces.render(traces.fetch(query, trace_id)):
         typer.echo(line)
 
 

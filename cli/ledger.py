@@ -55,22 +55,16 @@ class LedgerInputError(KodaError):
 
 def _run(work: Callable[[Any], Awaitable[T]]) -> T:
     """Run ``work(conn)`` in one transaction on the environment's database."""
-    from sqlalchemy.exc import SQLAlchemyError
 
-    from koda_runtime.errors import DatabaseError
-    from koda_runtime.schemas.db import async_engine
+    from koda_runtime.schemas.db import async_engine, failing_as
     from koda_runtime.settings import Settings
 
     async def main() -> T:
         engine = async_engine(Settings.from_env(), pool_size=1)
         try:
-            async with engine.begin() as conn:
-                return await work(conn)
-        except SQLAlchemyError as exc:
-            raise DatabaseError(
-                f"postgres failed: {type(exc).__name__} (is the database up and migrated? "
-                "`koda db upgrade`)"
-            ) from exc
+            with failing_as("postgres", "is the database up and migrated? `koda db upgrade`"):
+                async with engine.begin() as conn:
+                    return await work(conn)
         finally:
             await engine.dispose()
 

@@ -16,7 +16,7 @@ import typer
 from koda_runtime.processors.memory import store
 from koda_runtime.processors.memory.service import build_embedder
 from koda_runtime.schemas.db import async_engine
-from koda_runtime.schemas.memories import LIST_LIMIT, forget, forget_many, list_for
+from koda_runtime.schemas.memories import LIST_LIMIT, forget, forget_many, list_for, to_reembed
 from koda_runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ def memories_reembed(
         engine = async_engine(settings, pool_size=1)
         embedder = build_embedder(settings)
         try:
-            total = await store.to_reembed(engine, embedder.name)
+            total = await to_reembed(engine, embedder.name)
             progress = None if quiet else ReembedProgress(total)
             done, after, this_pass = 0, "", 0
             while True:
@@ -156,7 +156,7 @@ def memories_reembed(
                 if got is None:
                     # Rows a worker still on the old embedder wrote behind us: another
                     # pass, as long as a pass gets something done.
-                    if this_pass and await store.to_reembed(engine, embedder.name):
+                    if this_pass and await to_reembed(engine, embedder.name):
                         after, this_pass = "", 0
                         continue
                     break
@@ -172,7 +172,7 @@ def memories_reembed(
             if progress is not None:
                 progress.add(0, force=True)
                 progress.finish()
-            left = await store.to_reembed(engine, embedder.name)
+            left = await to_reembed(engine, embedder.name)
             return embedder.name, done, left
         finally:
             aclose = getattr(embedder, "aclose", None)

@@ -9,10 +9,10 @@ import json
 import typer
 
 from koda_runtime.gateway.erasure import Eraser, Receipt, RunsStillOpen
-from koda_runtime.gateway.publisher import RunPublisher
 from koda_runtime.naming import AppEnv
 from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import USER_ID, Settings
+from koda_runtime.topics.kafka.publisher import RunPublisher
 
 users_app = typer.Typer(no_args_is_help=True, help="Users: erase one.")
 

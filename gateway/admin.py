@@ -16,11 +16,11 @@ from datetime import datetime
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
+from koda_runtime.errors import PublishError
 from koda_runtime.gateway.auth import valid_user_id
 from koda_runtime.gateway.dependencies import ADMIN, Gateway
 from koda_runtime.gateway.erasure import Eraser, RunsStillOpen
 from koda_runtime.gateway.errors import BadRequest, GatewayError, Unavailable
-from koda_runtime.gateway.exceptions import PublishError
 from koda_runtime.gateway.models import error_responses
 
 router = APIRouter(prefix="/admin", tags=["admin"])

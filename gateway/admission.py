@@ -17,21 +17,17 @@ import asyncio
 import functools
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import psycopg
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from koda_runtime import metrics, tracing
-from koda_runtime.errors import DatabaseError
-from koda_runtime.gateway.control_store import ControlStore, MergeCaps
-from koda_runtime.gateway.exceptions import PublishError
+from koda_runtime.batching import AGAIN, Again, Batcher
+from koda_runtime.errors import DatabaseError, PublishError
 from koda_runtime.gateway.intake import RunRequest
 from koda_runtime.gateway.principal import created_by
-from koda_runtime.gateway.publisher import Delivery, RunPublisher
-from koda_runtime.gateway.store import AdmittedRun, NewRun, RunStore
 from koda_runtime.lifecycle.control import MERGE, ControlRecord
 from koda_runtime.lifecycle.ids import (
     dedup_bucket,
@@ -41,7 +37,10 @@ from koda_runtime.lifecycle.ids import (
 )
 from koda_runtime.lifecycle.ledger import Period
 from koda_runtime.naming import Names
+from koda_runtime.schemas.runs.admission import AdmittedRun, NewRun, RunAdmission
+from koda_runtime.schemas.runs.control import ControlStore, MergeCaps
 from koda_runtime.topics.catalogue import RUN_CONTROL, partition_for_key
+from koda_runtime.topics.kafka.publisher import Delivery, RunPublisher
 from koda_runtime.topics.records.codec import RunRequested
 
 log = logging.getLogger(__name__)
@@ -89,49 +88,40 @@ class PublishedMarks:
     ``published_at`` only tells the sweeper which runs it may leave alone, and it
     looks at runs older than ``sweep_after_s`` (seconds), so a mark that lands
     ``MARK_INTERVAL_S`` later changes nothing; a mark that is lost costs at most
-    one harmless republish, as before.
+    one harmless republish, as before. A :class:`~koda_runtime.batching.Batcher`
+    (its failure rules) whose flusher waits ``interval_s`` before its first UPDATE.
     """
 
-    def __init__(self, store: RunStore, interval_s: float = MARK_INTERVAL_S) -> None:
+    def __init__(self, store: RunAdmission, interval_s: float = MARK_INTERVAL_S) -> None:
         self.store = store
         self.interval_s = interval_s
-        self._ids: list[str] = []
-        self._flusher: asyncio.Task[None] | None = None
+        self._marks: Batcher[str, None] = Batcher(
+            self._write, name="mark-published", max_batch=MARK_BATCH, delay_s=interval_s
+        )
 
     def note(self, run_id: str) -> None:
         """Mark ``run_id`` published within ``interval_s``."""
-        self._ids.append(run_id)
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush_later(), name="mark-published")
-
-    async def _flush_later(self) -> None:
-        await asyncio.sleep(self.interval_s)
-        await self.flush()
+        self._marks.put(run_id)
 
     async def close(self) -> None:
-        """Let a scheduled flush finish, then write what is left."""
-        if self._flusher is not None:
-            await asyncio.gather(self._flusher, return_exceptions=True)
-        await self.flush()
+        """Let a scheduled flush finish and write what is left."""
+        await self._marks.close()
 
-    async def flush(self) -> None:
-        """Write every pending mark now."""
-        while self._ids:
-            ids, self._ids = self._ids[:MARK_BATCH], self._ids[MARK_BATCH:]
-            try:
-                await self.store.mark_published(ids)
-            except DatabaseError as exc:
-                # The records are out; the worst case is harmless duplicates from the sweeper.
-                log.warning("event=mark_published_failed runs=%d error=%s", len(ids), exc)
+    async def _write(self, ids: list[str]) -> list[None]:
+        try:
+            await self.store.mark_published(ids)
+        except DatabaseError as exc:
+            # The records are out; the worst case is harmless duplicates from the sweeper.
+            log.warning("event=mark_published_failed runs=%d error=%s", len(ids), exc)
+        return [None for _ in ids]
 
 
 Committed = Callable[[list[AdmittedRun]], None]
 
 
-@dataclass
-class _Waiting:
+@dataclass(eq=False)
+class _Attempt:
     run: NewRun
-    answer: asyncio.Future[AdmittedRun]
     attempts: int = 0
 
 
@@ -139,24 +129,26 @@ class AdmissionQueue:
     """Group commit for admissions: one transaction for all the requests waiting.
 
     One flusher at a time takes every request queued (up to ``max_batch``) and admits
-    them with :meth:`RunStore.admit_batch`, while the next requests queue behind it:
+    them with :meth:`RunAdmission.admit_batch`, while the next requests queue behind it:
     under load a transaction carries as many requests as arrived during the previous
     one, and a lone request is written at once (no timer). ``committed`` is called
     with the batch's created runs, in arrival order, after the commit and before the
     next transaction starts, so records enqueued there keep admission order.
 
     ``max_active`` is the cap on a user's runs not yet ended (0: none), applied by
-    :meth:`RunStore.admit_batch` under per-user locks.
+    :meth:`RunAdmission.admit_batch` under per-user locks.
 
     Each request gets its own answer: its run, its own refusal, or DatabaseError when
     the transaction failed (then nothing of the batch was written). A batch that fails
     on one request's data (not a lost connection) is tried again one request at a
-    time, so a request Postgres cannot store fails alone.
+    time, so a request Postgres cannot store fails alone. The queue, the flusher and
+    these failure rules are koda/batching.py's :class:`~koda_runtime.batching.Batcher`.
+    A request whose client went away is admitted all the same (its answer is dropped).
     """
 
     def __init__(
         self,
-        store: RunStore,
+        store: RunAdmission,
         committed: Committed,
         *,
         budgets: bool = True,
@@ -168,78 +160,62 @@ class AdmissionQueue:
         self.budgets = budgets
         self.max_active = max_active
         self.max_batch = max_batch
-        self._queue: deque[_Waiting] = deque()
-        self._flusher: asyncio.Task[None] | None = None
+        self._batcher: Batcher[_Attempt, AdmittedRun] = Batcher(
+            self._admit,
+            name="admission-flusher",
+            max_batch=max_batch,
+            retry_alone=_data_error,
+        )
 
     async def admit(self, run: NewRun) -> AdmittedRun:
-        """``run`` admitted in the next transaction (see :meth:`RunStore.admit`)."""
-        waiting = _Waiting(run, asyncio.get_running_loop().create_future())
-        self._queue.append(waiting)
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush(), name="admission-flusher")
-        return await waiting.answer
+        """``run`` admitted in the next transaction (see :meth:`RunAdmission.admit`)."""
+        return await self._batcher.submit(_Attempt(run))
 
     @property
     def waiting(self) -> int:
         """Requests queued for the next transaction (not the one in flight)."""
-        return len(self._queue)
+        return self._batcher.waiting
 
     async def close(self) -> None:
         """Let the flusher write what is queued."""
-        if self._flusher is not None:
-            await asyncio.gather(self._flusher, return_exceptions=True)
+        await self._batcher.close()
 
-    async def _flush(self) -> None:
-        while self._queue:
-            batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
-            try:
-                await self._admit(batch)
-            except Exception as exc:  # a bug: every waiter must still hear of it
-                log.exception("event=admission_batch_failed runs=%d", len(batch))
-                for w in batch:
-                    _settle(w.answer, exc)
-
-    async def _admit(self, batch: list[_Waiting]) -> None:
+    async def _admit(self, batch: list[_Attempt]) -> list[AdmittedRun | BaseException | Again]:
         metrics.ADMISSION_BATCH_RUNS.observe(len(batch))
         try:
             answers = await self.store.admit_batch(
                 [w.run for w in batch], budgets=self.budgets, max_active=self.max_active
             )
-        except DatabaseError as exc:
-            if len(batch) == 1 or _lost_connection(exc):
-                for w in batch:
-                    _settle(w.answer, exc)
-                return
-            log.warning("event=admission_batch_failed runs=%d error=%s", len(batch), exc)
-            for w in batch:
-                await self._admit([w])
-            return
-        created = [a for a in answers if isinstance(a, AdmittedRun) and a.created]
-        if created:
-            self.committed(created)
+            created = [a for a in answers if isinstance(a, AdmittedRun) and a.created]
+            if created:
+                self.committed(created)
+        except DatabaseError:
+            raise
+        except Exception:  # a bug: every waiter still hears of it (koda/batching.py)
+            log.exception("event=admission_batch_failed runs=%d", len(batch))
+            raise
+        outcomes: list[AdmittedRun | BaseException | Again] = []
         for w, answer in zip(batch, answers, strict=True):
             if answer is not None:
-                _settle(w.answer, answer)
+                outcomes.append(answer)
                 continue
             w.attempts += 1
-            if w.attempts < ADMIT_ATTEMPTS:
-                self._queue.append(w)
-            else:
-                _settle(
-                    w.answer,
-                    DatabaseError(
-                        f"idempotency key conflicted but no run was found after {w.attempts} tries"
-                    ),
+            outcomes.append(
+                AGAIN
+                if w.attempts < ADMIT_ATTEMPTS
+                else DatabaseError(
+                    f"idempotency key conflicted but no run was found after {w.attempts} tries"
                 )
+            )
+        return outcomes
 
 
-def _settle(future: asyncio.Future[AdmittedRun], answer: AdmittedRun | BaseException) -> None:
-    if future.done():  # the request went away (client disconnect): nobody listens
-        return
-    if isinstance(answer, BaseException):
-        future.set_exception(answer)
-    else:
-        future.set_result(answer)
+def _data_error(exc: Exception, batch: Sequence[_Attempt]) -> bool:
+    """Try each request of a failed batch alone when one request's data failed it."""
+    if not isinstance(exc, DatabaseError) or _lost_connection(exc):
+        return False
+    log.warning("event=admission_batch_failed runs=%d error=%s", len(batch), exc)
+    return True
 
 
 def _lost_connection(exc: DatabaseError) -> bool:
@@ -262,7 +238,7 @@ class Admissions:
 
     def __init__(
         self,
-        store: RunStore,
+        store: RunAdmission,
         publisher: RunPublisher,
         *,
         partitions: int,

@@ -17,47 +17,17 @@ from typing import Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel
-from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
 
-from koda_runtime.errors import DatabaseError
-from koda_runtime.gateway.dependencies import Gateway, User
-from koda_runtime.gateway.errors import GatewayError, NotFound
+from koda_runtime.gateway.dependencies import Gateway, RunId, User, run_not_found
+from koda_runtime.gateway.errors import GatewayError
 from koda_runtime.gateway.models import error_responses
 from koda_runtime.lifecycle.control import MERGE, ControlRecord
 from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.schemas.journal import APPROVED, AWAITING, REJECTED, Awaited, decide
 
 log = logging.getLogger(__name__)
 
 router = APIRouter()
-
-MAX_RUN_ID_CHARS = 128
-APPROVED = "approved"
-REJECTED = "rejected"
-
-# The run (owner's only) and its latest step that waits or was decided, locked.
-_READ = text(
-    """
-    SELECT r.id, r.user_id, r.status, COALESCE(r.input_version, 0) AS input_version,
-           s.step, s.tool, s.status AS step_status, s.decision,
-           EXTRACT(EPOCH FROM now() - s.created_at) AS age_s
-      FROM runs r
-      LEFT JOIN LATERAL (
-           SELECT step, tool, status, decision, created_at FROM tool_steps
-            WHERE run_id = r.id AND superseded_at IS NULL
-              AND (status = 'awaiting' OR decision IS NOT NULL)
-            ORDER BY step DESC LIMIT 1) s ON true
-     WHERE r.id = :run_id AND r.user_id = :user_id
-       FOR UPDATE OF r
-    """
-)
-_DECIDE = text(
-    """
-    UPDATE tool_steps SET decision = :decision, decided_by = :by, decided_at = now()
-     WHERE run_id = :run_id AND step = :step AND status = 'awaiting' AND decision IS NULL
-    RETURNING step
-    """
-)
 
 
 class Conflict(GatewayError):
@@ -73,10 +43,6 @@ class Decision(BaseModel):
     tool: str
     decision: str
     status: str
-
-
-def _not_found() -> NotFound:
-    return NotFound("run not found: check the run id and the token's user", field="run_id")
 
 
 _RESPONSES: dict[int | str, dict[str, Any]] = error_responses(
@@ -95,7 +61,7 @@ _RESPONSES: dict[int | str, dict[str, Any]] = error_responses(
     responses=_RESPONSES,
     summary="Approve the tool call a run waits for (idempotent)",
 )
-async def approve(run_id: str, gw: Gateway, user_id: User) -> Decision:
+async def approve(gw: Gateway, user_id: User, run_id: RunId) -> Decision:
     return await _decide(gw, run_id, user_id, APPROVED)
 
 
@@ -105,47 +71,38 @@ async def approve(run_id: str, gw: Gateway, user_id: User) -> Decision:
     responses=_RESPONSES,
     summary="Reject the tool call a run waits for (idempotent)",
 )
-async def reject(run_id: str, gw: Gateway, user_id: User) -> Decision:
+async def reject(gw: Gateway, user_id: User, run_id: RunId) -> Decision:
     return await _decide(gw, run_id, user_id, REJECTED)
 
 
 async def _decide(gw: Gateway, run_id: str, user_id: str, decision: str) -> Decision:
-    if len(run_id) > MAX_RUN_ID_CHARS or "\x00" in run_id:
-        raise _not_found()
     timeout_s = gw.settings.approval_timeout_s
-    try:
-        async with gw.engine.begin() as conn:
-            row = (await conn.execute(_READ, {"run_id": run_id, "user_id": user_id})).first()
-            if row is None:
-                raise _not_found()
-            if row.decision is not None:
-                if row.decision != decision:
-                    raise Conflict(
-                        f"the call of {row.tool!r} (step {row.step}) was already {row.decision}",
-                        field="run_id",
-                    )
-                fresh = False  # the same answer again: nothing changes
-            elif row.status != RunStatus.WAITING.value or row.step_status != "awaiting":
+
+    def check(row: Awaited) -> bool:
+        if row.decision is not None:
+            if row.decision != decision:
                 raise Conflict(
-                    f"run {run_id} is not waiting for an approval (status {row.status})",
+                    f"the call of {row.tool!r} (step {row.step}) was already {row.decision}",
                     field="run_id",
                 )
-            elif float(row.age_s or 0) >= timeout_s:
-                raise Conflict(
-                    f"the call of {row.tool!r} waited over {timeout_s:g} s "
-                    "(KODA_APPROVAL_TIMEOUT_S): it is rejected",
-                    field="run_id",
-                )
-            else:
-                params = {
-                    "decision": decision,
-                    "by": f"user:{user_id}",
-                    "run_id": run_id,
-                    "step": row.step,
-                }
-                fresh = (await conn.execute(_DECIDE, params)).first() is not None
-    except SQLAlchemyError as exc:
-        raise DatabaseError(f"deciding a tool call failed: {type(exc).__name__}") from exc
+            return False  # the same answer again: nothing changes
+        if row.status != RunStatus.WAITING.value or row.step_status != AWAITING:
+            raise Conflict(
+                f"run {run_id} is not waiting for an approval (status {row.status})",
+                field="run_id",
+            )
+        if row.age_s >= timeout_s:
+            raise Conflict(
+                f"the call of {row.tool!r} waited over {timeout_s:g} s "
+                "(KODA_APPROVAL_TIMEOUT_S): it is rejected",
+                field="run_id",
+            )
+        return True
+
+    decided = await decide(gw.engine, run_id, user_id, decision, by=f"user:{user_id}", check=check)
+    if decided is None:
+        raise run_not_found()
+    row, fresh = decided
     if fresh or row.status == RunStatus.WAITING.value:
         # A wake-up (again, for a repeated answer: the first signal may have been lost).
         await gw.admissions.signal(
@@ -162,5 +119,9 @@ async def _decide(gw: Gateway, run_id: str, user_id: str, decision: str) -> Deci
         not fresh,
     )
     return Decision(
-        run_id=run_id, step=int(row.step), tool=str(row.tool), decision=decision, status=row.status
+        run_id=run_id,
+        step=int(row.step or 0),
+        tool=str(row.tool),
+        decision=decision,
+        status=row.status,
     )

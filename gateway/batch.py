@@ -26,14 +26,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Security
 from pydantic import BaseModel, Field
-from starlette.requests import ClientDisconnect
 
 from koda_runtime import metrics
-from koda_runtime.errors import DatabaseError
+from koda_runtime.caps import CapReached
+from koda_runtime.errors import DatabaseError, Refused
 from koda_runtime.gateway.auth import BEARER, request_principal, valid_user_id
 from koda_runtime.gateway.bootstrap import Components
-from koda_runtime.gateway.caps import CapReached
-from koda_runtime.gateway.control_store import MergeCaps
 from koda_runtime.gateway.dependencies import Gateway
 from koda_runtime.gateway.errors import (
     BadRequest,
@@ -43,7 +41,6 @@ from koda_runtime.gateway.errors import (
     PayloadTooLarge,
     http_error,
 )
-from koda_runtime.gateway.exceptions import Refused
 from koda_runtime.gateway.intake import (
     check_content_type,
     check_idempotency_key,
@@ -55,6 +52,7 @@ from koda_runtime.gateway.models import ErrorDetail, RunAccepted, error_response
 from koda_runtime.gateway.principal import CURRENT, ON_BEHALF_HEADER, Principal
 from koda_runtime.gateway.quotas import limit_reached, read_body_within
 from koda_runtime.gateway.submit import events_url, take_rate_token
+from koda_runtime.schemas.runs.control import MergeCaps
 
 log = logging.getLogger(__name__)
 
@@ -113,16 +111,7 @@ def batch_body_limit(gw: Components) -> int:
 async def submit_batch(request: Request, gw: Gateway) -> BatchAccepted:
     principal = request_principal(request, gw.auth, require_user=False)
     check_content_type(request.headers.get("content-type"))
-    try:
-        body = await read_body_within(
-            request, batch_body_limit(gw), gw.settings.body_read_timeout_s
-        )
-    except ClientDisconnect:
-        raise BadRequest(
-            "the client disconnected before sending the whole body",
-            field="body",
-            code="client_disconnected",
-        ) from None
+    body = await read_body_within(request, batch_body_limit(gw), gw.settings.body_read_timeout_s)
     items = _items(decode_json(body), gw.settings.batch_max_runs)
     results = await asyncio.gather(*(_one(gw, principal, i, item) for i, item in enumerate(items)))
     accepted = sum(1 for r in results if r.run is not None)

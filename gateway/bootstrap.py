@@ -26,17 +26,18 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from koda_runtime.errors import KodaError
 from koda_runtime.gateway.admission import Admissions
 from koda_runtime.gateway.auth import Authenticator
-from koda_runtime.gateway.control_store import ControlStore
 from koda_runtime.gateway.livefeed import LiveFeed
-from koda_runtime.gateway.publisher import RunPublisher
 from koda_runtime.gateway.ratelimit import TokenBuckets
-from koda_runtime.gateway.scheduled import ScheduleStore
-from koda_runtime.gateway.store import RunStore
-from koda_runtime.gateway.sweeper import Sweeper
 from koda_runtime.gateway.workers import WorkerDirectory
 from koda_runtime.lifecycle.attempts import claim_bound
 from koda_runtime.schemas.db import async_engine
+from koda_runtime.schemas.runs.admission import RunAdmission
+from koda_runtime.schemas.runs.control import ControlStore
+from koda_runtime.schemas.runs.reads import RunReads
+from koda_runtime.schemas.schedules import ScheduleStore
 from koda_runtime.settings import Settings
+from koda_runtime.topics.kafka.publisher import RunPublisher
+from koda_runtime.topics.sweeper import Sweeper
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ class Components:
     auth: Authenticator
     limiter: TokenBuckets
     engine: AsyncEngine
-    store: RunStore
+    store: RunAdmission  # admission's writes and reads (schemas/runs/admission.py)
+    reads: RunReads
     control: ControlStore
     schedules: ScheduleStore
     publisher: RunPublisher
@@ -123,7 +125,7 @@ def build_components(
     """
     db = engine if engine is not None else async_engine(settings)
     pub = publisher if publisher is not None else RunPublisher(settings)
-    store = RunStore(db)
+    store = RunAdmission(db)
     control = ControlStore(db)
     return Components(
         settings=settings,
@@ -131,6 +133,7 @@ def build_components(
         limiter=TokenBuckets(settings.rate_per_s, settings.rate_burst),
         engine=db,
         store=store,
+        reads=RunReads(db),
         control=control,
         schedules=ScheduleStore(db),
         publisher=pub,

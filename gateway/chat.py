@@ -28,27 +28,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response, Security
-from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
-from starlette.requests import ClientDisconnect
 
 from koda_runtime import metrics
-from koda_runtime.errors import DatabaseError
+from koda_runtime.caps import CapReached
+from koda_runtime.errors import DatabaseError, Refused, SessionNotOwned
 from koda_runtime.gateway.auth import BEARER, authenticate_request
 from koda_runtime.gateway.bootstrap import Components
-from koda_runtime.gateway.caps import CapReached
 from koda_runtime.gateway.control import cancel_run
-from koda_runtime.gateway.control_store import MergeCaps
 from koda_runtime.gateway.dependencies import Gateway, User
 from koda_runtime.gateway.errors import (
-    BadRequest,
     GatewayError,
     InvalidField,
     NotFound,
     http_error,
 )
 from koda_runtime.gateway.eventstream import RECONNECT, EventParser, comment
-from koda_runtime.gateway.exceptions import Refused, SessionNotOwned
 from koda_runtime.gateway.intake import (
     CLIENT_MESSAGE_ID,
     SESSION_ID,
@@ -65,6 +59,7 @@ from koda_runtime.gateway.sse import RunEventStream
 from koda_runtime.gateway.submit import take_rate_token
 from koda_runtime.lifecycle.chunks import ChunkKind
 from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.schemas.runs.control import MergeCaps
 
 log = logging.getLogger(__name__)
 
@@ -400,19 +395,10 @@ def _chat_not_found() -> NotFound:
     return NotFound("chat not found: check the chat id and the token's user", field="id")
 
 
-_LAST_RESET = text("SELECT max(seq) AS seq FROM messages WHERE run_id = :run_id AND kind = :kind")
-
-
 async def answer_start(gw: Components, run_id: str) -> int:
     """The seq the current answer starts after: the run's last ``reset``, else -1."""
-    try:
-        async with gw.store.engine.connect() as conn:
-            seq = (
-                await conn.execute(_LAST_RESET, {"run_id": run_id, "kind": ChunkKind.RESET.value})
-            ).scalar()
-    except SQLAlchemyError as exc:
-        raise DatabaseError(f"reading a run's resets failed: {type(exc).__name__}") from exc
-    return -1 if seq is None else int(seq)
+    seq = await gw.reads.last_reset(run_id)
+    return -1 if seq is None else seq
 
 
 async def _stream(request: Request, gw: Components, user_id: str, run_id: str) -> Response:
@@ -421,7 +407,7 @@ async def _stream(request: Request, gw: Components, user_id: str, run_id: str) -
     viewer = gw.feed.subscribe(run_id, gw.settings.sse_queue_bytes)  # before any read
     try:
         after = await answer_start(gw, run_id)
-        if await gw.store.stream_head(run_id, user_id) is None:
+        if await gw.reads.stream_head(run_id, user_id) is None:
             raise _chat_not_found()
     except BaseException:
         gw.feed.unsubscribe(viewer)
@@ -456,16 +442,9 @@ async def chat(request: Request, gw: Gateway) -> Response:
         user_id = authenticate_request(request, gw.auth)
         take_rate_token(gw, user_id)
         check_content_type(request.headers.get("content-type"))
-        try:
-            body = await read_body_within(
-                request, gw.settings.body_limit_bytes, gw.settings.body_read_timeout_s
-            )
-        except ClientDisconnect:
-            raise BadRequest(
-                "the client disconnected before sending the whole body",
-                field="body",
-                code="client_disconnected",
-            ) from None
+        body = await read_body_within(
+            request, gw.settings.body_limit_bytes, gw.settings.body_read_timeout_s
+        )
         asked = parse_chat_request(decode_json(body))
         try:
             run = await gw.admissions.submit(
@@ -546,4 +525,4 @@ async def stop_chat(
     run_id = await _active_run(gw, user_id, chat_id)
     if run_id is None or (message_id is not None and message_id != run_id):
         return Response(status_code=204)
-    return await cancel_run(run_id, request, gw, user_id)
+    return await cancel_run(request=request, gw=gw, user_id=user_id, run_id=run_id)

@@ -33,23 +33,17 @@ from confluent_kafka import KafkaException
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
-from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
 from starlette.responses import Response
 from starlette.types import Scope
 
-from koda_runtime.errors import DatabaseError
-from koda_runtime.gateway.dependencies import ADMIN, Gateway, User
+from koda_runtime.gateway.dependencies import ADMIN, Gateway, RunId, User, run_not_found
 from koda_runtime.gateway.errors import NotFound, Unavailable
 from koda_runtime.gateway.intake import SESSION_ID
-from koda_runtime.lifecycle.states import RunStatus
-from koda_runtime.lifecycle.turns import user_messages
-from koda_runtime.schemas.turns import MAX_TURNS, SESSION_RUNS
+from koda_runtime.schemas.runs.reads import MAX_TURNS
 
 # Resolved: an editable install links each file, and StaticFiles serves no file whose
 # link points outside its directory.
 STATIC = Path(__file__).resolve().with_name("console_static")
-MAX_RUN_ID_CHARS = 128
 CSP = "default-src 'self'; frame-ancestors 'none'; object-src 'none'; base-uri 'none'"
 SECURITY_HEADERS = {
     "Content-Security-Policy": CSP,
@@ -58,27 +52,6 @@ SECURITY_HEADERS = {
 }
 
 router = APIRouter()
-
-_RUN = text(
-    """
-    SELECT id, session_id, status, attempt, worker_id, partition, created_at, published_at,
-           started_at, first_chunk_at, finished_at, error, failures, cancel_requested_at,
-           cancel_reason, schedule_id, scheduled_for
-    FROM runs WHERE id = :run_id AND user_id = :user_id
-    """
-)
-_EVENTS = text(
-    "SELECT seq, kind, content, attempt, created_at FROM messages"
-    " WHERE run_id = :run_id AND kind <> 'chunk' ORDER BY seq"
-)
-_CHUNKS = text(
-    "SELECT attempt, count(*) AS chunks, min(created_at) AS first_at, max(created_at) AS last_at"
-    " FROM messages WHERE run_id = :run_id AND kind = 'chunk' GROUP BY attempt ORDER BY attempt"
-)
-_COST = text(
-    "SELECT coalesce(sum(cost_usd), 0) AS cost, count(*) AS calls FROM ledger"
-    " WHERE run_id = :run_id"
-)
 
 
 class ConsoleAssets(StaticFiles):
@@ -114,20 +87,11 @@ def _iso(value: Any) -> str | None:
     "/v1/runs/{run_id}/timeline",
     summary="A run's lifecycle: timestamps, worker, partition, attempts, events and cost",
 )
-async def run_timeline(run_id: str, gw: Gateway, user_id: User) -> JSONResponse:
-    missing = NotFound("run not found: check the run id and the token's user", field="run_id")
-    if not run_id or len(run_id) > MAX_RUN_ID_CHARS or "\x00" in run_id:
-        raise missing
-    try:
-        async with gw.engine.connect() as conn:
-            run = (await conn.execute(_RUN, {"run_id": run_id, "user_id": user_id})).first()
-            if run is None:
-                raise missing
-            events = (await conn.execute(_EVENTS, {"run_id": run_id})).all()
-            chunks = (await conn.execute(_CHUNKS, {"run_id": run_id})).all()
-            cost = (await conn.execute(_COST, {"run_id": run_id})).one()
-    except SQLAlchemyError as exc:
-        raise DatabaseError(f"reading a run's timeline failed: {type(exc).__name__}") from exc
+async def run_timeline(gw: Gateway, user_id: User, run_id: RunId) -> JSONResponse:
+    timeline = await gw.reads.timeline(run_id, user_id)
+    if timeline is None:
+        raise run_not_found()
+    run = timeline.run
     return JSONResponse(
         {
             "run_id": run.id,
@@ -155,9 +119,9 @@ async def run_timeline(run_id: str, gw: Gateway, user_id: User) -> JSONResponse:
                     "kind": e.kind,
                     "content": e.content,
                     "attempt": e.attempt,
-                    "at": _iso(e.created_at),
+                    "at": _iso(e.at),
                 }
-                for e in events
+                for e in timeline.events
             ],
             "attempts": [
                 {
@@ -166,15 +130,12 @@ async def run_timeline(run_id: str, gw: Gateway, user_id: User) -> JSONResponse:
                     "first_chunk_at": _iso(c.first_at),
                     "last_chunk_at": _iso(c.last_at),
                 }
-                for c in chunks
+                for c in timeline.attempts
             ],
-            "cost_usd": str(cost.cost),
-            "billable_calls": cost.calls,
+            "cost_usd": str(timeline.cost_usd),
+            "billable_calls": timeline.billable_calls,
         }
     )
-
-
-_SESSION_OWNER = text("SELECT 1 FROM sessions WHERE id = :session_id AND user_id = :user_id")
 
 
 @router.get(
@@ -190,29 +151,24 @@ async def session_turns(session_id: str, gw: Gateway, user_id: User) -> JSONResp
     )
     if not SESSION_ID.fullmatch(session_id):
         raise missing
-    params = {"session_id": session_id, "user_id": user_id, "limit": MAX_TURNS}
-    try:
-        async with gw.engine.connect() as conn:
-            if (await conn.execute(_SESSION_OWNER, params)).first() is None:
-                raise missing
-            rows = (await conn.execute(SESSION_RUNS, params)).all()
-    except SQLAlchemyError as exc:
-        raise DatabaseError(f"reading a session's turns failed: {type(exc).__name__}") from exc
+    runs = await gw.reads.session_runs(session_id, user_id, MAX_TURNS)
+    if runs is None:
+        raise missing
     return JSONResponse(
         {
             "session_id": session_id,
             "turns": [
                 {
-                    "run_id": r.id,
+                    "run_id": r.run_id,
                     "status": r.status,
-                    "messages": user_messages(r.input if isinstance(r.input, dict) else {}),
+                    "messages": r.messages,
                     "answer": r.answer,
-                    "cut": r.status == RunStatus.CANCELLED.value,
+                    "cut": r.cut,
                     "error": r.error,
                     "created_at": _iso(r.created_at),
                     "finished_at": _iso(r.finished_at),
                 }
-                for r in rows
+                for r in runs
             ],
         }
     )

@@ -19,14 +19,18 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from koda_runtime import metrics
-from koda_runtime.errors import DatabaseError
+from koda_runtime.errors import DatabaseError, PublishError
 from koda_runtime.gateway.auth import valid_user_id
 from koda_runtime.gateway.bootstrap import Components
-from koda_runtime.gateway.control_store import CANCELLED, REQUESTED, CancelOutcome
-from koda_runtime.gateway.control_store import RunSummary as RunRow
-from koda_runtime.gateway.dependencies import ADMIN, Gateway, User
+from koda_runtime.gateway.dependencies import (
+    ADMIN,
+    Gateway,
+    RunId,
+    User,
+    possible_run_id,
+    run_not_found,
+)
 from koda_runtime.gateway.errors import BadRequest, InvalidField, NotFound
-from koda_runtime.gateway.exceptions import PublishError
 from koda_runtime.gateway.intake import SESSION_ID, check_content_type, decode_json, read_body
 from koda_runtime.gateway.models import (
     CancelRequest,
@@ -40,12 +44,12 @@ from koda_runtime.gateway.models import (
 from koda_runtime.lifecycle.chunks import ChunkKind, chunk_key
 from koda_runtime.lifecycle.control import CANCEL, MAX_REASON_CHARS, ControlRecord
 from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.schemas.runs.control import CANCELLED, REQUESTED, CancelOutcome, ListedRun
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
 from koda_runtime.topics.records.codec import RUN_CHUNK, chunk_value, headers_for
 
 log = logging.getLogger(__name__)
 
-MAX_RUN_ID_CHARS = 128
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 100
 CANCEL_BODY_LIMIT = 4096
@@ -65,10 +69,6 @@ _DESCRIBED = {
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return error_responses({c: _DESCRIBED[c] for c in codes})
-
-
-def _not_found() -> NotFound:
-    return NotFound("run not found: check the run id and the token's user", field="run_id")
 
 
 async def _reason(request: Request) -> str | None:
@@ -112,13 +112,11 @@ async def _reason(request: Request) -> str | None:
     },
     summary="Cancel a run (idempotent)",
 )
-async def cancel_run(run_id: str, request: Request, gw: Gateway, user_id: User) -> Response:
+async def cancel_run(request: Request, gw: Gateway, user_id: User, run_id: RunId) -> Response:
     reason = await _reason(request)
-    if len(run_id) > MAX_RUN_ID_CHARS:
-        raise _not_found()
     outcome = await gw.control.cancel(run_id, user_id, reason)
     if outcome is None:
-        raise _not_found()
+        raise run_not_found()
     metrics.RUNS_CANCEL_REQUESTS.labels(outcome=outcome.outcome).inc()
     log.info(
         "event=run_cancel run_id=%s user_id=%s outcome=%s status=%s",
@@ -203,13 +201,13 @@ async def _rows(
     limit_raw: str | None,
     before: str | None,
     every_user: bool = False,
-) -> tuple[list[RunRow], int]:
+) -> tuple[list[ListedRun], int]:
     """One page of rows and the limit asked; ``every_user`` for the operators' listing,
     where ``before`` may be any user's run and ``user_id`` only filters."""
     limit = _limit(limit_raw)
     position = None
     if before is not None:
-        if not before or len(before) > MAX_RUN_ID_CHARS or "\x00" in before:
+        if not possible_run_id(before):
             raise BadRequest(
                 "before must be a run id from an earlier page", field="before", code="invalid_query"
             )
@@ -232,7 +230,7 @@ async def _rows(
     return rows, limit
 
 
-def _summary(r: RunRow) -> dict[str, Any]:
+def _summary(r: ListedRun) -> dict[str, Any]:
     return {
         "run_id": r.run_id,
         "session_id": r.session_id,

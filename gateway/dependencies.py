@@ -2,20 +2,25 @@
 
 A handler declares what it needs and FastAPI hands it over::
 
-    async def get_run(run_id: str, gw: Gateway, user_id: User) -> RunDetail: ...
+    async def get_run(gw: Gateway, user_id: User, run_id: RunId) -> RunView: ...
 
 ``User`` authenticates the bearer token (401 otherwise) and declares the scheme in
 OpenAPI; ``StreamUser`` also takes ``?ticket=`` (and, in dev, ``?access_token=``) on
 the events endpoint only; ``ADMIN`` (in ``dependencies=[...]``) guards ``/admin``
 routes, which the app also guards as a whole (gateway/app.py). The checks themselves
 are gateway/auth.py's; every 401 counts as a failed login of the client's address.
+
+``RunId`` is the ``{run_id}`` path parameter of every run route: an id no run can have
+(longer than :data:`MAX_RUN_ID_CHARS`, or holding NUL) answers :func:`run_not_found`,
+the 404 of an unknown run and of another user's. Declared after the user in a
+handler's signature, so that a request without a valid token is a 401 first.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Query, Request, Security
+from fastapi import Depends, Path, Query, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials
 
 from koda_runtime.gateway.auth import (
@@ -26,6 +31,7 @@ from koda_runtime.gateway.auth import (
     authenticate_stream,
 )
 from koda_runtime.gateway.bootstrap import Components
+from koda_runtime.gateway.errors import NotFound
 
 Scheme = HTTPAuthorizationCredentials | None
 
@@ -75,3 +81,30 @@ async def admin_access(
 User = Annotated[str, Depends(current_user)]
 StreamUser = Annotated[str, Depends(stream_user)]
 ADMIN = Depends(admin_access)
+
+
+MAX_RUN_ID_CHARS = 128
+
+
+def run_not_found() -> NotFound:
+    """The answer for a run the caller cannot see: unknown, or another user's (the two
+    are indistinguishable)."""
+    return NotFound("run not found: check the run id and the token's user", field="run_id")
+
+
+def possible_run_id(value: str) -> bool:
+    """Whether some run could have the id ``value``: 1 to MAX_RUN_ID_CHARS characters,
+    none of them NUL (which Postgres text cannot hold)."""
+    return 0 < len(value) <= MAX_RUN_ID_CHARS and "\x00" not in value
+
+
+async def run_id_path(
+    run_id: Annotated[str, Path(description="The run's id (`run_id` of POST /v1/runs).")],
+) -> str:
+    """The ``{run_id}`` path parameter; :func:`run_not_found` for an id no run can have."""
+    if not possible_run_id(run_id):
+        raise run_not_found()
+    return run_id
+
+
+RunId = Annotated[str, Depends(run_id_path)]

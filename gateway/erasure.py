@@ -4,7 +4,7 @@
 transactions:
 
 1. **Schedules** are deleted first, so no new scheduled run is fired meanwhile.
-2. **Open runs are cancelled** through the run-control path (gateway/control_store.py):
+2. **Open runs are cancelled** through the run-control path (schemas/runs/control.py):
    a pending run ends ``cancelled`` at once (its ``cancelled`` event produced and the
    run marked whole, as ``POST /v1/runs/{id}/cancel`` does), a running one gets a
    durable cancel request and a run-control record. The erasure then waits, up to
@@ -40,7 +40,6 @@ left.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -48,18 +47,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import text
-from sqlalchemy.engine import RowMapping
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda_runtime.errors import DatabaseError, KodaError
-from koda_runtime.gateway.control_store import CANCELLED, REQUESTED, ControlStore
+from koda_runtime.errors import KodaError
 from koda_runtime.lifecycle.chunks import ChunkKind, chunk_key, final_key
 from koda_runtime.lifecycle.control import CANCEL, ControlRecord
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.lifecycle.states import TERMINAL
+from koda_runtime.schemas import erasures
 from koda_runtime.schemas.erasures import pseudonym, user_digest
+from koda_runtime.schemas.runs.control import CANCELLED, REQUESTED, ControlStore
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, RUN_CONTROL, partition_for_key
 from koda_runtime.topics.records.codec import RUN_CHUNK, chunk_value, headers_for
@@ -91,90 +88,6 @@ STORES = (
     "spend_periods",
     "ledger_pseudonymized",
 )
-
-_UNSETTLED = text(
-    """
-    SELECT id, status, cancel_requested_at FROM runs
-     WHERE user_id = :u
-       AND NOT (status = ANY(:terminal)
-                AND (published_seq IS NOT NULL OR compacted_at IS NOT NULL))
-     ORDER BY created_at, id
-    """
-)
-# A run ended over SETTLE_GRACE_S ago whose mark is still missing (the worker's mark
-# skips a row another transaction holds; the completeness pass sets it much later):
-# its finishing worker's records are on the topic or lost by now, so the erasure marks
-# it itself and no republish path produces it after the tombstones.
-_ADOPT = text(
-    """
-    UPDATE runs r SET published_seq = COALESCE(
-               (SELECT max(m.seq) FROM messages m WHERE m.run_id = r.id), -1)
-     WHERE r.user_id = :u AND r.status = ANY(:terminal)
-       AND r.published_seq IS NULL AND r.compacted_at IS NULL
-       AND r.finished_at <= now() - make_interval(secs => :grace)
-    """
-)
-_SETTLED_BATCH = text(
-    """
-    SELECT id, partition, compacted_at FROM runs
-     WHERE user_id = :u AND status = ANY(:terminal)
-       AND (published_seq IS NOT NULL OR compacted_at IS NOT NULL)
-     ORDER BY id
-     LIMIT :batch
-       FOR UPDATE
-    """
-)
-_LAST_SEQS = text(
-    "SELECT run_id, max(seq) AS last FROM messages WHERE run_id = ANY(:ids) GROUP BY run_id"
-)
-_DELETE_BY_RUN = {
-    "messages": text("DELETE FROM messages WHERE run_id = ANY(:ids)"),
-    "usage": text("DELETE FROM usage WHERE run_id = ANY(:ids)"),
-    "run_merges": text("DELETE FROM run_merges WHERE run_id = ANY(:ids)"),
-    "runs": text("DELETE FROM runs WHERE id = ANY(:ids)"),
-}
-_RUNS_LEFT = text("SELECT count(*) FROM runs WHERE user_id = :u")
-_DELETE_SCHEDULES = text("DELETE FROM schedules WHERE user_id = :u")
-# A session still named by a run or a schedule (admitted meanwhile) is left for the
-# next round.
-_DELETE_SESSIONS = text(
-    """
-    DELETE FROM sessions s WHERE s.user_id = :u
-       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.session_id = s.id)
-       AND NOT EXISTS (SELECT 1 FROM schedules c WHERE c.session_id = s.id)
-    """
-)
-_SESSIONS_LEFT = text("SELECT count(*) FROM sessions WHERE user_id = :u")
-_DELETE_BY_USER = {
-    # A delivery's attempts go with it (ON DELETE CASCADE); deliveries of the user's
-    # runs went with the runs already.
-    "webhook_deliveries": text("DELETE FROM webhook_deliveries WHERE user_id = :u"),
-    "webhooks": text("DELETE FROM webhooks WHERE user_id = :u"),
-    "memories": text("DELETE FROM memories WHERE user_id = :u"),
-    "budgets": text("DELETE FROM budgets WHERE user_id = :u"),
-    "spend_periods": text("DELETE FROM spend_periods WHERE user_id = :u"),
-}
-_PSEUDONYMIZE = text(
-    """
-    UPDATE ledger SET user_id = :p
-     WHERE id IN (SELECT id FROM ledger WHERE user_id = :u LIMIT :batch)
-    """
-)
-_RECEIPT = text(
-    """
-    INSERT INTO erasures (id, user_digest, pseudonym, requested_at, requested_by)
-    VALUES (:id, :digest, :pseudonym, :requested_at, :by)
-    RETURNING requested_at
-    """
-)
-_COMPLETE = text(
-    """
-    UPDATE erasures SET completed_at = now(), counts = CAST(:counts AS jsonb)
-     WHERE id = :id
-    RETURNING completed_at
-    """
-)
-
 
 # ``RunPublisher.send``: ``(topic, key, value, headers, partition=None)``, one record to
 # a koda topic (value None: a tombstone); the future resolves on the broker's ack.
@@ -220,10 +133,6 @@ class _Tally:
         self.counts[store] += max(0, n)
 
 
-def _db_error(what: str, exc: Exception) -> DatabaseError:
-    return DatabaseError(f"{what} failed: {type(exc).__name__}")
-
-
 class Eraser:
     """Erases one user at a time; see the module docstring for the order of the steps.
 
@@ -257,7 +166,7 @@ class Eraser:
         started = datetime.now(UTC)
         deadline = self._clock() + self.wait_s
         tally = _Tally()
-        tally.add("schedules", await self._execute(_DELETE_SCHEDULES, {"u": user_id}))
+        tally.add("schedules", await erasures.delete_schedules(self.engine, user_id))
         receipt_id: str | None = None
         while True:
             await self._settle(user_id, deadline, tally)
@@ -265,13 +174,13 @@ class Eraser:
                 receipt_id = await self._open_receipt(user_id, started, requested_by)
             while await self._delete_runs(user_id, tally):
                 pass
-            tally.add("schedules", await self._execute(_DELETE_SCHEDULES, {"u": user_id}))
-            tally.add("sessions", await self._execute(_DELETE_SESSIONS, {"u": user_id}))
-            if not await self._left(user_id):
+            tally.add("schedules", await erasures.delete_schedules(self.engine, user_id))
+            tally.add("sessions", await erasures.delete_sessions(self.engine, user_id))
+            if not await erasures.rows_left(self.engine, user_id):
                 break
             # Admitted while the erasure ran: cancel, wait and delete them too.
         await self._delete_user_rows(user_id, tally)
-        completed_at = await self._complete(receipt_id, tally.counts)
+        completed_at = await erasures.complete_receipt(self.engine, receipt_id, tally.counts)
         log.info(
             "event=user_erased erasure_id=%s digest=%s %s",
             receipt_id,
@@ -294,7 +203,7 @@ class Eraser:
         """Cancel the user's open runs, then wait until every run is settled."""
         asked: set[str] = set()
         while True:
-            rows = await self._rows(_UNSETTLED, {"u": user_id, "terminal": _TERMINAL})
+            rows = await erasures.unsettled_runs(self.engine, user_id)
             if not rows:
                 return
             for row in rows:
@@ -304,8 +213,10 @@ class Eraser:
                 if await self._cancel(row["id"], user_id):
                     tally.add("runs_cancelled", 1)
             if any(row["status"] in _TERMINAL for row in rows):
-                params = {"u": user_id, "terminal": _TERMINAL, "grace": SETTLE_GRACE_S}
-                if adopted := await self._execute(_ADOPT, params):
+                adopted = await erasures.mark_ended_runs_whole(
+                    self.engine, user_id, grace_s=SETTLE_GRACE_S
+                )
+                if adopted:
                     log.info("event=erasure_marked_whole runs=%d", adopted)
                     continue
             if self._clock() >= deadline:
@@ -360,55 +271,27 @@ class Eraser:
 
     async def _open_receipt(self, user_id: str, started: datetime, by: str) -> str:
         receipt_id = uuid7()
-        params = {
-            "id": receipt_id,
-            "digest": user_digest(user_id),
-            "pseudonym": pseudonym(user_id),
-            "requested_at": started,
-            "by": by,
-        }
-        try:
-            async with self.engine.begin() as conn:
-                await conn.execute(_RECEIPT, params)
-        except SQLAlchemyError as exc:
-            raise _db_error("recording an erasure receipt", exc) from exc
+        await erasures.open_receipt(
+            self.engine, receipt_id, user_id, requested_at=started, requested_by=by
+        )
         return receipt_id
-
-    async def _complete(self, receipt_id: str, counts: dict[str, int]) -> datetime:
-        try:
-            async with self.engine.begin() as conn:
-                row = (
-                    await conn.execute(_COMPLETE, {"id": receipt_id, "counts": json.dumps(counts)})
-                ).one()
-        except SQLAlchemyError as exc:
-            raise _db_error("completing an erasure receipt", exc) from exc
-        completed: datetime = row.completed_at
-        return completed
 
     # -- 4. runs and their chunk records -----------------------------------------------
 
     async def _delete_runs(self, user_id: str, tally: _Tally) -> bool:
         """Tombstone and delete one batch of the user's settled runs; False when none
         was left."""
-        try:
-            async with self.engine.begin() as conn:
-                runs = (
-                    await conn.execute(
-                        _SETTLED_BATCH, {"u": user_id, "terminal": _TERMINAL, "batch": RUN_BATCH}
-                    )
-                ).all()
-                if not runs:
-                    return False
-                ids = [r.id for r in runs]
-                last = {
-                    r.run_id: int(r.last)
-                    for r in (await conn.execute(_LAST_SEQS, {"ids": ids})).all()
-                }
-                tally.add("chunk_tombstones", await self._tombstone(user_id, runs, last))
-                for store, statement in _DELETE_BY_RUN.items():
-                    tally.add(store, (await conn.execute(statement, {"ids": ids})).rowcount)
-        except SQLAlchemyError as exc:
-            raise _db_error("deleting a user's runs", exc) from exc
+
+        async def tombstone(runs: Sequence[Any], last: dict[str, int]) -> None:
+            tally.add("chunk_tombstones", await self._tombstone(user_id, runs, last))
+
+        deleted = await erasures.delete_settled_runs(
+            self.engine, user_id, batch=RUN_BATCH, tombstone=tombstone
+        )
+        if deleted is None:
+            return False
+        for store, n in deleted.items():
+            tally.add(store, n)
         return True
 
     async def _tombstone(self, user_id: str, runs: Sequence[Any], last: dict[str, int]) -> int:
@@ -441,41 +324,11 @@ class Eraser:
 
     # -- 5. and 6. what is left of the user ------------------------------------------
 
-    async def _left(self, user_id: str) -> bool:
-        """Whether runs or sessions of the user appeared while the erasure ran."""
-        try:
-            async with self.engine.connect() as conn:
-                runs = (await conn.execute(_RUNS_LEFT, {"u": user_id})).scalar_one()
-                sessions = (await conn.execute(_SESSIONS_LEFT, {"u": user_id})).scalar_one()
-        except SQLAlchemyError as exc:
-            raise _db_error("reading a user's rows", exc) from exc
-        return bool(runs or sessions)
-
     async def _delete_user_rows(self, user_id: str, tally: _Tally) -> None:
-        for store, statement in _DELETE_BY_USER.items():
-            tally.add(store, await self._execute(statement, {"u": user_id}))
-        alias = pseudonym(user_id)
+        for store, n in (await erasures.delete_user_rows(self.engine, user_id)).items():
+            tally.add(store, n)
         while True:
-            n = await self._execute(
-                _PSEUDONYMIZE, {"u": user_id, "p": alias, "batch": LEDGER_BATCH}
-            )
+            n = await erasures.pseudonymize_ledger(self.engine, user_id, batch=LEDGER_BATCH)
             tally.add("ledger_pseudonymized", n)
             if n < LEDGER_BATCH:
                 return
-
-    # -- plumbing ------------------------------------------------------------------
-
-    async def _execute(self, statement: Any, params: dict[str, Any]) -> int:
-        """One statement in a transaction of its own; the rows it changed."""
-        try:
-            async with self.engine.begin() as conn:
-                return int((await conn.execute(statement, params)).rowcount)
-        except SQLAlchemyError as exc:
-            raise _db_error("erasing a user's rows", exc) from exc
-
-    async def _rows(self, statement: Any, params: dict[str, Any]) -> list[RowMapping]:
-        try:
-            async with self.engine.connect() as conn:
-                return list((await conn.execute(statement, params)).mappings().all())
-        except SQLAlchemyError as exc:
-            raise _db_error("reading a user's runs", exc) from exc

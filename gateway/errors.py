@@ -1,5 +1,5 @@
 """Errors the gateway answers with, the one JSON shape they all take, and the mapping
-of domain errors (gateway/exceptions.py) to them.
+of domain errors (koda_runtime.errors' Refused branch) to them.
 
     KodaError
     ├── GatewayError               an HTTP request is refused; carries status and code
@@ -16,7 +16,7 @@ of domain errors (gateway/exceptions.py) to them.
     │   ├── ActiveRunsCapped       429 the user has KODA_MAX_ACTIVE_RUNS_PER_USER runs not
     │   │                              yet ended; names the cap; carries Retry-After
     │   └── Unavailable            503 Postgres could not answer; carries Retry-After
-    └── (domain errors)            see gateway/exceptions.py; :func:`http_error` maps
+    └── (domain errors)            see koda/errors.py; :func:`http_error` maps
                                    DatabaseError to 503, SessionNotOwned to 404,
                                    OverBudget to 402 and TooManyActiveRuns to 429
 
@@ -36,8 +36,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from koda_runtime.errors import DatabaseError, KodaError
-from koda_runtime.gateway.exceptions import OverBudget, SessionNotOwned, TooManyActiveRuns
+from koda_runtime.errors import DatabaseError, KodaError, SessionNotOwned, TooManyActiveRuns
+from koda_runtime.lifecycle.ledger import OverBudget
 from koda_runtime.schemas.ledger import money
 
 log = logging.getLogger(__name__)

@@ -54,29 +54,6 @@ class RunAccepted(BaseModel):
     )
 
 
-class RunDetail(BaseModel):
-    """``GET /v1/runs/{run_id}``: the run as Postgres holds it."""
-
-    run_id: str
-    status: str
-    attempt: int
-    session_id: str
-    created_at: datetime
-    started_at: datetime | None
-    first_chunk_at: datetime | None
-    finished_at: datetime | None
-    error: str | None
-    output: str = Field(description="Concatenated chunks emitted after the last reset.")
-    schedule_id: str | None = Field(None, description="The schedule that fired it, if any.")
-    scheduled_for: datetime | None = Field(
-        None, description="The scheduled UTC minute it was fired for, if scheduled."
-    )
-    created_by: str = Field(
-        description="Who created it: `user:<id>` (the user's own token) or "
-        "`service:<name>` (a KODA_SERVICE_TOKENS token acting for the user)."
-    )
-
-
 class ErrorDetail(BaseModel):
     code: str = Field(description="Machine-readable, e.g. invalid_field, rate_limited.")
     message: str = Field(description="What was wrong and how to fix it.")
@@ -130,7 +107,8 @@ class RunCancel(BaseModel):
 
 
 class RunSummary(BaseModel):
-    """One run in a history listing."""
+    """One run in a history listing: the wire form of
+    :class:`koda_runtime.schemas.runs.control.ListedRun`."""
 
     run_id: str
     session_id: str

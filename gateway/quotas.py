@@ -5,7 +5,7 @@ Where a user creates work or holds a resource there is a cap (ARCHITECTURE.md,
 into one run and the merged input's size, memories (processors/memory/store.py), and
 ``run-now`` goes through the same rate limiter and caps as ``POST /v1/runs``.
 
-Stores raise :class:`CapReached` (gateway/caps.py, a domain refusal: nothing was
+Stores raise :class:`CapReached` (koda/caps.py, a domain refusal: nothing was
 written); the HTTP layer answers :func:`limit_reached`'s :class:`LimitReached`, whose
 body names the cap:
 ``{"error": {"code", "message", "field", "limit": {"setting", "cap", "count"}}}``.
@@ -19,11 +19,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from koda_runtime import metrics
-from koda_runtime.gateway.caps import BODY_READ, STREAMS, STREAMS_PER_USER, CapReached
-from koda_runtime.gateway.errors import GatewayError
+from koda_runtime.caps import BODY_READ, STREAMS, STREAMS_PER_USER, CapReached
+from koda_runtime.gateway.errors import BadRequest, GatewayError
 from koda_runtime.gateway.intake import read_body
 
 # When a stream slot frees is not known (a stream ends with its run or its client):
@@ -96,15 +96,28 @@ class RequestTimeout(GatewayError):
         )
 
 
+class ClientGone(BadRequest):
+    """The client went away before its whole body arrived (400 ``client_disconnected``)."""
+
+    code = "client_disconnected"
+
+    def __init__(self) -> None:
+        super().__init__("the client disconnected before sending the whole body", field="body")
+
+
 async def read_body_within(request: Request, limit: int, timeout_s: float) -> bytes:
     """:func:`read_body` of ``request``, refused with 408 when it takes over ``timeout_s``:
-    a client that sends its body slowly holds a connection and a task for that long only."""
+    a client that sends its body slowly holds a connection and a task for that long only.
+    Every route reads its body here, so a client that disconnects mid-body is one
+    :class:`ClientGone` everywhere."""
     stream: AsyncIterator[bytes] = request.stream()
     try:
         async with asyncio.timeout(timeout_s):
             return await read_body(request.headers.get("content-length"), stream, limit)
     except TimeoutError:
         raise RequestTimeout(timeout_s) from None
+    except ClientDisconnect:
+        raise ClientGone() from None
 
 
 class StreamSlot:

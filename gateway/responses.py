@@ -33,20 +33,15 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
-from starlette.requests import ClientDisconnect
 
 from koda_runtime import metrics
-from koda_runtime.errors import DatabaseError, KodaError
+from koda_runtime.caps import CapReached
+from koda_runtime.errors import DatabaseError, KodaError, Refused
 from koda_runtime.gateway import control
 from koda_runtime.gateway.auth import authenticate_request
 from koda_runtime.gateway.bootstrap import Components
-from koda_runtime.gateway.caps import CapReached
-from koda_runtime.gateway.control_store import MergeCaps
 from koda_runtime.gateway.errors import DOMAIN_ERRORS, GatewayError, http_error
 from koda_runtime.gateway.eventstream import MEDIA_TYPE, EventParser, comment
-from koda_runtime.gateway.exceptions import Refused
 from koda_runtime.gateway.intake import (
     check_content_type,
     check_idempotency_key,
@@ -54,11 +49,16 @@ from koda_runtime.gateway.intake import (
     parse_run_request,
 )
 from koda_runtime.gateway.livefeed import Viewer
-from koda_runtime.gateway.quotas import StreamSlot, limit_reached, read_body_within, stream_slots
+from koda_runtime.gateway.quotas import (
+    ClientGone,
+    StreamSlot,
+    limit_reached,
+    read_body_within,
+    stream_slots,
+)
 from koda_runtime.gateway.responses_wire import (
     EventNumbering,
     RequestError,
-    RunState,
     error_body,
     parse_create,
     response_id,
@@ -71,6 +71,8 @@ from koda_runtime.gateway.submit import take_rate_token
 from koda_runtime.lifecycle.chunks import END_KIND, TERMINAL_KINDS, ChunkKind
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.schemas.runs.control import MergeCaps
+from koda_runtime.schemas.runs.reads import RunState
 
 log = logging.getLogger(__name__)
 
@@ -85,32 +87,6 @@ WAIT_TICK_S = 1.0
 QUERY_PARAMS = ("stream", "starting_after", "include_obfuscation")
 
 Scope = MutableMapping[str, Any]
-
-_RUN = text(
-    """
-    SELECT r.id, r.session_id, r.status, r.created_at, r.finished_at, r.error, r.input,
-           r.metadata,
-           COALESCE((
-               SELECT string_agg(m.content, '' ORDER BY m.seq)
-                 FROM messages m
-                WHERE m.run_id = r.id AND m.kind = 'chunk'
-                  AND m.seq > COALESCE((SELECT max(x.seq) FROM messages x
-                                         WHERE x.run_id = r.id AND x.kind = 'reset'), -1)
-           ), '') AS output,
-           (SELECT count(*) FROM messages x
-             WHERE x.run_id = r.id AND x.kind = 'reset') AS resets,
-           u.calls, u.prompt, u.completion, u.cached, u.reasoning, u.model
-      FROM runs r
-      LEFT JOIN LATERAL (
-           SELECT count(*) AS calls, sum(l.prompt_tokens) AS prompt,
-                  sum(l.completion_tokens) AS completion, sum(l.cached_tokens) AS cached,
-                  sum(l.reasoning_tokens) AS reasoning,
-                  (array_agg(l.model ORDER BY l.attempt DESC, l.call_index DESC))[1] AS model
-             FROM ledger l WHERE l.run_id = r.id AND l.kind = 'chat') AS u ON true
-     WHERE r.id = :run_id AND r.user_id = :user_id
-    """
-)
-
 
 # --- errors in OpenAI's shape -------------------------------------------------------------
 
@@ -162,30 +138,7 @@ def _model_of(settings: Any) -> str:
 
 async def read_state(gw: Components, run_id: str, user_id: str) -> RunState | None:
     """The run as its response shows it, if it is ``user_id``'s; None otherwise."""
-    try:
-        async with gw.store.engine.connect() as conn:
-            row = (await conn.execute(_RUN, {"run_id": run_id, "user_id": user_id})).first()
-    except SQLAlchemyError as exc:
-        raise DatabaseError(f"reading a response failed: {type(exc).__name__}") from exc
-    if row is None:
-        return None
-    usage = None
-    if row.calls:
-        usage = (int(row.prompt), int(row.completion), int(row.cached), int(row.reasoning))
-    return RunState(
-        run_id=row.id,
-        session_id=row.session_id,
-        status=row.status,
-        created_at=row.created_at,
-        finished_at=row.finished_at,
-        error=row.error,
-        output=row.output,
-        resets=int(row.resets),
-        input=row.input if isinstance(row.input, dict) else {},
-        metadata=row.metadata if isinstance(row.metadata, dict) else None,
-        model=row.model or _model_of(gw.settings),
-        usage=usage,
-    )
+    return await gw.reads.response_state(run_id, user_id, _model_of(gw.settings))
 
 
 async def _owned_state(gw: Components, resp_id: str, user_id: str) -> RunState:
@@ -244,7 +197,7 @@ async def _create(request: Request, gw: Components) -> Response:
         body = await read_body_within(
             request, gw.settings.body_limit_bytes, gw.settings.body_read_timeout_s
         )
-    except ClientDisconnect:
+    except ClientGone:
         raise RequestError("the client disconnected before sending the whole body") from None
     asked = parse_create(decode_json(body), _model_of(gw.settings))
     session_id = None
@@ -401,7 +354,7 @@ async def _cancel(request: Request, gw: Components, resp_id: str) -> Response:
     state = await _owned_state(gw, resp_id, user_id)
     if not RunStatus(state.status).terminal:
         # koda's own cancel, its writes, signal and metrics (gateway/control.py).
-        await control.cancel_run(state.run_id, request, gw, user_id)
+        await control.cancel_run(request=request, gw=gw, user_id=user_id, run_id=state.run_id)
         ended = await wait_until_ended(gw, state.run_id, user_id, timeout_s=CANCEL_WAIT_S)
         state = ended or state
     return JSONResponse(response_object(state))
@@ -430,7 +383,7 @@ async def open_stream(
     )
 
 
-class _Stalled(Exception):
+class _Stalled(KodaError):
     """A write did not complete within the write timeout: the client stopped reading."""
 
 
@@ -521,9 +474,9 @@ class ResponseEventStream(Response):
 
     async def _catch_up(self) -> bool:
         """Write every stored event after ``self.last``; True when the stream has ended."""
-        store = self.gw.store
+        reads = self.gw.reads
         while True:
-            status, events = await store.events_after(self.run_id, self.last, REPLAY_PAGE)
+            status, events = await reads.events_after(self.run_id, self.last, REPLAY_PAGE)
             out = bytearray()
             for e in events:
                 frames, ended = await self._feed(e.seq, e.kind, e.content)

@@ -27,8 +27,10 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
+
+from koda_runtime.errors import KodaError
+from koda_runtime.schemas.runs.reads import RunState
 
 RESPONSE_PREFIX = "resp_"
 MESSAGE_PREFIX = "msg_"
@@ -60,7 +62,7 @@ PREAMBLE = 4  # response.created, response.in_progress, output_item.added, part.
 _RUN_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 
 
-class RequestError(Exception):
+class RequestError(KodaError):
     """A request refused in OpenAI's shape: ``param`` names the field at fault."""
 
     def __init__(
@@ -295,24 +297,6 @@ def _metadata(raw: Any) -> dict[str, str] | None:
 
 
 # --- the response object ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RunState:
-    """What the gateway read of a run for its response object."""
-
-    run_id: str
-    session_id: str
-    status: str  # koda's run status
-    created_at: datetime
-    finished_at: datetime | None
-    error: str | None
-    output: str  # the chunks after the last reset
-    resets: int
-    input: Mapping[str, Any]
-    metadata: Mapping[str, Any] | None
-    model: str  # the model of the run's last chat call, else the served one
-    usage: tuple[int, int, int, int] | None  # prompt, completion, cached, reasoning
 
 
 def response_status(run_status: str, error: str | None) -> str:

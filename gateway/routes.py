@@ -19,21 +19,14 @@ from koda_runtime import metrics
 from koda_runtime.errors import DatabaseError, KodaError
 from koda_runtime.gateway.auth import BEARER
 from koda_runtime.gateway.bootstrap import Components
-from koda_runtime.gateway.dependencies import Gateway, User
-from koda_runtime.gateway.errors import NotFound
-from koda_runtime.gateway.models import (
-    Health,
-    RunAccepted,
-    RunDetail,
-    RunSubmission,
-    error_responses,
-)
+from koda_runtime.gateway.dependencies import Gateway, RunId, User, run_not_found
+from koda_runtime.gateway.models import Health, RunAccepted, RunSubmission, error_responses
 from koda_runtime.gateway.submit import accept, events_url
+from koda_runtime.schemas.runs.reads import RunView
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 2.0
-MAX_RUN_ID_CHARS = 128
 
 router = APIRouter()
 
@@ -87,18 +80,16 @@ async def submit_run(request: Request, gw: Gateway) -> RunAccepted:
 
 @router.get(
     "/v1/runs/{run_id}",
-    response_model=RunDetail,
+    response_model=RunView,
     responses={k: _ERRORS[k] for k in (401, 404, 503)},
     summary="Read a run and its output so far",
 )
-async def get_run(run_id: str, gw: Gateway, user_id: User) -> RunDetail:
-    view = None
-    if len(run_id) <= MAX_RUN_ID_CHARS:
-        view = await gw.store.get_run(run_id, user_id)
+async def get_run(gw: Gateway, user_id: User, run_id: RunId) -> RunView:
+    view = await gw.reads.get_run(run_id, user_id)
     if view is None:
         # Another user's run answers exactly like a run that does not exist.
-        raise NotFound("run not found: check the run id and the token's user", field="run_id")
-    return RunDetail.model_validate(view, from_attributes=True)
+        raise run_not_found()
+    return view
 
 
 class StreamTicket(BaseModel):
@@ -114,12 +105,9 @@ class StreamTicket(BaseModel):
     summary="A 60 s ticket that opens this run's events (for EventSource, which cannot "
     "send a header)",
 )
-async def stream_ticket(run_id: str, gw: Gateway, user_id: User) -> StreamTicket:
-    head = None
-    if len(run_id) <= MAX_RUN_ID_CHARS:
-        head = await gw.store.stream_head(run_id, user_id)
-    if head is None:
-        raise NotFound("run not found: check the run id and the token's user", field="run_id")
+async def stream_ticket(gw: Gateway, user_id: User, run_id: RunId) -> StreamTicket:
+    if await gw.reads.stream_head(run_id, user_id) is None:
+        raise run_not_found()
     ticket, expires_at = gw.auth.tickets.issue(run_id, user_id)
     return StreamTicket(
         ticket=ticket,

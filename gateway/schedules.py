@@ -28,9 +28,9 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from koda_runtime import metrics
+from koda_runtime.caps import CapReached
 from koda_runtime.errors import KodaError
 from koda_runtime.gateway.bootstrap import Components
-from koda_runtime.gateway.caps import CapReached
 from koda_runtime.gateway.dependencies import Gateway, User
 from koda_runtime.gateway.errors import InvalidField, NotFound
 from koda_runtime.gateway.intake import (
@@ -43,7 +43,6 @@ from koda_runtime.gateway.intake import (
 )
 from koda_runtime.gateway.models import error_responses
 from koda_runtime.gateway.quotas import LimitReached, limit_reached, read_body_within
-from koda_runtime.gateway.scheduled import ScheduleRow, ScheduleStore, fire
 from koda_runtime.gateway.submit import take_rate_token
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.scheduling import (
@@ -56,7 +55,9 @@ from koda_runtime.scheduling import (
     ScheduleInvalid,
     minute_floor,
 )
+from koda_runtime.schemas.schedules import ScheduleRow, ScheduleStore
 from koda_runtime.schemas.webhooks import get_webhook, schedule_webhooks
+from koda_runtime.topics.scheduled import fire
 
 DEFAULTS = Policy()
 MAX_DAILY_CAP = 100_000

@@ -39,10 +39,10 @@ from typing import Any
 from fastapi import APIRouter, Query, Request, Response
 
 from koda_runtime import metrics, tracing
-from koda_runtime.errors import DatabaseError
+from koda_runtime.errors import DatabaseError, KodaError
 from koda_runtime.gateway.bootstrap import Components
-from koda_runtime.gateway.dependencies import Gateway, StreamUser
-from koda_runtime.gateway.errors import BadRequest, NotFound
+from koda_runtime.gateway.dependencies import Gateway, RunId, StreamUser, run_not_found
+from koda_runtime.gateway.errors import BadRequest
 from koda_runtime.gateway.eventstream import (
     MEDIA_TYPE,
     RECONNECT,
@@ -54,15 +54,14 @@ from koda_runtime.gateway.eventstream import (
 from koda_runtime.gateway.livefeed import Viewer
 from koda_runtime.gateway.models import ErrorBody
 from koda_runtime.gateway.quotas import StreamSlot, stream_slots
-from koda_runtime.gateway.store import StoredEvent
 from koda_runtime.lifecycle.chunks import END_KIND, TERMINAL_KINDS, ChunkKind
 from koda_runtime.lifecycle.states import RunStatus
+from koda_runtime.schemas.runs.reads import StoredEvent
 from koda_runtime.topics.records.codec import chunk_value
 
 log = logging.getLogger(__name__)
 
 REPLAY_PAGE = 500
-MAX_RUN_ID_CHARS = 128
 MAX_SEQ = 2**31 - 1  # messages.seq is a Postgres integer
 
 router = APIRouter()
@@ -132,26 +131,23 @@ def _seq_param(raw: str, name: str) -> int:
     summary="Stream a run's events (Server-Sent Events), resuming after Last-Event-ID",
 )
 async def run_events(
-    run_id: str,
     request: Request,
     gw: Gateway,
     user_id: StreamUser,
+    run_id: RunId,
     after: str | None = Query(
         None, description="Resume after this seq (when there is no Last-Event-ID header)."
     ),
 ) -> Response:
     position = resume_position(request.headers.get("last-event-id"), after)
-    not_found = NotFound("run not found: check the run id and the token's user", field="run_id")
-    if len(run_id) > MAX_RUN_ID_CHARS:
-        raise not_found
     # A place among the streams open here (429 past a cap), held until the stream ends.
     slot = stream_slots(request).acquire(user_id)
     feed = gw.feed
     viewer = feed.subscribe(run_id, gw.settings.sse_queue_bytes)  # 1. before any read
     try:
-        head = await gw.store.stream_head(run_id, user_id)
+        head = await gw.reads.stream_head(run_id, user_id)
         if head is None:
-            raise not_found
+            raise run_not_found()
         if head.complete_through is not None and position >= head.complete_through:
             feed.unsubscribe(viewer)
             slot.release()
@@ -185,7 +181,7 @@ def _viewer_span(run_id: str, after: int, run_trace: str | None, own: str | None
     )
 
 
-class _Stalled(Exception):
+class _Stalled(KodaError):
     """A write did not complete within the write timeout: the client stopped reading."""
 
 
@@ -342,9 +338,9 @@ class RunEventStream(Response):
         """Write every stored event after ``self.last``; True when the stream has ended."""
         if reason != "replay":
             metrics.SSE_BACKFILLS.labels(reason=reason).inc()
-        store = self.gw.store
+        reads = self.gw.reads
         while True:
-            status, events = await store.events_after(self.run_id, self.last, REPLAY_PAGE)
+            status, events = await reads.events_after(self.run_id, self.last, REPLAY_PAGE)
             if events:
                 ended = await self._write_stored(events)
                 if ended:
@@ -355,7 +351,7 @@ class RunEventStream(Response):
                 # Terminal, and every event was committed before that status: nothing
                 # more will come. Either the client already has the terminal event (it
                 # resumed past it), or the run ended without one: say how it ended.
-                if await store.terminal_seq(self.run_id) is None:
+                if await reads.terminal_seq(self.run_id) is None:
                     await self._write(self._end_frame(status))
                 return True
 
@@ -381,7 +377,7 @@ class RunEventStream(Response):
         (an id-less ``reset``) before that event."""
         if self.last < 0:
             return
-        output_seq = await self.gw.store.expired_output_seq(self.run_id)
+        output_seq = await self.gw.reads.expired_output_seq(self.run_id)
         if output_seq is not None and self.last < output_seq:
             data = json_data({"run_id": self.run_id, "kind": "reset", "reason": "expired"})
             await self._write(event_frame(None, ChunkKind.RESET.value, data))

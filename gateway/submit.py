@@ -31,25 +31,22 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from opentelemetry.trace import SpanKind
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 from koda_runtime import metrics, tracing
-from koda_runtime.errors import DatabaseError
+from koda_runtime.caps import CapReached
+from koda_runtime.errors import DatabaseError, Refused
 from koda_runtime.gateway.auth import authenticate_request
 from koda_runtime.gateway.bootstrap import Components
-from koda_runtime.gateway.caps import CapReached
-from koda_runtime.gateway.control_store import MergeCaps
 from koda_runtime.gateway.errors import (
     DOMAIN_ERRORS,
-    BadRequest,
     GatewayError,
     RateLimited,
     answer_error,
     http_error,
 )
-from koda_runtime.gateway.exceptions import Refused
 from koda_runtime.gateway.intake import (
     check_content_type,
     check_idempotency_key,
@@ -58,6 +55,7 @@ from koda_runtime.gateway.intake import (
 )
 from koda_runtime.gateway.models import RunAccepted
 from koda_runtime.gateway.quotas import limit_reached, read_body_within
+from koda_runtime.schemas.runs.control import MergeCaps
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +107,9 @@ async def _accept(request: Request, gw: Components) -> RunAccepted:
         take_rate_token(gw, user_id)
         check_content_type(request.headers.get("content-type"))
         client_key = check_idempotency_key(request.headers.getlist("idempotency-key"))
-        try:
-            body = await read_body_within(
-                request, gw.settings.body_limit_bytes, gw.settings.body_read_timeout_s
-            )
-        except ClientDisconnect:
-            raise BadRequest(
-                "the client disconnected before sending the whole body",
-                field="body",
-                code="client_disconnected",
-            ) from None
+        body = await read_body_within(
+            request, gw.settings.body_limit_bytes, gw.settings.body_read_timeout_s
+        )
         run_request = parse_run_request(decode_json(body))
         run = await gw.admissions.submit(
             user_id, run_request, client_key, merge_caps=MergeCaps.of(gw.settings)

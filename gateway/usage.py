@@ -16,10 +16,8 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from koda_runtime.errors import DatabaseError
 from koda_runtime.gateway.bootstrap import Components
 from koda_runtime.gateway.dependencies import ADMIN, Gateway, User
 from koda_runtime.gateway.errors import BadRequest, InvalidField, NotFound
@@ -27,6 +25,7 @@ from koda_runtime.gateway.intake import check_content_type
 from koda_runtime.gateway.models import error_responses
 from koda_runtime.lifecycle.ledger import check_window, parse_time, parse_usd
 from koda_runtime.schemas import ledger
+from koda_runtime.schemas.db import failing_as
 
 router = APIRouter(tags=["usage"])
 USER_GROUPS = ("day", "model", "kind")
@@ -48,11 +47,10 @@ V = TypeVar("V")
 
 
 async def _ledger(gw: Components, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
-    try:
+    """``work`` (schemas/ledger.py's reads and budget writes) in one transaction."""
+    with failing_as("using the ledger"):
         async with gw.engine.begin() as conn:
             return await work(conn)
-    except SQLAlchemyError as exc:
-        raise DatabaseError(f"the ledger could not be read: {type(exc).__name__}") from exc
 
 
 def _parsed(

@@ -8,7 +8,7 @@ names them; every setting's origin is kept for error messages.
 Each knob is declared once, as a field of :class:`Settings` (or :class:`KafkaSecurity`)
 made by :func:`koda_runtime.knobs.knob`: its environment variable, type (the annotation),
 default, unit, bounds or choices and a one-line meaning sit together.
-:func:`koda_runtime.knobs.load` is the one loop that reads them all, and README's settings
+:func:`koda_runtime.knobs.load` is the one loop that reads them all, and docs/settings.md's
 table is rendered from the same fields (``python -m koda_runtime.settingsdoc``). Cross-field rules
 (a power-of-two partition count, the handoff ceiling below the rebalance timeout, prod's
 refusals) stay in ``__post_init__``.

@@ -21,9 +21,10 @@ from koda_runtime.lifecycle.handler import RunContext, Usage
 from koda_runtime.lifecycle.ledger import LedgerCall, Outcome, calls_of
 from koda_runtime.metrics import LEDGER_CALLS, MODEL_COST_USD, MODEL_TOKENS
 from koda_runtime.processors.ports import RunOutput, WorkerStore
-from koda_runtime.processors.store import Fence, Finished
 from koda_runtime.processors.streaming import CallTally
+from koda_runtime.schemas.epochs import Fence
 from koda_runtime.schemas.ledger import PricedCall
+from koda_runtime.schemas.runs.worker import Finished
 
 log = logging.getLogger("koda.worker")
 

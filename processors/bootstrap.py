@@ -3,18 +3,25 @@
 :func:`build_worker` builds each part once, handing it its collaborators when it is
 constructed, in the order they depend on each other:
 
-    engine → store, handler → emitter → executor (its group writer, control board)
-    store → partition fences → record processor → partition chains
-    offsets reader → partition cursors → offset commits
-    fences + chains + cursors + commits + membership → worker runtime (the hooks)
-    worker runtime → the runs topic's group member (intake) and its dispatcher
+    settings → the Faust app (configuration only)
+    engine → store, handler; app.produce → emitter; store → group writer
+    store, emitter, handler, group writer → executor (its control board)
+    store → partition fences; fences + executor → record processor
+    batch queue + rebalance hooks (empty) → the runs topic's group member (intake)
+    offsets reader + intake → partition cursors → offset commits
+    record processor + commits + intake → partition chains
+    fences + chains + cursors + commits + membership → worker runtime → the hooks
+    worker runtime + intake + batch queue → dispatcher
     heartbeat, twin watch, lag monitor, loop probe, membership, health server → ops
-    all of the above → the Faust app, then the tail check and the shutdown signal
+    all of the above → the app's worker services, then the tail check and the
+    shutdown signal
 
-Faust's producer exists only inside the app, and only once it runs: the parts that
-produce (the emitter, the heartbeat) are given a function that reaches it when called.
-The chains pause, resume and seek through the intake. Nothing connects until the Faust
-worker starts.
+Two links run backwards, each once and explicit, because the parts need each other:
+the app starts and stops the services that produce through it (``app.host``), and the
+intake calls the hooks of the runtime that pauses, seeks and commits through it
+(``hooks.attach``). Faust's producer exists only once the app runs: the parts that
+produce (the emitter, the heartbeat) are given ``app.produce``, which reaches it when
+called. Nothing connects until the Faust worker starts.
 """
 
 from __future__ import annotations
@@ -27,33 +34,29 @@ from typing import Any
 
 import faust
 
-from koda_runtime.processors.app import (
-    Dispatcher,
-    KodaApp,
-    OffsetCommits,
-    PartitionFences,
-    RecordProcessor,
-    RuntimeHooks,
-    WorkerRuntime,
-    faust_settings,
-)
 from koda_runtime.processors.chains import ChainSet
+from koda_runtime.processors.commits import OffsetCommits
 from koda_runtime.processors.control import ControlListener
 from koda_runtime.processors.cursor import PartitionCursors, Start
+from koda_runtime.processors.dispatch import Dispatcher
 from koda_runtime.processors.emitter import Emitter
+from koda_runtime.processors.faust_app import KodaApp, WorkerServices, faust_settings
+from koda_runtime.processors.fences import FencedOut, PartitionFences, RecordProcessor
+from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.groupconfig import apply_group_config
 from koda_runtime.processors.handlers import build_handler
 from koda_runtime.processors.health import GroupMembership, HealthServer, LoopProbe
 from koda_runtime.processors.heartbeat import Heartbeat
-from koda_runtime.processors.identity import TwinWatch
 from koda_runtime.processors.lag import LagMonitor
 from koda_runtime.processors.ops import WorkerOps
-from koda_runtime.processors.runner import FencedOut, RunExecutor
-from koda_runtime.processors.store import RunStore
+from koda_runtime.processors.rebalance import RuntimeHooks, WorkerRuntime
+from koda_runtime.processors.runner import RunExecutor
+from koda_runtime.processors.twins import TwinWatch
 from koda_runtime.schemas.db import async_engine
+from koda_runtime.schemas.runs.worker import RunStore
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS
-from koda_runtime.topics.kafka.intake import RunsIntake
+from koda_runtime.topics.kafka.intake import Fetched, RunsIntake
 from koda_runtime.topics.kafka.offsets import GroupOffsetReader
 
 log = logging.getLogger("koda.worker")
@@ -87,66 +90,62 @@ def build_worker(settings: Settings, datadir: str) -> Worker:
     store = RunStore(engine)
     handler = build_handler(settings, engine)
 
-    # The Faust app is built last, with everything it starts and stops; these reach its
-    # consumer and producer, which it creates when it runs.
-    def send(**record: Any) -> Any:
-        return app.producer.send(**record)
-
-    intake: RunsIntake  # built below, with the runtime its hooks belong to
-    emitter = Emitter(settings, send)
-    executor = RunExecutor(settings, store, emitter, handler)
+    # The Faust app holds configuration only until it runs; its producer is created then,
+    # and the parts that produce send through app.produce.
+    app = KodaApp(group, **faust_settings(settings, datadir))
+    emitter = Emitter(settings, app.produce)
+    writer = GroupWriter(store, fault=settings.test_fault)
+    executor = RunExecutor(settings, store, emitter, handler, writer)
     fences = PartitionFences(store, runs_topic, settings.worker_id)
     offsets = GroupOffsetReader(settings, "cursor", runs_topic, group)
+    membership = GroupMembership(stuck_after_s=settings.rebalance_timeout_s)
+    # The runs topic's group member: it puts the batches it fetches on the dispatcher's
+    # queue and calls the runtime's hooks, which are attached once the runtime exists.
+    batches: asyncio.Queue[list[Fetched]] = asyncio.Queue()
+    hooks = RuntimeHooks()
+    intake = RunsIntake(
+        settings,
+        runs_topic,
+        group,
+        deliver=batches.put_nowait,
+        hooks=hooks,
+        on_joined=lambda: membership.on_rebalance_end(None, None),
+    )
 
     async def base_offset(partition: int) -> Start:
         return await offsets.run(offsets.start, partition)
 
-    async def seek(partition: int, offset: int) -> None:
-        await intake.seek(partition, offset)
-
-    cursors = PartitionCursors(base_offset, seek)
-
-    async def commit(due: dict[int, int], metadata: dict[int, str]) -> bool:
-        return await intake.commit(due, metadata)
-
-    commits = OffsetCommits(cursors, commit)
+    cursors = PartitionCursors(base_offset, intake.seek)
+    commits = OffsetCommits(cursors, intake.commit)
     chains = ChainSet(
         max_inflight=settings.max_inflight,
         process=RecordProcessor(fences, executor).process,
         ack=commits.ack,
         # librdkafka drops what it fetched of a paused partition and fetches it again
         # from the consumer's position on resume; the cursors place it either way.
-        pause=lambda p: intake.pause(p),
-        resume=lambda p: intake.resume(p),
+        pause=intake.pause,
+        resume=intake.resume,
         is_fenced=lambda exc: isinstance(exc, FencedOut),
         high_water=settings.chain_high_water,
         low_water=max(1, settings.chain_high_water // 4),
         max_backlog=settings.max_backlog or 4 * settings.max_inflight,
     )
-    membership = GroupMembership(stuck_after_s=settings.rebalance_timeout_s)
     runtime = WorkerRuntime(settings, fences, chains, cursors, commits, membership)
-    dispatcher = Dispatcher(runtime, lambda p: intake.generation(p))
-    intake = RunsIntake(
-        settings,
-        runs_topic,
-        group,
-        deliver=dispatcher.deliver,
-        hooks=RuntimeHooks(runtime),
-        on_joined=lambda: membership.on_rebalance_end(None, None),
-    )
-    ops = build_ops(settings, send, runtime, membership)
-    app = KodaApp(
-        group,
-        runtime=runtime,
-        intake=intake,
-        dispatcher=dispatcher,
-        control=ControlListener(settings, executor.board),
-        ops=ops,
-        offsets=offsets,
-        group_writer=executor.writer,
-        distiller=executor.distiller,
-        prepare_group=lambda: apply_group_config(settings, group),
-        **faust_settings(settings, datadir),
+    hooks.attach(runtime)
+    dispatcher = Dispatcher(runtime, intake.generation, batches)
+    ops = build_ops(settings, app.produce, runtime, membership)
+    app.host(
+        WorkerServices(
+            runtime=runtime,
+            intake=intake,
+            dispatcher=dispatcher,
+            control=ControlListener(settings, executor.board),
+            ops=ops,
+            offsets=offsets,
+            group_writer=writer,
+            distiller=executor.distiller,
+            prepare_group=lambda: apply_group_config(settings, group),
+        )
     )
     _install_signals(app, runtime, intake)
     return Worker(app, runtime, store, executor, ops)

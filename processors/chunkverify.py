@@ -15,29 +15,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
-from koda_runtime.lifecycle.states import TERMINAL
 from koda_runtime.schemas.db import sync_engine
+from koda_runtime.schemas.runs import upkeep
 from koda_runtime.settings import Settings
 from koda_runtime.topics.chunklog import ChunkLog, read_chunk_log
 
-_FINISHED = text(
-    """
-    SELECT id FROM runs
-     WHERE finished_at IS NOT NULL AND finished_at >= :since
-       AND status = ANY(:terminal)
-     ORDER BY finished_at, id
-    """
-)
-_MESSAGES = text(
-    """
-    SELECT run_id, seq, kind, content, attempt FROM messages
-     WHERE run_id = ANY(:ids) ORDER BY run_id, seq
-    """
-)
 PAGE = 500
-_TERMINAL = sorted(s.value for s in TERMINAL)
 
 
 @dataclass(frozen=True)
@@ -78,7 +63,7 @@ def verify_chunks(
     db = engine if engine is not None else sync_engine(settings)
     try:
         with db.connect() as conn:
-            ids = [r.id for r in conn.execute(_FINISHED, {"since": since, "terminal": _TERMINAL})]
+            ids = upkeep.finished_since(conn, since)
         # The topic is read after the run list: a run listed has ended, so everything it
         # will ever have in Postgres was there before this read started.
         log = read_chunk_log(settings, timeout_s=timeout_s)
@@ -86,14 +71,12 @@ def verify_chunks(
         for start in range(0, len(ids), PAGE):
             page = ids[start : start + PAGE]
             with db.connect() as conn:
-                rows = conn.execute(_MESSAGES, {"ids": page}).all()
-            by_run: dict[str, list[tuple[int, str, str, int]]] = {r: [] for r in page}
-            for m in rows:
-                by_run[m.run_id].append((m.seq, m.kind, m.content, m.attempt))
+                by_run = upkeep.messages_by_run(conn, page)
             for run_id in page:
+                messages = [(m.seq, m.kind, m.content, m.attempt) for m in by_run[run_id]]
                 report.runs += 1
-                report.chunks += len(by_run[run_id])
-                gap = compare_run(log, run_id, by_run[run_id])
+                report.chunks += len(messages)
+                gap = compare_run(log, run_id, messages)
                 if gap is not None:
                     report.gaps.append(gap)
         return report

@@ -61,7 +61,7 @@ from typing import Any
 
 import psycopg
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from koda_runtime import metrics
@@ -74,9 +74,10 @@ from koda_runtime.lifecycle.chunks import (
     final_key,
     visible_output,
 )
-from koda_runtime.lifecycle.states import TERMINAL, RunStatus
+from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.metrics import CHUNK_RUNS_COMPACTED, CHUNKS_REPUBLISHED
 from koda_runtime.schemas.db import sync_engine
+from koda_runtime.schemas.runs import upkeep
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
 from koda_runtime.topics.records.codec import (
@@ -99,45 +100,6 @@ CLOSE_FLUSH_S = 5.0
 # After a failed round the next comes this soon, doubling per failure up to --every.
 RETRY_FIRST_S = 1.0
 ROUTES = ("/livez", "/readyz", "/metrics")
-_TERMINAL_STATUSES = sorted(s.value for s in TERMINAL)
-
-_CLAIM = text(
-    """
-    SELECT id, user_id, partition, status FROM runs
-     WHERE compacted_at IS NULL AND finished_at IS NOT NULL
-       AND status = ANY(:terminal)
-       AND finished_at <= now() - make_interval(secs => :older_than)
-     ORDER BY finished_at
-     LIMIT :batch
-       FOR UPDATE SKIP LOCKED
-    """
-)
-_MESSAGES = text(
-    """
-    SELECT run_id, seq, kind, content, attempt FROM messages
-     WHERE run_id = ANY(:ids) ORDER BY run_id, seq
-    """
-)
-_MARK = text("UPDATE runs SET compacted_at = now() WHERE id = ANY(:ids)")
-_UNPUBLISHED = text(
-    """
-    SELECT id, user_id, partition, finished_at FROM runs
-     WHERE published_seq IS NULL AND compacted_at IS NULL AND finished_at IS NOT NULL
-       AND status = ANY(:terminal)
-       AND finished_at <= now() - make_interval(secs => :older_than)
-       AND (CAST(:after_at AS timestamptz) IS NULL
-            OR (finished_at >= :after_at AND (finished_at, id) > (:after_at, :after_id)))
-     ORDER BY finished_at, id
-     LIMIT :batch
-    """
-)
-_PUBLISHED = text(
-    """
-    UPDATE runs r SET published_seq = q.seq
-      FROM unnest(CAST(:ids AS text[]), CAST(:seqs AS int[])) AS q(run_id, seq)
-     WHERE r.id = q.run_id AND r.published_seq IS NULL
-    """
-)
 
 
 class CompactionError(KodaError):
@@ -213,26 +175,15 @@ class ChunkCompactor:
         after: tuple[Any, str] | None = None
         while True:
             with self.engine.connect() as conn:
-                runs = conn.execute(
-                    _UNPUBLISHED,
-                    {
-                        "terminal": _TERMINAL_STATUSES,
-                        "older_than": older,
-                        "after_at": None if after is None else after[0],
-                        "after_id": None if after is None else after[1],
-                        "batch": batch,
-                    },
-                ).all()
+                runs = upkeep.unpublished(conn, older, after, batch)
                 if not runs:
                     break
                 ids = [r.id for r in runs]
-                by_run: dict[str, list[Any]] = {run_id: [] for run_id in ids}
-                for m in conn.execute(_MESSAGES, {"ids": ids}):
-                    by_run[m.run_id].append(m)
+                by_run = upkeep.messages_by_run(conn, ids)
             self._republish(runs, by_run)
             seqs = [by_run[i][-1].seq if by_run[i] else -1 for i in ids]
             with self.engine.begin() as conn:
-                conn.execute(_PUBLISHED, {"ids": ids, "seqs": seqs})
+                upkeep.mark_published(conn, ids, seqs)
             produced = sum(len(by_run[i]) for i in ids)
             if produced:
                 CHUNKS_REPUBLISHED.labels(by="pass").inc(produced)
@@ -332,16 +283,11 @@ class ChunkCompactor:
 
     def _compact_batch(self, older_than_s: float, batch: int) -> CompactionReport:
         with self.engine.begin() as conn:
-            runs = conn.execute(
-                _CLAIM,
-                {"terminal": _TERMINAL_STATUSES, "older_than": older_than_s, "batch": batch},
-            ).all()
+            runs = upkeep.claim_for_compaction(conn, older_than_s, batch)
             if not runs:
                 return CompactionReport(0, 0)
             ids = [r.id for r in runs]
-            by_run: dict[str, list[Any]] = {run_id: [] for run_id in ids}
-            for m in conn.execute(_MESSAGES, {"ids": ids}):
-                by_run[m.run_id].append(m)
+            by_run = upkeep.messages_by_run(conn, ids)
             failures: list[str] = []
             tombstones = 0
             for run in runs:
@@ -356,7 +302,7 @@ class ChunkCompactor:
                 detail = failures[0] if failures else f"{remaining} records undelivered"
                 # Raising rolls the transaction back: nothing is marked compacted.
                 raise CompactionError(f"compacting {len(ids)} runs failed: {detail}")
-            conn.execute(_MARK, {"ids": ids})
+            upkeep.mark_compacted(conn, ids)
         CHUNK_RUNS_COMPACTED.inc(len(ids))
         self._progress()
         return CompactionReport(len(ids), tombstones)

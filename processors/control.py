@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from koda_runtime import tracing
 from koda_runtime.lifecycle.control import CANCEL, MERGE, ControlRecord, decode_control
 from koda_runtime.lifecycle.handler import CancelToken
-from koda_runtime.processors.store import RunSteer
+from koda_runtime.schemas.runs.worker import RunSteer
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUN_CONTROL
 from koda_runtime.topics.kafka.tail import TailEvents, TopicTail

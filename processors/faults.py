@@ -24,7 +24,7 @@ import os
 import signal
 from collections.abc import Sequence
 
-from koda_runtime.processors.store import ChunkWrite, FinishWrite, GroupWrite
+from koda_runtime.schemas.runs.worker import ChunkWrite, FinishWrite, GroupWrite
 
 log = logging.getLogger("koda.worker")
 

@@ -31,16 +31,15 @@ Failure modes and what happens:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
+from koda_runtime.batching import Batcher
 from koda_runtime.metrics import GROUP_COMMIT_RUNS, RUN_PHASE_SECONDS
 from koda_runtime.processors import faults
-from koda_runtime.processors.store import (
+from koda_runtime.schemas.runs.worker import (
     Batched,
     ChunkWrite,
     Claim,
@@ -59,23 +58,20 @@ log = logging.getLogger("koda.worker")
 MAX_GROUP_ROWS = 4096
 
 
-@dataclass
-class _Waiting:
-    write: GroupWrite
-    done: asyncio.Future[GroupResult] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-
-
 class GroupStore(Protocol):
     """What the writer needs of the store: one transaction for a group of writes, a
-    result per write (processors/store.py ``RunStore.write_group``)."""
+    result per write (schemas/runs/worker.py ``RunStore.write_group``)."""
 
     async def write_group(self, writes: Sequence[GroupWrite]) -> list[GroupResult]: ...
 
 
 class GroupWriter:
-    """Writes runs' claims, chunk batches and finishes to Postgres in shared transactions."""
+    """Writes runs' claims, chunk batches and finishes to Postgres in shared transactions.
+
+    The queue and the flusher are koda/batching.py's :class:`Batcher` (its failure
+    rules): a group is chosen by :meth:`_take`, a failed group of several is written
+    again part by part, a part whose run was cancelled before its group started is
+    withdrawn, and closing fails what still waits."""
 
     def __init__(
         self, store: GroupStore, max_rows: int = MAX_GROUP_ROWS, *, fault: str | None = None
@@ -84,14 +80,25 @@ class GroupWriter:
         self.max_rows = max_rows
         self.fault = fault  # KODA_TEST_FAULT: tests only (processors/faults.py)
         self.groups = 0  # group transactions tried (tests read it)
-        self._queue: list[_Waiting] = []
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._batcher: Batcher[GroupWrite, GroupResult] = Batcher(
+            self._write,
+            name="koda-group-writer",
+            take=self._take,
+            retry_alone=_each_alone,
+            flush_alone=self.store.write_group,
+            withdraw=True,
+            closed=lambda: RuntimeError("the group writer was closed"),
+        )
+
+    @property
+    def _queue(self) -> list[GroupWrite]:
+        """The parts waiting for a group (tests read it)."""
+        return self._batcher.queued
 
     async def claim(self, write: ClaimWrite) -> Claim | None:
         """Claim one run; the claim, or None if someone moved first or it is fenced out."""
         started = time.monotonic()
-        result = await self._submit(write)
+        result = await self._batcher.submit(write)
         RUN_PHASE_SECONDS.labels(phase="claim").observe(time.monotonic() - started)
         if result is None or isinstance(result, Claim):
             return result
@@ -100,7 +107,7 @@ class GroupWriter:
     async def chunks(self, write: ChunkWrite) -> Batched | None:
         """Write one run's chunk batch (and its ledger rows); the seqs inserted, or None
         if fenced out."""
-        result = await self._submit(write)
+        result = await self._batcher.submit(write)
         if result is None or isinstance(result, Batched):
             return result
         raise TypeError(f"a chunk batch came back as {type(result).__name__}")
@@ -109,7 +116,7 @@ class GroupWriter:
         """Write one run's finish; what was written, None if fenced out, or why a cancel
         request or a merge refused it."""
         started = time.monotonic()
-        result = await self._submit(write)
+        result = await self._batcher.submit(write)
         RUN_PHASE_SECONDS.labels(phase="finish").observe(time.monotonic() - started)
         if result is None or isinstance(result, Finished | Superseded):
             return result
@@ -119,107 +126,37 @@ class GroupWriter:
         """Record, in a coming group, that the terminal run's messages 0..``seq`` are all on
         the chunk topic. Nothing waits for it: a mark lost with the process only means
         that run's messages are produced once more later (see processors/republish.py)."""
-        waiting = self._enqueue(PublishedWrite(run_id, seq))
-        waiting.done.add_done_callback(_consume)
-
-    def _enqueue(self, write: GroupWrite) -> _Waiting:
-        waiting = _Waiting(write)
-        self._queue.append(waiting)
-        self._wake.set()
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="koda-group-writer")
-        return waiting
-
-    async def _submit(self, write: GroupWrite) -> GroupResult:
-        waiting = self._enqueue(write)
-        try:
-            return await asyncio.shield(waiting.done)
-        except asyncio.CancelledError:
-            if waiting in self._queue:
-                self._queue.remove(waiting)  # not started: nothing of it is written
-            else:  # in a group already: its outcome is no longer anyone's to read
-                waiting.done.add_done_callback(_consume)
-            raise
+        self._batcher.put(PublishedWrite(run_id, seq))
 
     async def close(self) -> None:
         """Stop the writer; parts still waiting fail with a clear error."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        self._fail(self._queue, RuntimeError("the group writer was closed"))
-        self._queue = []
+        await self._batcher.close(drain=False)
 
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._queue:
-                group = self._take()
-                try:
-                    await self._write(group)
-                except asyncio.CancelledError:
-                    self._fail(group, RuntimeError("the group writer was closed"))
-                    raise
-
-    def _take(self) -> list[_Waiting]:
+    def _take(self, queued: Sequence[GroupWrite]) -> list[int]:
         """The oldest waiting parts up to ``max_rows`` chunk rows, one per run (at least one)."""
-        group: list[_Waiting] = []
+        chosen: list[int] = []
         runs: set[str] = set()
         rows = 0
-        rest: list[_Waiting] = []
-        for waiting in self._queue:
-            size = len(waiting.write.chunks)
-            fits = not group or rows + size <= self.max_rows
-            if fits and waiting.write.run_id not in runs:
-                group.append(waiting)
-                runs.add(waiting.write.run_id)
+        for i, write in enumerate(queued):
+            size = len(write.chunks)
+            fits = not chosen or rows + size <= self.max_rows
+            if fits and write.run_id not in runs:
+                chosen.append(i)
+                runs.add(write.run_id)
                 rows += size
-            else:
-                rest.append(waiting)
-        self._queue = rest
-        return group
+        return chosen
 
-    async def _write(self, group: list[_Waiting]) -> None:
+    async def _write(self, group: list[GroupWrite]) -> list[GroupResult]:
         self.groups += 1
         GROUP_COMMIT_RUNS.observe(len(group))
-        try:
-            results = await self.store.write_group([w.write for w in group])
-        except Exception as exc:  # noqa: BLE001 - each part is tried alone below
-            if len(group) == 1:
-                self._fail(group, exc)
-                return
-            log.warning(
-                "group of %d runs failed (%s); writing each run alone",
-                len(group),
-                type(exc).__name__,
-            )
-            for waiting in group:
-                await self._alone(waiting)
-            return
-        faults.after_commit(self.fault, [w.write for w in group])
-        for waiting, result in zip(group, results, strict=True):
-            if not waiting.done.done():
-                waiting.done.set_result(result)
-
-    async def _alone(self, waiting: _Waiting) -> None:
-        """Write one part of a failed group as a group of its own: its error is its own."""
-        try:
-            (result,) = await self.store.write_group([waiting.write])
-        except Exception as exc:  # noqa: BLE001 - the run's own error, handed to it
-            if not waiting.done.done():
-                waiting.done.set_exception(exc)
-            return
-        if not waiting.done.done():
-            waiting.done.set_result(result)
-
-    @staticmethod
-    def _fail(group: list[_Waiting], exc: BaseException) -> None:
-        for waiting in group:
-            if not waiting.done.done():
-                waiting.done.set_exception(exc)
+        results = await self.store.write_group(group)
+        faults.after_commit(self.fault, group)
+        return results
 
 
-def _consume(done: asyncio.Future[GroupResult]) -> None:
-    if not done.cancelled():
-        done.exception()
+def _each_alone(exc: Exception, group: Sequence[GroupWrite]) -> bool:
+    """A failed group is written again part by part: each part's error is its own."""
+    log.warning(
+        "group of %d runs failed (%s); writing each run alone", len(group), type(exc).__name__
+    )
+    return True

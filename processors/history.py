@@ -1,6 +1,6 @@
 """Load a run's context: its session's earlier turns within the token budget.
 
-One statement (schemas/turns.py) when the run is first claimed; the per-user order
+One statement (schemas/runs/reads.py) when the run is first claimed; the per-user order
 guarantees the earlier runs of the session have ended, so the turns do not change
 between the run's attempts and are read once per run.
 """
@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda_runtime.lifecycle.turns import Turn, fit_budget, input_tokens
-from koda_runtime.schemas.turns import MAX_TURNS, earlier_turns
+from koda_runtime.schemas.runs.reads import MAX_TURNS, earlier_turns
 
 
 class SessionHistory:

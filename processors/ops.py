@@ -13,8 +13,8 @@ import logging
 
 from koda_runtime.processors.health import GroupMembership, HealthServer, LoopProbe
 from koda_runtime.processors.heartbeat import Heartbeat
-from koda_runtime.processors.identity import TwinWatch
 from koda_runtime.processors.lag import LagMonitor
+from koda_runtime.processors.twins import TwinWatch
 
 log = logging.getLogger("koda.worker")
 

@@ -1,6 +1,6 @@
 """What the worker's executor needs of Postgres and of Kafka, as protocols.
 
-``RunStore`` (processors/store.py) and ``Emitter`` (processors/emitter.py) are the
+``RunStore`` (schemas/runs/worker.py) and ``Emitter`` (processors/emitter.py) are the
 real ones; the unit tests (tests/unit/test_executor.py) run the executor over
 in-memory ones, so its rules (retry, give-up, cancel, merge, cut-off, the order of
 writes, deliveries and acks) are checked without services.
@@ -16,8 +16,9 @@ from typing import Any, Protocol
 from koda_runtime.lifecycle.chunks import Chunk
 from koda_runtime.lifecycle.ledger import LedgerCall
 from koda_runtime.processors.groupcommit import GroupStore
-from koda_runtime.processors.store import Fence, RunRow, SteerObserver
+from koda_runtime.schemas.epochs import Fence
 from koda_runtime.schemas.ledger import PricedCall
+from koda_runtime.schemas.runs.worker import RunRow, SteerObserver
 
 
 @dataclass(frozen=True)

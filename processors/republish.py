@@ -39,8 +39,8 @@ from koda_runtime.lifecycle.chunks import Chunk
 from koda_runtime.metrics import CHUNKS_REPUBLISHED
 from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.ports import RunOutput, WorkerStore
-from koda_runtime.processors.store import RunRow
 from koda_runtime.processors.streaming import refusal
+from koda_runtime.schemas.runs.worker import RunRow
 
 log = logging.getLogger("koda.worker")
 

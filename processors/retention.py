@@ -47,13 +47,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter, Gauge
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from koda_runtime import metrics
 from koda_runtime.errors import KodaError
 from koda_runtime.lifecycle.chunks import TERMINAL_KINDS, ChunkKind, visible_output
-from koda_runtime.lifecycle.states import TERMINAL
+from koda_runtime.schemas import retention as rows_of
 from koda_runtime.schemas.db import sync_engine
 from koda_runtime.settings import Settings
 
@@ -61,11 +61,10 @@ log = logging.getLogger(__name__)
 
 TABLES = ("messages", "usage", "run_merges", "runs", "ledger")
 # A statement of the sweep waits at most this long for a lock; past it the statement
-# fails and the batch is tried again at the next pass.
-LOCK_TIMEOUT_MS = 2000
+# fails and the batch is tried again at the next pass (schemas/retention.py).
+LOCK_TIMEOUT_MS = rows_of.LOCK_TIMEOUT_MS
 # How long stopping the loop's thread waits for the pass in progress.
 STOP_WAIT_S = 30.0
-_TERMINAL_STATUSES = sorted(s.value for s in TERMINAL)
 _TERMINAL_KINDS = frozenset(k.value for k in TERMINAL_KINDS)
 
 ROWS_DELETED = Counter(
@@ -83,146 +82,6 @@ LAST_PASS = Gauge(
     "koda_retention_last_pass_timestamp_seconds",
     "Unix time the retention sweep last completed a pass without error; 0 until its first.",
     registry=metrics.REGISTRY,
-)
-
-# Ended, compacted runs whose chunks are all kept and that ended before the cut-off,
-# oldest first (ix_runs_unexpired_finished_at).
-_CLAIM_EXPIRABLE = text(
-    """
-    SELECT id FROM runs
-     WHERE chunks_expired_at IS NULL AND finished_at IS NOT NULL
-       AND finished_at <= now() - make_interval(secs => :keep)
-       AND status = ANY(:terminal) AND compacted_at IS NOT NULL
-     ORDER BY finished_at
-     LIMIT :runs
-       FOR UPDATE SKIP LOCKED
-    """
-)
-_COUNT_EXPIRABLE = text(
-    """
-    SELECT count(*) FROM runs
-     WHERE chunks_expired_at IS NULL AND finished_at IS NOT NULL
-       AND finished_at <= now() - make_interval(secs => :keep)
-       AND status = ANY(:terminal) AND compacted_at IS NOT NULL
-    """
-)
-_RUN_MESSAGES = text(
-    "SELECT run_id, seq, kind, content, attempt FROM messages"
-    " WHERE run_id = ANY(:ids) ORDER BY run_id, seq"
-)
-_UPSERT = text(
-    """
-    INSERT INTO messages (run_id, seq, kind, content, attempt)
-    SELECT * FROM unnest(CAST(:ids AS text[]), CAST(:seqs AS int[]), CAST(:kinds AS text[]),
-                         CAST(:contents AS text[]), CAST(:attempts AS int[]))
-    ON CONFLICT (run_id, seq) DO UPDATE
-       SET kind = excluded.kind, content = excluded.content, attempt = excluded.attempt
-    """
-)
-_MARK_EXPIRED = text(
-    """
-    UPDATE runs r SET chunks_expired_at = now(), output_seq = q.output_seq,
-                      expire_through = q.through
-      FROM unnest(CAST(:ids AS text[]), CAST(:outs AS int[]), CAST(:throughs AS int[]))
-           AS q(id, output_seq, through)
-     WHERE r.id = q.id
-    """
-)
-# Rows below a collapsed run's reset, in any order (the reset keeps the output whole).
-_DELETE_LEFTOVERS = text(
-    """
-    DELETE FROM messages WHERE ctid = ANY(ARRAY(
-        SELECT m.ctid FROM runs r JOIN messages m ON m.run_id = r.id AND m.seq < r.expire_through
-         WHERE r.expire_through IS NOT NULL
-         LIMIT :batch
-           FOR UPDATE OF m SKIP LOCKED))
-    """
-)
-# Collapsed runs with nothing left below their reset: the reset goes, and they are done.
-_FINISH_LEFTOVERS = text(
-    """
-    WITH done AS (
-        SELECT r.id, r.expire_through FROM runs r
-         WHERE r.expire_through IS NOT NULL
-           AND NOT EXISTS (SELECT 1 FROM messages m
-                            WHERE m.run_id = r.id AND m.seq < r.expire_through)
-         LIMIT :runs
-           FOR UPDATE OF r SKIP LOCKED
-    ), gone AS (
-        DELETE FROM messages m USING done
-         WHERE m.run_id = done.id AND m.seq = done.expire_through AND m.kind = 'reset'
-        RETURNING 1
-    ), marked AS (
-        UPDATE runs r SET expire_through = NULL FROM done WHERE r.id = done.id RETURNING 1
-    )
-    SELECT (SELECT count(*) FROM gone) AS rows, (SELECT count(*) FROM marked) AS runs
-    """
-)
-_COUNT_LEFTOVERS = text(
-    """
-    SELECT count(*) FROM runs r JOIN messages m ON m.run_id = r.id AND m.seq <= r.expire_through
-     WHERE r.expire_through IS NOT NULL
-    """
-)
-# Ended, compacted runs past KODA_RUN_RETENTION, oldest first after a keyset cursor.
-_OLD_RUNS = text(
-    """
-    SELECT id, finished_at FROM runs
-     WHERE finished_at IS NOT NULL
-       AND finished_at <= now() - make_interval(secs => :keep)
-       AND status = ANY(:terminal) AND compacted_at IS NOT NULL
-       AND (CAST(:after_at AS timestamptz) IS NULL
-            OR (finished_at >= :after_at AND (finished_at, id) > (:after_at, :after_id)))
-     ORDER BY finished_at, id
-     LIMIT :runs
-    """
-)
-_DELETE_RUN_MESSAGES = text(
-    """
-    DELETE FROM messages WHERE ctid = ANY(ARRAY(
-        SELECT ctid FROM messages WHERE run_id = ANY(:ids) LIMIT :batch FOR UPDATE SKIP LOCKED))
-    """
-)
-_LOCK_RUNS = text(
-    """
-    SELECT id FROM runs
-     WHERE id = ANY(:ids) AND status = ANY(:terminal) AND finished_at IS NOT NULL
-       AND NOT EXISTS (SELECT 1 FROM messages m WHERE m.run_id = runs.id)
-       FOR UPDATE SKIP LOCKED
-    """
-)
-_DELETE_CHILDREN = {
-    "usage": text("DELETE FROM usage WHERE run_id = ANY(:ids)"),
-    "run_merges": text("DELETE FROM run_merges WHERE run_id = ANY(:ids)"),
-    "runs": text("DELETE FROM runs WHERE id = ANY(:ids)"),
-}
-_COUNT_OLD = text(
-    """
-    SELECT count(*) AS runs,
-           coalesce(sum((SELECT count(*) FROM messages m WHERE m.run_id = r.id)), 0) AS messages
-      FROM runs r
-     WHERE finished_at IS NOT NULL
-       AND finished_at <= now() - make_interval(secs => :keep)
-       AND status = ANY(:terminal) AND compacted_at IS NOT NULL
-    """
-)
-# Whole UTC months that ended more than :keep seconds ago: rows created before the
-# first instant of the month holding now() - :keep.
-_DELETE_LEDGER = text(
-    """
-    DELETE FROM ledger WHERE id = ANY(ARRAY(
-        SELECT id FROM ledger
-         WHERE created_at < (date_trunc('month', (now() - make_interval(secs => :keep))
-                                                 AT TIME ZONE 'UTC') AT TIME ZONE 'UTC')
-         LIMIT :batch FOR UPDATE SKIP LOCKED))
-    """
-)
-_COUNT_LEDGER = text(
-    """
-    SELECT count(*) FROM ledger
-     WHERE created_at < (date_trunc('month', (now() - make_interval(secs => :keep))
-                                             AT TIME ZONE 'UTC') AT TIME ZONE 'UTC')
-    """
 )
 
 
@@ -313,38 +172,18 @@ class RetentionSweeper:
             return
         while True:
             with self._begin() as conn:
-                ids = [
-                    r.id
-                    for r in conn.execute(
-                        _CLAIM_EXPIRABLE,
-                        {"keep": keep, "terminal": _TERMINAL_STATUSES, "runs": self.runs_per_batch},
-                    )
-                ]
+                ids = rows_of.claim_expirable(conn, keep_s=keep, runs=self.runs_per_batch)
                 if not ids:
                     return
                 by_run: dict[str, list[Any]] = {i: [] for i in ids}
-                for m in conn.execute(_RUN_MESSAGES, {"ids": ids}):
+                for m in rows_of.run_messages(conn, ids):
                     by_run[m.run_id].append(m)
                 plans = [collapse_plan(i, by_run[i]) for i in ids]
                 rows = [(p.run_id, *row) for p in plans for row in p.rows]
                 if rows:
-                    conn.execute(
-                        _UPSERT,
-                        {
-                            "ids": [r[0] for r in rows],
-                            "seqs": [r[1] for r in rows],
-                            "kinds": [r[2] for r in rows],
-                            "contents": [r[3] for r in rows],
-                            "attempts": [r[4] for r in rows],
-                        },
-                    )
-                conn.execute(
-                    _MARK_EXPIRED,
-                    {
-                        "ids": ids,
-                        "outs": [p.output_seq for p in plans],
-                        "throughs": [p.through for p in plans],
-                    },
+                    rows_of.upsert_messages(conn, rows)
+                rows_of.mark_expired(
+                    conn, ids, [p.output_seq for p in plans], [p.through for p in plans]
                 )
             report.collapsed += len(ids)
             RUNS_COLLAPSED.inc(len(ids))
@@ -354,15 +193,15 @@ class RetentionSweeper:
     def _delete_leftovers(self, report: SweepReport) -> None:
         while True:
             with self._begin() as conn:
-                n = conn.execute(_DELETE_LEFTOVERS, {"batch": self.batch}).rowcount
+                n = rows_of.delete_leftovers(conn, batch=self.batch)
             self._deleted(report, "messages", n)
             if n < self.batch:
                 break
         while True:
             with self._begin() as conn:
-                done = conn.execute(_FINISH_LEFTOVERS, {"runs": self.batch}).one()
-            self._deleted(report, "messages", int(done.rows))
-            if int(done.runs) < self.batch:
+                deleted, done = rows_of.finish_leftovers(conn, runs=self.batch)
+            self._deleted(report, "messages", deleted)
+            if done < self.batch:
                 return
 
     def _delete_old_runs(self, report: SweepReport) -> None:
@@ -373,37 +212,19 @@ class RetentionSweeper:
         runs_per_batch = max(1, self.batch // 10)
         while True:
             with self.engine.connect() as conn:
-                found = conn.execute(
-                    _OLD_RUNS,
-                    {
-                        "keep": keep,
-                        "terminal": _TERMINAL_STATUSES,
-                        "after_at": None if after is None else after[0],
-                        "after_id": None if after is None else after[1],
-                        "runs": runs_per_batch,
-                    },
-                ).all()
+                found = rows_of.old_runs(conn, keep_s=keep, after=after, runs=runs_per_batch)
             if not found:
                 return
             ids = [r.id for r in found]
             while True:
                 with self._begin() as conn:
-                    n = conn.execute(_DELETE_RUN_MESSAGES, {"ids": ids, "batch": self.batch})
-                self._deleted(report, "messages", n.rowcount)
-                if n.rowcount < self.batch:
+                    n = rows_of.delete_run_messages(conn, ids, batch=self.batch)
+                self._deleted(report, "messages", n)
+                if n < self.batch:
                     break
             try:
                 with self._begin() as conn:
-                    locked = [
-                        r.id
-                        for r in conn.execute(
-                            _LOCK_RUNS, {"ids": ids, "terminal": _TERMINAL_STATUSES}
-                        )
-                    ]
-                    counts = {
-                        table: conn.execute(stmt, {"ids": locked}).rowcount
-                        for table, stmt in _DELETE_CHILDREN.items()
-                    }
+                    counts = rows_of.delete_runs(conn, ids)
             except IntegrityError as exc:
                 # A table added later references these runs: keep them and say which.
                 report.blocked += len(ids)
@@ -421,7 +242,7 @@ class RetentionSweeper:
             return
         while True:
             with self._begin() as conn:
-                n = conn.execute(_DELETE_LEDGER, {"keep": keep, "batch": self.batch}).rowcount
+                n = rows_of.delete_ledger(conn, keep_s=keep, batch=self.batch)
             self._deleted(report, "ledger", n)
             if n < self.batch:
                 return
@@ -430,26 +251,17 @@ class RetentionSweeper:
         s = self.settings
         with self.engine.connect() as conn:
             if s.chunk_retention_s:
-                report.collapsed = int(
-                    conn.execute(
-                        _COUNT_EXPIRABLE,
-                        {"keep": s.chunk_retention_s, "terminal": _TERMINAL_STATUSES},
-                    ).scalar_one()
-                )
-            report.deleted["messages"] = int(conn.execute(_COUNT_LEFTOVERS).scalar_one())
+                report.collapsed = rows_of.count_expirable(conn, keep_s=s.chunk_retention_s)
+            report.deleted["messages"] = rows_of.count_leftovers(conn)
             if s.run_retention_s:
-                old = conn.execute(
-                    _COUNT_OLD, {"keep": s.run_retention_s, "terminal": _TERMINAL_STATUSES}
-                ).one()
-                report.deleted["runs"] = int(old.runs)
-                report.deleted["messages"] += int(old.messages)
+                runs, messages = rows_of.count_old(conn, keep_s=s.run_retention_s)
+                report.deleted["runs"] = runs
+                report.deleted["messages"] += messages
             if s.ledger_retention_s:
-                report.deleted["ledger"] = int(
-                    conn.execute(_COUNT_LEDGER, {"keep": s.ledger_retention_s}).scalar_one()
-                )
+                report.deleted["ledger"] = rows_of.count_ledger(conn, keep_s=s.ledger_retention_s)
 
     def _begin(self) -> Any:
-        return _ShortTransaction(self.engine)
+        return rows_of.short_transaction(self.engine)
 
     def _deleted(self, report: SweepReport, table: str, n: int) -> None:
         if n > 0:
@@ -496,25 +308,6 @@ class RetentionSweeper:
             thread.join(STOP_WAIT_S)
 
         return stopper
-
-
-# set_config(..., true) is SET LOCAL: for this transaction only.
-_SET_LOCK_TIMEOUT = text("SELECT set_config('lock_timeout', :ms, true)")
-
-
-class _ShortTransaction:
-    """A transaction whose statements wait at most LOCK_TIMEOUT_MS for a lock."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._cm = engine.begin()
-
-    def __enter__(self) -> Connection:
-        conn = self._cm.__enter__()
-        conn.execute(_SET_LOCK_TIMEOUT, {"ms": str(LOCK_TIMEOUT_MS)})
-        return conn
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self._cm.__exit__(*exc)
 
 
 def _reason(exc: Exception) -> str:

@@ -61,29 +61,23 @@ from koda_runtime.processors import faults
 from koda_runtime.processors.billing import Billing
 from koda_runtime.processors.chains import Parked
 from koda_runtime.processors.control import ControlBoard, RunControl
+from koda_runtime.processors.fences import FencedOut
 from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.history import history_for
 from koda_runtime.processors.memory.distiller import distiller_for
 from koda_runtime.processors.ports import Record, RunOutput, WorkerStore
 from koda_runtime.processors.republish import ChunkRepair
-from koda_runtime.processors.store import (
-    ClaimWrite,
-    Fence,
-    Finished,
-    FinishWrite,
-    RunRow,
-    Superseded,
-)
 from koda_runtime.processors.streaming import (
     AttemptLimits,
     CallTally,
     ChunkBatcher,
-    FencedOut,
     OutputRefused,
     refusal,
     stream,
 )
 from koda_runtime.processors.tools import AwaitingApproval, build_toolbox
+from koda_runtime.schemas.epochs import Fence
+from koda_runtime.schemas.runs.worker import ClaimWrite, Finished, FinishWrite, RunRow, Superseded
 from koda_runtime.settings import Settings
 from koda_runtime.topics.records.codec import (
     RUN_REQUESTED,
@@ -96,7 +90,6 @@ from koda_runtime.topics.records.codec import (
 __all__ = [
     "MAX_CLAIMS_PER_ATTEMPT",
     "ChunkBatcher",
-    "FencedOut",
     "Predecessor",
     "Record",
     "RecordTries",
@@ -311,13 +304,21 @@ class RunExecutor:
     """Runs records through the lifecycle; one instance per worker process."""
 
     def __init__(
-        self, settings: Settings, store: WorkerStore, emitter: RunOutput, handler: Handler
+        self,
+        settings: Settings,
+        store: WorkerStore,
+        emitter: RunOutput,
+        handler: Handler,
+        writer: GroupWriter,
     ) -> None:
+        """``writer`` groups the claims, chunk batches and finishes into shared
+        transactions on ``store``; whoever built it closes it (the worker's composition
+        root, after the final commit)."""
         self.settings = settings
         self.store = store
         self.emitter = emitter
         self.handler = handler
-        self.writer = GroupWriter(store, fault=settings.test_fault)
+        self.writer = writer
         self.repair = ChunkRepair(store, emitter, self.writer)
         self.policy = RetryPolicy(settings.max_attempts, settings.retry_base_s)
         self.worker_id = settings.worker_id

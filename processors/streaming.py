@@ -29,7 +29,7 @@ import psycopg
 import sqlalchemy.exc
 
 from koda_runtime import tracing
-from koda_runtime.errors import HandlerError, KodaError
+from koda_runtime.errors import HandlerError
 from koda_runtime.lifecycle.attempts import first_output
 from koda_runtime.lifecycle.chunks import (
     MAX_CHUNK_BYTES,
@@ -51,8 +51,10 @@ from koda_runtime.lifecycle.handler import (
 from koda_runtime.metrics import TIME_TO_FIRST_CHUNK_SECONDS
 from koda_runtime.processors.control import RunControl
 from koda_runtime.processors.emitter import REFUSALS
+from koda_runtime.processors.fences import FencedOut
 from koda_runtime.processors.groupcommit import GroupWriter
-from koda_runtime.processors.store import ChunkWrite, Fence
+from koda_runtime.schemas.epochs import Fence
+from koda_runtime.schemas.runs.worker import ChunkWrite
 
 if TYPE_CHECKING:
     from koda_runtime.lifecycle.ledger import Exceeded, LedgerCall
@@ -63,10 +65,6 @@ log = logging.getLogger("koda.worker")
 
 _END = object()
 _STOP = object()  # a cancel or a merge stopped the attempt
-
-
-class FencedOut(KodaError):
-    """This worker lost the partition: its writes match zero rows; do not ack."""
 
 
 class OutputRefused(RunFailed):
@@ -211,7 +209,7 @@ class ChunkBatcher:
         self.pending: list[Chunk] = []
         self.streaming = False
         self.book: CallBook | None = None
-        # The budget the last batch's ledger rows found spent (processors/store.py).
+        # The budget the last batch's ledger rows found spent (schemas/runs/worker.py).
         self.spent: Exceeded | None = None
         # Kafka refused a batch Postgres holds: the run is never marked whole on the topic.
         self.holed = False

@@ -30,14 +30,14 @@ from typing import Any
 from aiohttp import web
 
 from koda_runtime import metrics
-from koda_runtime.gateway.publisher import RunPublisher
-from koda_runtime.gateway.scheduled import ScheduleStore
-from koda_runtime.gateway.store import RunStore
-from koda_runtime.gateway.sweeper import Sweeper
 from koda_runtime.kafka import producer_config
 from koda_runtime.scheduler.service import Scheduler
 from koda_runtime.schemas.db import async_engine
+from koda_runtime.schemas.runs.admission import RunAdmission
+from koda_runtime.schemas.schedules import ScheduleStore
 from koda_runtime.settings import Settings
+from koda_runtime.topics.kafka.publisher import RunPublisher
+from koda_runtime.topics.sweeper import Sweeper
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ async def serve(settings: Settings) -> None:
     engine = async_engine(settings, pool_size=POOL_SIZE)
     publisher = RunPublisher(settings, config=producer_config(settings, ROLE))
     await publisher.start()
-    runs = RunStore(engine)
+    runs = RunAdmission(engine)
     scheduler = Scheduler(
         ScheduleStore(engine),
         runs,
@@ -127,7 +127,7 @@ async def serve(settings: Settings) -> None:
         budgets=settings.cost_ledger,
     )
     # A replica killed between a run's insert and its publish leaves the run pending;
-    # this sweeper (the gateway's) publishes it even when no gateway runs.
+    # this sweeper (the gateway's too) publishes it even when no gateway runs.
     sweeper = Sweeper(
         runs, publisher, after_s=settings.sweep_after_s, interval_s=settings.sweep_interval_s
     )

@@ -3,7 +3,7 @@
 Each pass reads Postgres's clock and, in batches, the schedules whose persisted
 ``next_fire_at`` is not after it, plans each one with :func:`koda_runtime.scheduling.plan`
 (pure), fires the minutes the plan says fire, oldest first, through
-:func:`koda_runtime.gateway.scheduled.fire_many` (the gateway's insert, batched, and its publish),
+:func:`koda_runtime.topics.scheduled.fire_many` (admission's one insert, batched, and the publish),
 then moves ``next_fire_at`` on with a compare-and-set on the value it read. Nothing is
 held between passes and nothing is locked:
 
@@ -32,16 +32,6 @@ from datetime import date, datetime
 
 from koda_runtime import metrics, tracing
 from koda_runtime.errors import DatabaseError, KodaError
-from koda_runtime.gateway.publisher import Delivery, RunPublisher
-from koda_runtime.gateway.scheduled import (
-    Advance,
-    Fired,
-    ScheduleRow,
-    ScheduleStore,
-    fire_many,
-    scheduled_run,
-)
-from koda_runtime.gateway.store import NewRun, RunStore
 from koda_runtime.scheduling import (
     CronSpec,
     Facts,
@@ -52,6 +42,10 @@ from koda_runtime.scheduling import (
     due_minutes,
     plan,
 )
+from koda_runtime.schemas.runs.admission import NewRun, RunAdmission
+from koda_runtime.schemas.schedules import Advance, ScheduleRow, ScheduleStore
+from koda_runtime.topics.kafka.publisher import Delivery, RunPublisher
+from koda_runtime.topics.scheduled import Fired, fire_many, scheduled_run
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +85,7 @@ class Scheduler:
     def __init__(
         self,
         schedules: ScheduleStore,
-        runs: RunStore,
+        runs: RunAdmission,
         publisher: RunPublisher,
         *,
         partitions: int,

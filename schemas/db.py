@@ -98,7 +98,7 @@ def async_engine(
     successor's whole rebalance, until it woke up (82 s in a chaos run).
 
     ``pipelines``: the engine's connections send statements in pipeline mode (the
-    worker's group write, processors/store.py). A session frozen after sending part of
+    worker's group write, schemas/runs/worker.py). A session frozen after sending part of
     a pipeline, before its Sync, is not idle in the server's eyes (it is ``active``,
     waiting on ClientRead), so the idle timeout never ends it: a chaos run's frozen
     worker held its successor's epoch bumps for over 90 s. Such engines also set
@@ -146,9 +146,9 @@ async def send(raw: psycopg.AsyncConnection[Any], query: str, params: dict[str, 
 
 
 @contextmanager
-def failing_as(what: str) -> Iterator[None]:
+def failing_as(what: str, hint: str | None = None) -> Iterator[None]:
     """The one Postgres-error wrapper: inside it, a SQLAlchemy or psycopg error becomes
-    ``DatabaseError("<what> failed: <error class>")``. The class name only: a driver's
+    ``DatabaseError("<what> failed: <error class> (<hint>)")``. The class name only: a driver's
     message can hold parameters (a user's input), which never reach a log or a client.
 
         with failing_as("reading a run"):
@@ -158,4 +158,5 @@ def failing_as(what: str) -> Iterator[None]:
     try:
         yield
     except (SQLAlchemyError, psycopg.Error) as exc:
-        raise DatabaseError(f"{what} failed: {type(exc).__name__}") from exc
+        more = f" ({hint})" if hint else ""
+        raise DatabaseError(f"{what} failed: {type(exc).__name__}{more}") from exc

@@ -25,10 +25,10 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import bindparam, text
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from koda_runtime.errors import KodaError
 from koda_runtime.lifecycle.ledger import BudgetState, LedgerCall, Period
 from koda_runtime.schemas.db import for_driver
 
@@ -37,7 +37,7 @@ USD_PLACES = Decimal("0.00000001")
 SHARE_PLACES = Decimal("0.0001")
 
 # Public with its parameters (calls_params) for a writer that sends it itself: the
-# worker's group write queues it in a psycopg pipeline (processors/store.py).
+# worker's group write queues it in a psycopg pipeline (schemas/runs/worker.py).
 INSERT_CALLS = text(
     """
     WITH q AS (
@@ -163,61 +163,9 @@ def _budget_of(row: Any) -> BudgetRead | None:
     )
 
 
-# What admission reads of a user's budgets (the caps, the current periods' spend and
-# whether their soft alert was recorded; ``_budget_of`` reads the row) is the same text
-# in _ADMIT_RUN and _BUDGETS_OF, written out in each: SQL here is never assembled
-# from strings (tests/unit/test_security_static.py).
-
-_ADMIT_RUN = text(
-    """
-    WITH b AS (
-    SELECT b.user_id, b.monthly_usd, b.daily_usd, b.soft_ratio,
-           COALESCE(m.spend_usd, 0) AS month_spend, COALESCE(d.spend_usd, 0) AS day_spend,
-           m.soft_alerted_at AS month_alerted, d.soft_alerted_at AS day_alerted
-      FROM budgets b
-      LEFT JOIN spend_periods m ON m.user_id = b.user_id AND m.period = 'month'
-       AND m.starts_at = date_trunc('month', now(), 'UTC')
-      LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
-       AND d.starts_at = date_trunc('day', now(), 'UTC')
-         WHERE b.user_id = :user_id AND :budgets
-    ), ins AS (
-        -- The rule of koda_runtime.lifecycle.ledger.exceeded: a budget is spent at its limit.
-        INSERT INTO runs (id, session_id, user_id, idempotency_key, input, metadata, partition,
-                          schedule_id, scheduled_for)
-        SELECT :id, :session_id, :user_id, :key, :input, :metadata, :partition,
-               CAST(:schedule_id AS text), CAST(:scheduled_for AS timestamptz)
-         WHERE NOT EXISTS (SELECT 1 FROM b
-                            WHERE (b.monthly_usd IS NOT NULL AND b.month_spend >= b.monthly_usd)
-                               OR (b.daily_usd IS NOT NULL AND b.day_spend >= b.daily_usd))
-        ON CONFLICT (idempotency_key) DO NOTHING
-        RETURNING status, created_at
-    )
-    SELECT ins.status, ins.created_at, b.*
-      FROM (SELECT 1) AS one LEFT JOIN ins ON true LEFT JOIN b ON true
-    """  # noqa: S608 - fixed texts
-).bindparams(bindparam("input", type_=JSONB), bindparam("metadata", type_=JSONB))
-
-
-@dataclass(frozen=True)
-class RunInsert:
-    """What :func:`insert_run` did: the new run's status and time (None when it was not
-    inserted: its key exists, or a budget is spent), and the budget row read."""
-
-    status: str | None
-    created_at: datetime | None
-    budget: BudgetRead | None
-
-
-async def insert_run(conn: AsyncConnection, values: dict[str, Any], *, budgets: bool) -> RunInsert:
-    """Insert a run (``values``: id, session_id, user_id, key, input, metadata, partition,
-    schedule_id, scheduled_for) unless its idempotency key exists or, with ``budgets``,
-    one of the user's budgets is spent; the budget row is read by the same statement
-    (admission costs no extra round trip)."""
-    row = (await conn.execute(_ADMIT_RUN, {**values, "budgets": budgets})).one()
-    budget = _budget_of(row)
-    return RunInsert(row.status, row.created_at, budget)
-
-
+# What admission reads of a user's budgets: the caps, the current periods' spend and
+# whether their soft alert was recorded (``_budget_of`` reads the row). The one budget
+# read of admission (schemas/runs/admission.py sends it in its pipeline) and of a merge.
 _BUDGETS_OF = text(
     """
     SELECT b.user_id, b.monthly_usd, b.daily_usd, b.soft_ratio,
@@ -233,7 +181,7 @@ _BUDGETS_OF = text(
 )
 
 
-# The same read for the psycopg connection itself (a pipeline's statement): parameter
+# The same read for the psycopg connection itself (admission's pipeline): parameter
 # ``users``; its rows go to budget_reads.
 BUDGETS_OF_DRIVER = for_driver(_BUDGETS_OF)
 
@@ -244,7 +192,7 @@ def budget_reads(rows: Iterable[Any]) -> dict[str, BudgetRead]:
 
 
 async def budgets_of(conn: AsyncConnection, users: list[str]) -> dict[str, BudgetRead]:
-    """The budget read of :func:`insert_run` for many users in one statement: each of
+    """Admission's budget read for many users in one statement: each of
     ``users`` that has a budget, with its current periods' spend and soft alerts.
     Not locked, as there: runs admitted concurrently all see the same spend."""
     if not users:
@@ -261,7 +209,7 @@ _SPENT = text(
       LEFT JOIN spend_periods d ON d.user_id = b.user_id AND d.period = 'day'
        AND d.starts_at = date_trunc('day', now(), 'UTC')
      WHERE b.user_id = ANY(CAST(:users AS text[]))
-       -- The rule of koda_runtime.lifecycle.ledger.exceeded, as in the admission insert.
+       -- The rule of koda_runtime.lifecycle.ledger.exceeded (admission applies it in Python).
        AND ((b.monthly_usd IS NOT NULL AND COALESCE(m.spend_usd, 0) >= b.monthly_usd)
          OR (b.daily_usd IS NOT NULL AND COALESCE(d.spend_usd, 0) >= b.daily_usd))
     """
@@ -428,7 +376,7 @@ def _rate(value: Decimal | None) -> str | None:
     return None if value is None else f"{value:f}"
 
 
-class PriceRefused(ValueError):
+class PriceRefused(KodaError, ValueError):
     """A price that would rewrite history (its time is past) or already exists."""
 
 
@@ -507,6 +455,19 @@ async def list_prices(conn: AsyncConnection, model: str | None = None) -> list[P
         {"model": model},
     )
     return [Price(*r) for r in rows]
+
+
+_PRICE_HISTORY = text(
+    "SELECT model, effective_from, prompt_usd_per_mtok, completion_usd_per_mtok"
+    " FROM prices ORDER BY model, effective_from"
+)
+
+
+def price_history(conn: Connection) -> Sequence[Any]:
+    """Every price (``model, effective_from, prompt_usd_per_mtok,
+    completion_usd_per_mtok``), oldest first per model: the replay prices usage with it
+    (topics/replay/prices.py)."""
+    return conn.execute(_PRICE_HISTORY).all()
 
 
 # -- reports -------------------------------------------------------------------------
@@ -611,3 +572,16 @@ async def usage_report(
         await conn.execute(text(f"SELECT {_FIGURES} FROM ledger {_WHERE}"), params)  # noqa: S608
     ).one()
     return {"rows": out, "totals": _figures(totals)}
+
+
+_RUN_COST = text(
+    "SELECT coalesce(sum(cost_usd), 0) AS cost, count(*) AS calls FROM ledger"
+    " WHERE run_id = :run_id"
+)
+
+
+async def run_cost(conn: AsyncConnection, run_id: str) -> tuple[Decimal, int]:
+    """What a run cost over all its attempts, and its billable calls (the console's
+    timeline)."""
+    row = (await conn.execute(_RUN_COST, {"run_id": run_id})).one()
+    return Decimal(row.cost), int(row.calls)

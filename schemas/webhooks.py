@@ -28,6 +28,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from koda_runtime.errors import KodaError
 from koda_runtime.lifecycle.chunks import visible_output
 from koda_runtime.lifecycle.states import TERMINAL
 
@@ -70,7 +71,7 @@ class Delivery:
     tries: list[Attempt]
 
 
-class TooManyWebhooks(Exception):
+class TooManyWebhooks(KodaError):
     def __init__(self, count: int) -> None:
         super().__init__(count)
         self.count = count

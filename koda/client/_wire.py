@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import httpx
 
+from koda_runtime.errors import KodaError
 from koda_runtime.sse import RECONNECT, Event
 
 # The header naming the user a service token acts for (gateway/principal.py).
@@ -27,7 +28,7 @@ FOLLOW_GIVE_UP_S = 300.0
 Input = str | Mapping[str, Any]
 
 
-class ClientError(Exception):
+class ClientError(KodaError):
     """Every error the client raises."""
 
 
@@ -231,7 +232,7 @@ class StreamOver(Exception):
     """The stream answered 204: the run is over and nothing follows the last seq."""
 
 
-class RetryableStatus(Exception):
+class RetryableStatus(KodaError):
     """A 5xx answer to a stream: try again after the retry interval."""
 
 

@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
 
+from koda_runtime.errors import Refused
 from koda_runtime.lifecycle.handler import Usage
 
 
@@ -86,6 +87,15 @@ class Exceeded:
     limit_usd: Decimal
     spend_usd: Decimal
     resets_at: datetime
+
+
+class OverBudget(Refused):
+    """A new run (or a merge) refused: ``over`` is the budget it would break. Nothing
+    was written."""
+
+    def __init__(self, user_id: str, over: Exceeded) -> None:
+        super().__init__(f"user {user_id} is over the {over.period.value}ly budget")
+        self.over = over
 
 
 def exceeded(state: BudgetState, now: datetime) -> Exceeded | None:

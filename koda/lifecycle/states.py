@@ -13,7 +13,7 @@ later runs wait for it.
 
 ``running`` is also re-entered from ``running``/``streaming`` by a *claim* with
 ``attempt + 1``: that is a retry in place or a successor resuming a run whose
-owner was lost. The claim is fenced (see processors/store.py), so only the
+owner was lost. The claim is fenced (see schemas/runs/worker.py), so only the
 partition's current owner can take that edge.
 """
 
@@ -79,3 +79,11 @@ def can_transition(current: RunStatus, target: RunStatus) -> bool:
 def sources_of(target: RunStatus) -> frozenset[RunStatus]:
     """Every status from which ``target`` may be entered."""
     return frozenset(s for s in RunStatus if can_transition(s, target))
+
+
+def edge(source: RunStatus, target: RunStatus) -> tuple[RunStatus, RunStatus]:
+    """The edge ``source → target``; ValueError when the state machine has none (a status
+    write given its statuses by this function cannot take a step the machine forbids)."""
+    if not can_transition(source, target):
+        raise ValueError(f"the run state machine has no edge {source.value} → {target.value}")
+    return source, target

@@ -4,7 +4,7 @@
 A turn is one earlier run of the session: the user's messages (the first one and each
 merged into it, in order) and the run's final answer. A ``cancelled`` run is a turn
 whose answer is ``cut`` (what it streamed before the cancel, possibly nothing); a
-``failed`` run is no turn. Pure: the query is in schemas/turns.py.
+``failed`` run is no turn. Pure: the query is in schemas/runs/reads.py.
 """
 
 from __future__ import annotations

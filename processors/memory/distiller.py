@@ -1,7 +1,7 @@
 """Distilling a finished run's memories off the path of the user's next run.
 
 A ``done`` finish of a worker whose handler remembers writes a row to
-``memory_distillations`` in the run's terminal transaction (processors/store.py), so
+``memory_distillations`` in the run's terminal transaction (schemas/runs/worker.py), so
 the marker exists exactly when the run is done. :class:`MemoryDistiller` is a loop in
 every such worker that takes due markers, asks the handler for the run's statements
 (``distil``: the openai handler's model call, the demo handler's rule), embeds them
@@ -33,10 +33,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from koda_runtime.background import BackgroundTask
@@ -44,7 +42,9 @@ from koda_runtime.lifecycle.handler import RunContext, Usage
 from koda_runtime.lifecycle.ledger import LedgerCall, Outcome
 from koda_runtime.processors.memory.distil import Statement
 from koda_runtime.processors.memory.service import MemoryService, embedding_usage
+from koda_runtime.schemas import memories
 from koda_runtime.schemas.ledger import insert_calls
+from koda_runtime.schemas.memories import Taken
 from koda_runtime.settings import Settings
 
 log = logging.getLogger("koda.worker")
@@ -59,39 +59,10 @@ BATCH = 8
 CALL_INDEX_BASE = 100_000
 CALLS_PER_TRY = 100
 
-_CLAIM = text(
-    """
-    UPDATE memory_distillations d
-       SET due_at = now() + make_interval(secs => :lease), tries = d.tries + 1
-     WHERE d.run_id IN (SELECT run_id FROM memory_distillations
-                         WHERE gave_up_at IS NULL AND due_at <= now()
-                         ORDER BY due_at LIMIT :n FOR UPDATE SKIP LOCKED)
-    RETURNING d.run_id, d.user_id, d.tries
-    """
-)
-_RUN = text("SELECT user_id, input, attempt, status, created_at FROM runs WHERE id = :r")
-_STILL_MINE = text("SELECT 1 FROM memory_distillations WHERE run_id = :r AND tries = :t FOR UPDATE")
-_DONE = text("DELETE FROM memory_distillations WHERE run_id = :r AND tries = :t")
-_FAILED = text(
-    """
-    UPDATE memory_distillations
-       SET due_at = now() + make_interval(secs => :wait), last_error = :error,
-           gave_up_at = CASE WHEN tries >= :max THEN now() END
-     WHERE run_id = :r AND tries = :t
-    """
-)
-
 
 def backoff_s(tries: int) -> float:
     """How long a marker waits after its ``tries``-th try failed."""
     return float(min(BACKOFF_BASE_S * 2 ** max(tries - 1, 0), BACKOFF_CAP_S))
-
-
-@dataclass(frozen=True)
-class Taken:
-    run_id: str
-    user_id: str
-    tries: int
 
 
 class MemoryDistiller:
@@ -157,20 +128,18 @@ class MemoryDistiller:
 
     async def step(self) -> int:
         """Take the due markers (at most :data:`BATCH`) and distil each; how many."""
-        async with self.memory.engine.begin() as conn:
-            rows = (await conn.execute(_CLAIM, {"lease": self.lease_s, "n": BATCH})).all()
-        for row in rows:
-            await self.distil_one(Taken(row.run_id, row.user_id, int(row.tries)))
-        return len(rows)
+        taken = await memories.take_due(self.memory.engine, lease_s=self.lease_s, limit=BATCH)
+        for one in taken:
+            await self.distil_one(one)
+        return len(taken)
 
     async def distil_one(self, taken: Taken) -> bool:
         """Distil one taken marker; True when its memories were committed."""
         engine = self.memory.engine
-        async with engine.connect() as conn:
-            run = (await conn.execute(_RUN, {"r": taken.run_id})).first()
+        run = await memories.distil_source(engine, taken.run_id)
         if run is None or run.status != "done":
             async with engine.begin() as conn:
-                await conn.execute(_DONE, {"r": taken.run_id, "t": taken.tries})
+                await memories.distilled(conn, taken)
             return False
         ctx = RunContext(
             taken.run_id,
@@ -188,8 +157,7 @@ class MemoryDistiller:
             if embedded is not None:
                 usage.append(embedding_usage(embedded))
             async with engine.begin() as conn:
-                mine = await conn.execute(_STILL_MINE, {"r": taken.run_id, "t": taken.tries})
-                if mine.first() is None:
+                if not await memories.still_taken(conn, taken):
                     log.info(
                         "event=memory_distil_superseded run_id=%s try=%d: taken again meanwhile",
                         taken.run_id,
@@ -206,7 +174,7 @@ class MemoryDistiller:
                         said_at=run.created_at,
                     )
                 await self._bill(conn, ctx, taken.tries, usage, Outcome.OK)
-                await conn.execute(_DONE, {"r": taken.run_id, "t": taken.tries})
+                await memories.distilled(conn, taken)
         except Exception as exc:  # noqa: BLE001 - any failure: try again later
             await self._failed(ctx, taken, usage, exc)
             return False
@@ -243,15 +211,8 @@ class MemoryDistiller:
         try:
             async with self.memory.engine.begin() as conn:
                 await self._bill(conn, ctx, taken.tries, usage, Outcome.FAILED)
-                await conn.execute(
-                    _FAILED,
-                    {
-                        "r": taken.run_id,
-                        "t": taken.tries,
-                        "wait": wait,
-                        "error": error,
-                        "max": MAX_TRIES,
-                    },
+                await memories.distil_failed(
+                    conn, taken, wait_s=wait, error=error, max_tries=MAX_TRIES
                 )
         except Exception:  # noqa: BLE001 - the lease brings it back anyway
             log.exception("event=memory_distil_not_recorded run_id=%s", taken.run_id)

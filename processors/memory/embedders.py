@@ -42,11 +42,6 @@ def unit(vector: list[float]) -> list[float]:
     return [x / norm for x in vector]
 
 
-def to_pgvector(vector: list[float]) -> str:
-    """The text form pgvector parses: ``[0.1,0.2,...]``."""
-    return "[" + ",".join(f"{x:.7g}" for x in vector) + "]"
-
-
 class WordLlamaEmbedder:
     """WordLlama L2 "supercat", 256 dimensions, from the files inside the wheel."""
 

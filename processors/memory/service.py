@@ -16,6 +16,7 @@ from koda_runtime.lifecycle.handler import RunContext, Usage
 from koda_runtime.processors.memory import store, tool
 from koda_runtime.processors.memory.distil import Statement, statements_to_chunks
 from koda_runtime.processors.memory.embedders import Embedded, Embedder, OpenAIEmbedder, wordllama
+from koda_runtime.schemas import memories
 from koda_runtime.settings import Settings
 
 EMBEDDING_PREFIX = "embedding:"
@@ -42,7 +43,7 @@ class MemoryService:
     embedder: Embedder
     auto_inject: int = 0
     min_score: float = tool.MIN_SCORE
-    plan: store.Plan = store.DEFAULT_PLAN
+    plan: memories.Plan = memories.DEFAULT_PLAN
     max_per_user: int = 0  # KODA_MAX_MEMORIES_PER_USER; 0: no cap
 
     async def embed(self, statements: list[Statement]) -> tuple[list[Statement], Embedded]:
@@ -117,7 +118,7 @@ class MemoryService:
         if not self.auto_inject or not query.strip():
             return [], []
         embedded = await self.embedder.embed([query[:1000]])
-        hits = await store.search(
+        hits = await memories.search(
             self.engine,
             user_id=ctx.user_id,
             embedder=self.embedder.name,

@@ -15,9 +15,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda_runtime.errors import HandlerError
-from koda_runtime.processors.memory import store
+from koda_runtime.errors import HandlerError, KodaError
 from koda_runtime.processors.memory.embedders import Embedded, Embedder
+from koda_runtime.schemas import memories
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ DEFINITION: dict[str, Any] = {
 }
 
 
-class ToolArgumentError(ValueError):
+class ToolArgumentError(KodaError, ValueError):
     """The model's arguments are invalid; the message is what the model is told."""
 
 
@@ -135,7 +135,7 @@ async def memory_search(
     engine: AsyncEngine,
     embedder: Embedder,
     min_score: float = MIN_SCORE,
-    plan: store.Plan = store.DEFAULT_PLAN,
+    plan: memories.Plan = memories.DEFAULT_PLAN,
 ) -> ToolResult:
     """Run the tool for the run's ``user_id``; the answer is always text for the model."""
     try:
@@ -147,7 +147,7 @@ async def memory_search(
     except HandlerError as exc:
         log.warning("memory_search unavailable user_id=%s: %s", user_id, str(exc)[:300])
         return ToolResult(UNAVAILABLE, None, ok=False)
-    hits = await store.search(
+    hits = await memories.search(
         engine,
         user_id=user_id,
         embedder=embedder.name,

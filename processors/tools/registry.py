@@ -26,7 +26,7 @@ from typing import Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from koda_runtime.errors import ConfigError
+from koda_runtime.errors import ConfigError, KodaError
 
 ENTRY_POINT_GROUP = "koda.tools"
 KINDS = ("read", "effect")
@@ -44,7 +44,7 @@ class ToolDeclarationError(ConfigError):
     """A ``@tool`` declaration that cannot be used; the message names the tool."""
 
 
-class ToolArgumentError(ValueError):
+class ToolArgumentError(KodaError, ValueError):
     """The model's arguments do not fit the tool's schema; the message is the model's."""
 
 

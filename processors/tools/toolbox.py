@@ -40,16 +40,10 @@ from pydantic import BaseModel
 from koda_runtime.errors import HandlerError
 from koda_runtime.lifecycle.chunks import content_bytes, storable
 from koda_runtime.lifecycle.handler import RunContext
-from koda_runtime.processors.store import Fence
-from koda_runtime.processors.tools.journal import (
-    APPROVED,
-    AWAITING,
-    INITIATED,
-    Journal,
-    Journaled,
-    Step,
-)
+from koda_runtime.processors.tools.journal import Journal
 from koda_runtime.processors.tools.registry import Tool, ToolArgumentError, ToolContext
+from koda_runtime.schemas.epochs import Fence
+from koda_runtime.schemas.journal import APPROVED, AWAITING, INITIATED, Journaled, Step
 
 log = logging.getLogger("koda.tools")
 

@@ -40,10 +40,12 @@ from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.localstack import StackInfo, down, up
 from koda_runtime.processors.chunkverify import verify_chunks
-from koda_runtime.processors.compactor import _TERMINAL_STATUSES, _UNPUBLISHED, ChunkCompactor
-from koda_runtime.processors.store import ClaimWrite, Fence, FinishWrite, PublishedWrite, RunStore
+from koda_runtime.processors.compactor import ChunkCompactor
 from koda_runtime.schemas.db import async_engine, sync_engine
+from koda_runtime.schemas.epochs import Fence
 from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.schemas.runs import upkeep
+from koda_runtime.schemas.runs.worker import ClaimWrite, FinishWrite, PublishedWrite, RunStore
 from koda_runtime.settings import Settings
 from koda_runtime.topics.admin import apply_topics
 from koda_runtime.topics.catalogue import RUN_CHUNKS, partition_for_key
@@ -127,16 +129,7 @@ def scan_ms(settings: Settings, repeat: int = 20) -> list[float]:
         for _ in range(repeat):
             t0 = time.perf_counter()
             with engine.connect() as conn:
-                conn.execute(
-                    _UNPUBLISHED,
-                    {
-                        "terminal": _TERMINAL_STATUSES,
-                        "older_than": 0,
-                        "after_at": None,
-                        "after_id": None,
-                        "batch": 200,
-                    },
-                ).all()
+                upkeep.unpublished(conn, 0, None, 200)
             out.append((time.perf_counter() - t0) * 1000)
     finally:
         engine.dispose()

@@ -1,8 +1,8 @@
 """memory_search: 100,000 memories over 1,000 users, three plans measured.
 
-For each plan (processors/memory/store.py: exact per-user scan, pgvector 0.8 iterative
+For each plan (schemas/memories.py: exact per-user scan, pgvector 0.8 iterative
 HNSW scan, plain HNSW then filter) it runs the same queries through the tool's search
-path (embed the query with WordLlama, then ``store.search``) and prints p50/p99 latency
+path (embed the query with WordLlama, then ``memories.search``) and prints p50/p99 latency
 and recall@5 against the exact plan's answers. Goals: p99 <= 20 ms, recall >= 0.95.
 
     make bench-memory-search BENCH_ARGS="--memories 100000 --users 1000 --queries 1000"
@@ -21,9 +21,11 @@ from sqlalchemy import text
 
 from koda_runtime.processors.memory import store
 from koda_runtime.processors.memory.chunking import content_hash
-from koda_runtime.processors.memory.embedders import to_pgvector, wordllama
+from koda_runtime.processors.memory.embedders import wordllama
 from koda_runtime.processors.memory.tool import MIN_SCORE
+from koda_runtime.schemas import memories
 from koda_runtime.schemas.db import async_engine
+from koda_runtime.schemas.memories import to_pgvector
 from tests.bench.common import Table, namespace, services
 from tests.memory_corpus import PAIRS
 
@@ -87,11 +89,11 @@ async def measure(settings, users: int, queries: int, seed: int) -> Table:
     )
     truth: list[list[str]] = []
     try:
-        for plan in store.PLANS:
+        for plan in memories.PLANS:
             # Warm the caches and the pool once per plan.
             for user, query in asks[:50]:
                 vector = (await embedder.embed([query])).vectors[0]
-                await store.search(
+                await memories.search(
                     engine, user_id=user, embedder=embedder.name, vector=vector, limit=5, plan=plan
                 )
             took: list[float] = []
@@ -99,7 +101,7 @@ async def measure(settings, users: int, queries: int, seed: int) -> Table:
             for user, query in asks:
                 t0 = time.perf_counter()
                 vector = (await embedder.embed([query])).vectors[0]
-                hits = await store.search(
+                hits = await memories.search(
                     engine,
                     user_id=user,
                     embedder=embedder.name,
@@ -119,7 +121,7 @@ async def measure(settings, users: int, queries: int, seed: int) -> Table:
                 vector = (await embedder.embed([query])).vectors[0]
                 lines = (
                     await conn.execute(
-                        text(store.explain_sql(plan)),
+                        text(memories.explain_sql(plan)),
                         {"user_id": user, "q": to_pgvector(vector), "k": 5},
                     )
                 ).scalars()

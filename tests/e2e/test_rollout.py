@@ -1,7 +1,7 @@
 """Bounded-pool drill 3: a rolling deploy with two versions of the worker at once.
 
 The old version is the previous release: the newest one recorded in deploy/releases.txt
-(see README.md "Releases"), extracted with ``git archive`` and run from its own tree with
+(see docs/operations.md "Releases"), extracted with ``git archive`` and run from its own tree with
 ``python -S`` so nothing of this tree can leak into it through the editable install;
 the new one is this tree. The database is migrated first (migration 0003 adds the
 nullable ``runs.failures``, which the old code has never heard of and the new code

@@ -126,7 +126,7 @@ def post_run(
 
 def cancel(gw: GatewayProcess, user: str, run_id: str, reason: str | None = None) -> httpx.Response:
     """The answer may wait for a frozen worker's row lock, which the server ends after
-    the session timeout (ARCHITECTURE.md, run control: "A frozen writer")."""
+    the session timeout (docs/decisions/0015-cancel-and-merge.md, "A frozen writer")."""
     body = None if reason is None else {"reason": reason}
     return httpx.post(
         f"{gw.url}/v1/runs/{run_id}/cancel",

@@ -24,10 +24,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import text
 
-from koda_runtime.gateway.scheduled import fire_key
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.schemas.db import sync_engine
 from koda_runtime.schemas.migrate import upgrade
+from koda_runtime.schemas.schedules import fire_key
 from koda_runtime.topics.admin import apply_topics
 from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
 from tests.fixtures.processes import SchedulerProcess, WorkerProcess

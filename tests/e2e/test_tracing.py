@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from koda_runtime import traceview
+from koda_runtime.cli import traces as traceview
 from koda_runtime.localstack import jaeger
 from koda_runtime.schemas.db import sync_engine
 from koda_runtime.schemas.migrate import upgrade

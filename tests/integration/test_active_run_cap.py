@@ -21,16 +21,16 @@ import pytest
 from sqlalchemy import text
 
 from koda_runtime import metrics
+from koda_runtime.errors import TooManyActiveRuns
 from koda_runtime.gateway.app import create_app
 from koda_runtime.gateway.bootstrap import Components, build_components
-from koda_runtime.gateway.exceptions import TooManyActiveRuns
 from koda_runtime.gateway.intake import RunRequest
-from koda_runtime.gateway.scheduled import scheduled_run
-from koda_runtime.gateway.store import _ACTIVE_RUNS, AdmittedRun, NewRun
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.schemas.db import sync_engine
+from koda_runtime.schemas.runs.admission import _ACTIVE_RUNS, AdmittedRun, NewRun
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import partition_for_key
+from koda_runtime.topics.scheduled import admit_fires, scheduled_run
 from tests.fixtures.gateway import db_rows, rows_of, serve_app
 from tests.sse_client import bearer
 
@@ -192,8 +192,8 @@ def test_run_now_counts_toward_the_cap_and_cron_fires_are_never_refused(
             row = await gw.schedules.get(schedule_id, user)
             assert row is not None
             minutes = [datetime(2030, 1, 1, 0, m, tzinfo=UTC) for m in range(2)]
-            return await gw.store.admit_many(
-                [scheduled_run(row, m, partitions=capped.partitions) for m in minutes]
+            return await admit_fires(
+                gw.store, [scheduled_run(row, m, partitions=capped.partitions) for m in minutes]
             )
         finally:
             await gw.engine.dispose()
@@ -253,7 +253,7 @@ async def test_two_gateways_submitting_at_once_never_pass_the_cap(capped: Settin
 
 
 async def test_single_run_admissions_at_once_never_pass_the_cap(capped: Settings) -> None:
-    """``RunStore.admit`` (run-now's insert), one transaction per run, 12 at once."""
+    """``RunAdmission.admit`` (run-now's insert), one transaction per run, 12 at once."""
     user = a_user("single")
     gw = build_components(capped)
 

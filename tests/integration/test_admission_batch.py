@@ -19,15 +19,15 @@ from contextlib import asynccontextmanager, contextmanager
 from sqlalchemy import Connection, text
 
 from koda_runtime import metrics
-from koda_runtime.errors import DatabaseError
+from koda_runtime.errors import DatabaseError, SessionNotOwned
 from koda_runtime.gateway.bootstrap import Components, build_components
-from koda_runtime.gateway.exceptions import OverBudget, SessionNotOwned
 from koda_runtime.gateway.intake import RunRequest
-from koda_runtime.gateway.publisher import RunPublisher
-from koda_runtime.gateway.store import AdmittedRun
 from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.lifecycle.ledger import OverBudget
 from koda_runtime.schemas.db import sync_engine
+from koda_runtime.schemas.runs.admission import AdmittedRun
 from koda_runtime.settings import Settings
+from koda_runtime.topics.kafka.publisher import RunPublisher
 from tests.fixtures.gateway import db_rows, dead_publisher, read_runs_topic, rows_of
 from tests.fixtures.runs import payload
 from tests.support import async_wait_until

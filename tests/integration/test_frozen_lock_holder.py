@@ -21,10 +21,10 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda_runtime.errors import DatabaseError
-from koda_runtime.gateway.control_store import MARK_LOCK_WAIT_MS, ControlStore
 from koda_runtime.lifecycle.ids import uuid7
-from koda_runtime.processors.store import RunStore
 from koda_runtime.schemas.db import async_engine
+from koda_runtime.schemas.runs.control import MARK_LOCK_WAIT_MS, ControlStore
+from koda_runtime.schemas.runs.worker import RunStore
 from koda_runtime.settings import Settings
 from tests.support import async_wait_until
 

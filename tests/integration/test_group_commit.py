@@ -29,18 +29,18 @@ from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.processors.emitter import Emitter
 from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.runner import ChunkBatcher
-from koda_runtime.processors.store import (
+from koda_runtime.schemas.db import async_engine
+from koda_runtime.schemas.epochs import Fence
+from koda_runtime.schemas.runs.worker import (
     ChunkWrite,
     Claim,
     ClaimWrite,
-    Fence,
     Finished,
     FinishWrite,
     GroupResult,
     GroupWrite,
     RunStore,
 )
-from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import Settings
 from koda_runtime.topics.records.codec import chunk_value
 from tests.support import async_wait_until

@@ -20,6 +20,7 @@ from koda_runtime.processors.memory.distil import (
 )
 from koda_runtime.processors.memory.embedders import OpenAIEmbedder, wordllama
 from koda_runtime.processors.memory.service import MemoryService
+from koda_runtime.schemas import memories
 from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import Settings
 from tests.fixtures.model_server import ScriptedModel, serve_scripted_model
@@ -71,9 +72,9 @@ async def test_the_same_fact_written_again_is_one_memory(engine: AsyncEngine) ->
     assert await remember(engine, "u2", chunks) == 1
 
 
-@pytest.mark.parametrize("plan", store.PLANS)
+@pytest.mark.parametrize("plan", memories.PLANS)
 async def test_search_never_returns_another_users_memory(
-    engine: AsyncEngine, plan: store.Plan
+    engine: AsyncEngine, plan: memories.Plan
 ) -> None:
     await remember(engine, "alice", ["My bank PIN is 4821."])
     await remember(engine, "bob", ["My favourite colour is red."])
@@ -133,11 +134,11 @@ async def test_results_carry_scores_above_the_minimum(engine: AsyncEngine) -> No
 
 async def test_a_forgotten_memory_is_never_returned_again(engine: AsyncEngine) -> None:
     await remember(engine, "dan", ["I live in Lisbon, near the river.", "I drive a blue Volvo."])
-    (lisbon,) = [m for m in await store.list_for(engine, "dan") if "Lisbon" in m.text]
-    assert not await store.forget(engine, "eve", lisbon.id)  # not eve's to forget
-    assert await store.forget(engine, "dan", lisbon.id)
-    assert not await store.forget(engine, "dan", lisbon.id)
-    for plan in store.PLANS:
+    (lisbon,) = [m for m in await memories.list_for(engine, "dan") if "Lisbon" in m.text]
+    assert not await memories.forget(engine, "eve", lisbon.id)  # not eve's to forget
+    assert await memories.forget(engine, "dan", lisbon.id)
+    assert not await memories.forget(engine, "dan", lisbon.id)
+    for plan in memories.PLANS:
         result = await tool.memory_search(
             '{"query": "home city Lisbon river"}',
             user_id="dan",
@@ -147,7 +148,7 @@ async def test_a_forgotten_memory_is_never_returned_again(engine: AsyncEngine) -
             plan=plan,
         )
         assert "Lisbon" not in result.content
-    assert "Lisbon" not in " ".join(m.text for m in await store.list_for(engine, "dan"))
+    assert "Lisbon" not in " ".join(m.text for m in await memories.list_for(engine, "dan"))
 
 
 async def test_recall_at_5_on_the_labelled_set(engine: AsyncEngine) -> None:
@@ -159,7 +160,7 @@ async def test_recall_at_5_on_the_labelled_set(engine: AsyncEngine) -> None:
     found = 0
     for fact, query in PAIRS:
         vector = (await wordllama().embed([query])).vectors[0]
-        hits = await store.search(
+        hits = await memories.search(
             engine,
             user_id="frank",
             embedder=wordllama().name,

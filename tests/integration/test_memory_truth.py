@@ -13,10 +13,11 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda_runtime.processors.memory import store, tool
+from koda_runtime.processors.memory import tool
 from koda_runtime.processors.memory.distil import statement
 from koda_runtime.processors.memory.embedders import Embedder, OpenAIEmbedder, wordllama
 from koda_runtime.processors.memory.service import MemoryService
+from koda_runtime.schemas import memories
 from koda_runtime.schemas.db import async_engine
 from koda_runtime.settings import Settings
 from tests.fixtures.model_server import ScriptedModel, serve_scripted_model
@@ -117,7 +118,7 @@ async def test_a_newer_statement_replaces_the_older_in_search(engine: AsyncEngin
     assert lisbon["superseded_by"] == berlin["id"] and lisbon["subject"] == "home"
     assert volvo["superseded_by"] is None and berlin["superseded_by"] is None
     # Kept for audit: listed, with the memory that replaced it.
-    listed = {m.text: m for m in await store.list_for(engine, "ana")}
+    listed = {m.text: m for m in await memories.list_for(engine, "ana")}
     assert listed["I live in Lisbon, near the river."].superseded_by == berlin["id"]
     # A run distilled late does not win over what was said after it.
     await say(memory, "ana", "I live in Madrid.", T0 + timedelta(days=10))
@@ -200,7 +201,7 @@ async def test_another_embedders_rows_are_never_compared_until_reembedded(
         )
         assert cut.returncode == -9, cut.stderr[-2000:]
         assert "reembed [" in cut.stderr  # the progress bar, on stderr
-        assert await store.to_reembed(engine, "emb-1") == 5  # 8 rows, one batch of 3 done
+        assert await memories.to_reembed(engine, "emb-1") == 5  # 8 rows, one batch of 3 done
         # Searches go on meanwhile: B sees the rows done so far, A the others.
         assert len(await search(b, "cy", "fountain pens")) == 3
         assert len(await search(a, "cy", "fountain pens")) == 4
@@ -217,7 +218,7 @@ async def test_another_embedders_rows_are_never_compared_until_reembedded(
         assert embedded_texts() - Counter({"fountain pens": 2}) == Counter(
             [*facts, "My bank PIN is 4821."]
         )
-        assert await store.to_reembed(engine, "emb-1") == 0
+        assert await memories.to_reembed(engine, "emb-1") == 0
         assert len(await search(b, "cy", "fountain pens")) == 7
         assert await search(a, "cy", "fountain pens") == []
         assert await search(b, "dee", "bank PIN") == ["My bank PIN is 4821."]

@@ -101,7 +101,7 @@ def world(stack: Any) -> Iterator[World]:
         sub.produce_raw(b"bob", b"\x00 not a record of bob")
         w.merged_run = w.runs["alice"][0]
         with sub.engine.begin() as conn:
-            # A merge, as gateway/control_store.py writes it: the message, and the run's
+            # A merge, as schemas/runs/control.py writes it: the message, and the run's
             # input and version moved on.
             conn.execute(
                 text(

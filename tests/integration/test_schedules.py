@@ -24,21 +24,22 @@ from typer.testing import CliRunner
 
 from koda_runtime import metrics
 from koda_runtime.cli.schedules import schedules_app
-from koda_runtime.gateway.publisher import RunPublisher
-from koda_runtime.gateway.scheduled import ScheduleStore, fire_key, scheduled_run
-from koda_runtime.gateway.store import RunStore
-from koda_runtime.gateway.sweeper import Sweeper
 from koda_runtime.lifecycle.ids import uuid7
 from koda_runtime.scheduler.service import Scheduler
 from koda_runtime.scheduling import CronSpec
 from koda_runtime.schemas.db import async_engine
 from koda_runtime.schemas.migrate import downgrade, upgrade
+from koda_runtime.schemas.runs.admission import RunAdmission
+from koda_runtime.schemas.schedules import ScheduleStore, fire_key
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS
+from koda_runtime.topics.kafka.publisher import RunPublisher
 from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.engine import ReplayOptions, run_replay
 from koda_runtime.topics.replay.sinks.duckdb import DUCKDB_TYPES
 from koda_runtime.topics.replay.sql import create_table
+from koda_runtime.topics.scheduled import admit_fires, scheduled_run
+from koda_runtime.topics.sweeper import Sweeper
 from tests.fixtures.gateway import db_rows, records_of
 from tests.fixtures.namespaces import drop_schema, make_settings
 from tests.fixtures.runs import payload
@@ -306,7 +307,7 @@ class Harness:
     def replica(self, name: str) -> Scheduler:
         return Scheduler(
             self.store,
-            RunStore(self.engine),
+            RunAdmission(self.engine),
             self.publisher,
             partitions=8,
             batch=40,
@@ -610,16 +611,18 @@ def test_migration_0005_downgrades_and_upgrades_again(stack) -> None:
         drop_schema(settings)
 
 
-async def test_admit_many_keeps_nothing_of_a_run_whose_key_exists(harness: Harness) -> None:
+async def test_admitting_fires_keeps_nothing_of_a_run_whose_key_exists(harness: Harness) -> None:
     """The batch insert's failure mode: a losing run leaving its new session behind, or
     a duplicate. The same keys twice: the second batch creates nothing, adds no session."""
     who = user()
     sid = await harness.add(who, _ago(1))
     (row,) = [r for r in await harness.store.owned(who, 10) if r.id == sid]
     minutes = [_ago(3), _ago(2), _ago(1)]
-    runs = RunStore(harness.engine)
-    first = await runs.admit_many([scheduled_run(row, m, partitions=8) for m in minutes])
-    again = await runs.admit_many([scheduled_run(row, m, partitions=8) for m in reversed(minutes)])
+    runs = RunAdmission(harness.engine)
+    first = await admit_fires(runs, [scheduled_run(row, m, partitions=8) for m in minutes])
+    again = await admit_fires(
+        runs, [scheduled_run(row, m, partitions=8) for m in reversed(minutes)]
+    )
     assert all(r is not None for r in first) and again == [None, None, None]
     (n,) = await harness.rows("SELECT count(*) AS n FROM sessions WHERE user_id = :u", u=who)
     assert n.n == 3
@@ -640,8 +643,8 @@ async def test_a_replica_killed_between_its_insert_and_its_advance_loses_and_dou
     sid = await harness.add(user(), minute, cron=f"{minute.minute} {minute.hour} * * *")
     _, due = await harness.store.due(10, "dead")
     assert [r.id for r in due] == [sid]
-    (dead,) = await RunStore(harness.engine).admit_many(
-        [scheduled_run(due[0], minute, partitions=8)]
+    (dead,) = await admit_fires(
+        RunAdmission(harness.engine), [scheduled_run(due[0], minute, partitions=8)]
     )
     assert dead is not None
     live = harness.replica("live")
@@ -649,7 +652,7 @@ async def test_a_replica_killed_between_its_insert_and_its_advance_loses_and_dou
     assert (passed.fired, passed.conflicts) == (0, 1)
     assert records_of(module_env, dead.run_id) == []  # the creator died before producing it
     # One sweep (with after_s=0 a second one would republish it as presumed lost).
-    sweeper = Sweeper(RunStore(harness.engine), harness.publisher, after_s=0, interval_s=1)
+    sweeper = Sweeper(RunAdmission(harness.engine), harness.publisher, after_s=0, interval_s=1)
     assert await sweeper.sweep_once() >= 1
     (record,) = records_of(module_env, dead.run_id)
     value = json.loads(payload(record))

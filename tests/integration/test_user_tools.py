@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import text
 
-from koda_runtime.processors.store import Fence
-from koda_runtime.processors.streaming import FencedOut
+from koda_runtime.processors.fences import FencedOut
 from koda_runtime.processors.tools.journal import Journal
 from koda_runtime.schemas.db import async_engine
+from koda_runtime.schemas.epochs import Fence
 from koda_runtime.settings import Settings
 from tests.fixtures.processes import WorkerProcess
 from tests.fixtures.runs import Submitter

@@ -25,15 +25,15 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 
 from koda_runtime.gateway.app import create_app
-from koda_runtime.gateway.publisher import RunPublisher
-from koda_runtime.gateway.scheduled import ScheduleStore
-from koda_runtime.gateway.store import RunStore
 from koda_runtime.localstack import StackInfo
 from koda_runtime.naming import AppEnv
 from koda_runtime.scheduler.service import Scheduler
 from koda_runtime.schemas.db import async_engine
 from koda_runtime.schemas.migrate import downgrade, upgrade
+from koda_runtime.schemas.runs.admission import RunAdmission
+from koda_runtime.schemas.schedules import ScheduleStore
 from koda_runtime.settings import Settings
+from koda_runtime.topics.kafka.publisher import RunPublisher
 from koda_runtime.webhooks import verify
 from tests.fixtures.gateway import db_rows, serve_app
 from tests.fixtures.namespaces import drop_schema, make_settings, prepared_namespace
@@ -407,7 +407,7 @@ async def test_a_scheduled_runs_answer_arrives_at_its_own_webhook(
                 {"m": minute, "s": schedule["id"]},
             )
         scheduler = Scheduler(
-            ScheduleStore(engine), RunStore(engine), publisher, partitions=settings.partitions
+            ScheduleStore(engine), RunAdmission(engine), publisher, partitions=settings.partitions
         )
         await scheduler.run_pass()
     finally:

@@ -1,4 +1,4 @@
-"""Coalesced reads (processors/coalesce.py): requests made while a read is in flight share
+"""Coalesced reads (koda/batching.py): requests made while a read is in flight share
 the next read; a failed read fails its own batch only; cancellations are honoured."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from koda_runtime.processors.coalesce import CoalescedReads
+from koda_runtime.batching import CoalescedReads
 
 
 class Table:

@@ -677,8 +677,8 @@ def test_k8s_connections_fit_postgres(k8s) -> None:
     assert needed <= max_connections - PG_RESERVED, (needed, max_connections)
 
 
-def test_readme_states_the_connection_budget() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_operations_doc_states_the_connection_budget() -> None:
+    readme = (ROOT / "docs" / "operations.md").read_text()
     assert "max_connections" in readme and "each worker holds up to `KODA_DB_POOL`" in readme
 
 

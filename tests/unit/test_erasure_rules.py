@@ -10,6 +10,7 @@ import hashlib
 from koda_runtime.gateway.erasure import RunsStillOpen
 from koda_runtime.lifecycle.handler import CancelToken
 from koda_runtime.naming import AppEnv
+from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.runner import Record, RunExecutor
 from koda_runtime.schemas.erasures import pseudonym, user_digest
 from koda_runtime.settings import USER_ID, Settings
@@ -50,7 +51,8 @@ def _record(run_id: str, user_id: str) -> Record:
 async def test_a_trigger_of_an_erased_users_deleted_run_is_skipped_without_a_dead_letter() -> None:
     store = FakeStore()
     out = FakeOutput(store)
-    executor = RunExecutor(SETTINGS, store, out, ScriptedHandler(["never"]))
+    writer = GroupWriter(store, fault=SETTINGS.test_fault)
+    executor = RunExecutor(SETTINGS, store, out, ScriptedHandler(["never"]), writer)
     fence = store.own(0)
     store.erased_users.add("gone")
     try:

@@ -19,8 +19,10 @@ from koda_runtime.lifecycle.handler import CancelToken, RunFailed, Status, Usage
 from koda_runtime.lifecycle.ledger import Outcome
 from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.naming import AppEnv
-from koda_runtime.processors.runner import FencedOut, Record, RunExecutor
-from koda_runtime.processors.store import ChunkWrite
+from koda_runtime.processors.fences import FencedOut
+from koda_runtime.processors.groupcommit import GroupWriter
+from koda_runtime.processors.runner import Record, RunExecutor
+from koda_runtime.schemas.runs.worker import ChunkWrite
 from koda_runtime.settings import Settings
 from koda_runtime.topics.records.codec import (
     RUN_REQUESTED,
@@ -54,7 +56,8 @@ class World:
         self.out = FakeOutput(self.store, hold=hold)
         self.handler = handler
         config = SETTINGS if not settings else _with(SETTINGS, **settings)
-        self.executor = RunExecutor(config, self.store, self.out, handler)
+        writer = GroupWriter(self.store, fault=config.test_fault)
+        self.executor = RunExecutor(config, self.store, self.out, handler, writer)
         self.fence = self.store.own(0)
         World.made.append(self)
 

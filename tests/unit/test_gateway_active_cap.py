@@ -10,15 +10,14 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from koda_runtime.errors import ConfigError
+from koda_runtime.errors import ConfigError, TooManyActiveRuns
 from koda_runtime.gateway.app import create_app
 from koda_runtime.gateway.bootstrap import Components, build_components
 from koda_runtime.gateway.errors import ActiveRunsCapped, http_error
-from koda_runtime.gateway.exceptions import TooManyActiveRuns
 from koda_runtime.gateway.intake import RunRequest
-from koda_runtime.gateway.store import _ACTIVE_RUNS, AdmittedRun
 from koda_runtime.gateway.submit import PATH, SubmitShortcut
 from koda_runtime.lifecycle.states import OPEN
+from koda_runtime.schemas.runs.admission import _ACTIVE_RUNS, AdmittedRun
 from koda_runtime.schemas.tables import runs
 from koda_runtime.settings import Settings
 from tests.unit.test_gateway_http import UNREACHABLE

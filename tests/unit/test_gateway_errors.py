@@ -7,10 +7,9 @@ from decimal import Decimal
 
 import pytest
 
-from koda_runtime.errors import DatabaseError
+from koda_runtime.errors import DatabaseError, PublishError, SessionNotOwned
 from koda_runtime.gateway.errors import BadRequest, http_error
-from koda_runtime.gateway.exceptions import OverBudget, PublishError, SessionNotOwned
-from koda_runtime.lifecycle.ledger import Exceeded, Period
+from koda_runtime.lifecycle.ledger import Exceeded, OverBudget, Period
 
 
 def test_a_session_of_another_user_answers_404_naming_the_field() -> None:

@@ -37,7 +37,7 @@ from koda_runtime.lifecycle.states import (
     can_transition,
     sources_of,
 )
-from koda_runtime.processors.sql import edges
+from koda_runtime.schemas.runs.worker import edges
 
 POLICY = RetryPolicy(max_attempts=3, base_s=0.5, cap_s=10.0)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from koda_runtime.processors.app import OffsetCommits
+from koda_runtime.processors.commits import OffsetCommits
 from koda_runtime.processors.cursor import PartitionCursors, Start, decode_done, encode_done
 from koda_runtime.topics.kafka.intake import Fetched
 from koda_runtime.topics.kafka.offsets import METADATA_MAX_CHARS

@@ -30,9 +30,10 @@ from koda_runtime.lifecycle.handler import CancelToken, RunFailed, ToolActivity,
 from koda_runtime.lifecycle.ledger import Exceeded, Period
 from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.naming import AppEnv
+from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.runner import Record, RunExecutor
-from koda_runtime.processors.store import Batched, GroupResult, GroupWrite
 from koda_runtime.processors.streaming import ChunkBatcher, refusal
+from koda_runtime.schemas.runs.worker import Batched, GroupResult, GroupWrite
 from koda_runtime.settings import Settings
 from koda_runtime.topics.records.codec import RUN_REQUESTED, RunRequested, headers_for
 from tests.support import loop_until
@@ -175,7 +176,9 @@ class World:
         self.store = store or FakeStore()
         self.out = out or FakeOutput(self.store)
         self.handler = handler
-        self.executor = RunExecutor(replace(SETTINGS, **settings), self.store, self.out, handler)
+        config = replace(SETTINGS, **settings)
+        writer = GroupWriter(self.store, fault=config.test_fault)
+        self.executor = RunExecutor(config, self.store, self.out, handler, writer)
         self.fence = self.store.own(0)
         # The marks that a run is whole on the chunk topic, as the executor asks for them.
         self.marks: list[tuple[str, int]] = []

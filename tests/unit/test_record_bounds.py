@@ -25,6 +25,7 @@ from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.metrics import DEAD_LETTERS, RECORDS_SKIPPED
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.emitter import Emitter, refused
+from koda_runtime.processors.groupcommit import GroupWriter
 from koda_runtime.processors.runner import Record, RecordTries, RunExecutor
 from koda_runtime.settings import Settings
 from koda_runtime.topics.chunklog import ChunkLog
@@ -333,7 +334,8 @@ SETTINGS = Settings(
 async def world() -> AsyncIterator[tuple[RunExecutor, FakeStore, FakeOutput, Clock]]:
     store = FakeStore()
     out = FakeOutput(store)
-    executor = RunExecutor(SETTINGS, store, out, ScriptedHandler(["a"], ["b"]))
+    writer = GroupWriter(store, fault=SETTINGS.test_fault)
+    executor = RunExecutor(SETTINGS, store, out, ScriptedHandler(["a"], ["b"]), writer)
     clock = Clock()
     executor.tries = RecordTries(SETTINGS.record_tries, spacing_s=8.0, clock=clock)
     yield executor, store, out, clock

@@ -17,7 +17,6 @@ from koda_runtime.gateway.responses_wire import (
     INPUT_KEY,
     EventNumbering,
     RequestError,
-    RunState,
     parse_create,
     response_object,
     response_status,
@@ -26,6 +25,7 @@ from koda_runtime.gateway.responses_wire import (
     sse_frame,
 )
 from koda_runtime.processors.handlers.demo import MODEL as DEMO_MODEL
+from koda_runtime.schemas.runs.reads import RunState
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 RUN = "0190f1c2-aaaa-7bbb-8ccc-0123456789ab"

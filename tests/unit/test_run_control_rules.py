@@ -15,7 +15,8 @@ from koda_runtime.lifecycle.control import (
 )
 from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.processors.control import ControlBoard
-from koda_runtime.processors.store import ChunkWrite, Fence, FinishWrite, RunSteer
+from koda_runtime.schemas.epochs import Fence
+from koda_runtime.schemas.runs.worker import ChunkWrite, FinishWrite, RunSteer
 
 FENCE = Fence("t", 0, 1)
 

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from koda_runtime import metrics
 from koda_runtime.lifecycle.states import RunStatus
 from koda_runtime.processors.groupcommit import GroupWriter
-from koda_runtime.processors.store import ClaimWrite, Fence, FinishWrite, GroupResult, GroupWrite
+from koda_runtime.schemas.epochs import Fence
+from koda_runtime.schemas.runs.worker import ClaimWrite, FinishWrite, GroupResult, GroupWrite
 
 FENCE = Fence("runs", 0, 1)
 

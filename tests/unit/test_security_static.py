@@ -14,13 +14,14 @@ import faust
 import pytest
 
 from koda_runtime.kafka import aiokafka_security, consumer_config, producer_config
-from koda_runtime.processors.app import faust_settings
+from koda_runtime.processors.faust_app import faust_settings
 from koda_runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("koda", "cli", "gateway", "processors", "scheduler", "topics", "schemas")
 SQL = re.compile(
-    r"\b(SELECT\b.*\bFROM|INSERT\s+INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|TRUNCATE\s+\w"
+    r"\b(SELECT\b.*\bFROM|INSERT\s+INTO|MERGE\s+INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM"
+    r"|TRUNCATE\s+\w"
     r"|(CREATE|ALTER|DROP)\s+(TABLE|SCHEMA|DATABASE|INDEX|VIEW|ROLE))\b",
     re.IGNORECASE | re.DOTALL,
 )
@@ -37,6 +38,7 @@ ALLOWED = {
     ("topics/replay/sql.py", "CREATE TABLE IF NOT EXISTS {table.name} ({cols}"),
     ("topics/replay/sql.py", "ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {c.name}"),
     ("topics/replay/sql.py", "INSERT INTO {table.name} AS cur ({cols}) SELECT {cols}"),
+    ("topics/replay/sql.py", "MERGE INTO {table.name} AS cur USING {source} AS excluded"),
     ("topics/replay/sql.py", "ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {c.name}"),
     ("topics/replay/sql.py", "SELECT count(*) FROM {table.name}"),
     ("topics/replay/sql.py", "INSERT INTO _dirty SELECT DISTINCT '{table.name}'"),
@@ -50,7 +52,13 @@ ALLOWED = {
     ("schemas/ledger.py", "SELECT {_FIGURES} FROM ledger {_WHERE}"),
     # The runs history: whose runs is one of two fixed conditions chosen by code (a
     # user's, or the operators' optional user), every value a bound parameter.
-    ("gateway/control_store.py", "_LIST_RUNS_SQL.format(who="),
+    ("schemas/runs/control.py", "_LIST_RUNS_SQL.format(who="),
+    # The visible-output rule written once (schemas/runs/reads.py visible_output_sql):
+    # the calling statement's run-id column and the lifecycle's chunk kinds, code
+    # constants; the statements that embed it bind every value.
+    ("schemas/runs/reads.py", "WHERE m.run_id = {run_id} AND m.kind = '{_ANSWER_KIND}'"),
+    ("schemas/runs/reads.py", "{visible_output_sql('r.id')} AS"),
+    ("schemas/runs/reads.py", "{visible_output_sql('e.id')} AS"),
     # The warehouse schema as a quoted identifier (psycopg's sql.Identifier).
     ("topics/replay/sinks/postgres.py", "pgsql.Identifier(self.schema)"),
 }

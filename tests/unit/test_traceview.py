@@ -1,4 +1,4 @@
-"""``koda traces show``'s drawing (koda/traceview.py), on traces shaped as Jaeger's query
+"""``koda traces show``'s drawing (cli/traces.py), on traces shaped as Jaeger's query
 API returns them; the real receiver is tests/e2e/test_tracing.py's."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from koda_runtime import traceview
+from koda_runtime.cli import traces as traceview
 
 TRACE = "ab" * 16
 

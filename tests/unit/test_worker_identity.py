@@ -18,7 +18,7 @@ from koda_runtime.gateway.workers import MAX_INSTANCES, WorkerTable
 from koda_runtime.kafka import runs_consumer_config
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.heartbeat import Heartbeat
-from koda_runtime.processors.identity import RELOG_S, TwinWatch
+from koda_runtime.processors.twins import RELOG_S, TwinWatch
 from koda_runtime.settings import Settings
 from koda_runtime.topics.records.heartbeats import Beat
 

@@ -22,12 +22,13 @@ from koda_runtime.lifecycle.handler import Item, RunContext
 from koda_runtime.lifecycle.ledger import LedgerCall
 from koda_runtime.lifecycle.states import ACTIVE, RunStatus, can_transition
 from koda_runtime.processors.ports import Record
-from koda_runtime.processors.store import (
+from koda_runtime.schemas.epochs import Fence
+from koda_runtime.schemas.ledger import PricedCall
+from koda_runtime.schemas.runs.worker import (
     Batched,
     ChunkWrite,
     Claim,
     ClaimWrite,
-    Fence,
     Finished,
     GroupResult,
     GroupWrite,
@@ -36,7 +37,6 @@ from koda_runtime.processors.store import (
     RunSteer,
     SteerObserver,
 )
-from koda_runtime.schemas.ledger import PricedCall
 
 TOPIC = "unit-runs"
 

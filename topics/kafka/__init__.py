@@ -7,7 +7,10 @@
   seen at the start (chunk-log folds, dead letters, ``koda replay``).
 * :mod:`koda_runtime.topics.kafka.offsets`: the offsets reader, a group's committed offsets and the
   partitions' watermarks (partition cursors, the lag gauge, ``GET /admin/lag``).
+* :mod:`koda_runtime.topics.kafka.publisher`: the producer of ``run.requested`` records
+  (the gateway's, the scheduler's and the sweeper's), over the asyncio producer bridge
+  (:mod:`koda_runtime.topics.kafka.producer`).
 
-The workers' own consumer and producer are Faust's (processors/app.py); the gateway's
-producer is gateway/publisher.py.
+The workers consume the runs topic through :mod:`koda_runtime.topics.kafka.intake` (their
+group member, librdkafka); their producer is Faust's (processors/faust_app.py).
 """

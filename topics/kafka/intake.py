@@ -67,6 +67,7 @@ from confluent_kafka import (
 )
 
 from koda_runtime import metrics
+from koda_runtime.errors import KodaError
 from koda_runtime.kafka import runs_consumer_config
 from koda_runtime.settings import Settings
 from koda_runtime.topics.kafka.tail import LoopFeed
@@ -97,11 +98,11 @@ Call = Callable[[Consumer], Any]
 Offsets = tuple[tuple[int, int], ...]
 
 
-class MemberStalled(RuntimeError):
+class MemberStalled(KodaError, RuntimeError):
     """The runs consumer has had no broker connection up for ``rebuild_after_s``."""
 
 
-class CommitAbandoned(Exception):
+class CommitAbandoned(KodaError):
     """A commit whose answer the loop stopped waiting for: a rebalance callback began
     (the callback's own commit sends the offsets again) or the consumer closed."""
 

@@ -4,7 +4,7 @@ librdkafka delivers acknowledgements through callbacks served by ``poll()``. A d
 thread polls; each callback resolves the asyncio future that
 :meth:`AsyncProducer.produce` returned, via ``call_soon_threadsafe``. ``produce()``
 itself never blocks the event loop: it only enqueues (or fails at once with a full
-queue). Used by the gateway's and the scheduler's run publisher (gateway/publisher.py).
+queue). Used by the run publisher (topics/kafka/publisher.py).
 
 Failures are raised as (or fail the future with) ``error``, the caller's own
 :class:`~koda_runtime.errors.KodaError` branch, so the bridge adds no error type of its own.

@@ -46,6 +46,7 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, 
 from prometheus_client import Counter
 
 from koda_runtime import metrics
+from koda_runtime.errors import KodaError
 from koda_runtime.kafka import consumer_config
 from koda_runtime.settings import Settings
 
@@ -66,7 +67,7 @@ REBUILD_AFTER_S = 15.0
 DISCOVERY_RETRY_S = 1.0
 
 
-class ClientStalled(RuntimeError):
+class ClientStalled(KodaError, RuntimeError):
     """The tail's consumer has reached no broker for ``rebuild_after_s``: rebuild it."""
 
 

@@ -37,20 +37,20 @@ from __future__ import annotations
 
 import json
 
-from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from koda_runtime.schemas.db import sync_engine
-from koda_runtime.schemas.erasures import erased_digests, pseudonym, user_digest
+from koda_runtime.schemas.erasures import (
+    erased_digests,
+    erased_ledger_runs,
+    pseudonym,
+    user_digest,
+)
 from koda_runtime.settings import Settings
 from koda_runtime.topics.replay.errors import SourceError
 
 REFRESH_S = 60.0  # how often a following replay reads the receipts again
 _CACHE = 100_000  # user ids whose answer is remembered
-# The runs of the ledger rows kept under an erasure's pseudonym.
-_LEDGER_RUNS = text(
-    "SELECT DISTINCT l.run_id FROM ledger l JOIN erasures e ON e.pseudonym = l.user_id"
-)
 
 
 class Erased:
@@ -109,7 +109,7 @@ def read_erased(settings: Settings) -> tuple[frozenset[str], set[str]]:
     try:
         with engine.connect() as conn:
             digests = frozenset(erased_digests(conn))
-            runs = {str(r) for (r,) in conn.execute(_LEDGER_RUNS)} if digests else set()
+            runs = erased_ledger_runs(conn) if digests else set()
             return digests, runs
     except SQLAlchemyError as exc:
         raise SourceError(

@@ -25,15 +25,17 @@ primary key cannot.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
-from sqlalchemy import TextClause, text
+from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
+from koda_runtime.schemas import memories, schedules
 from koda_runtime.schemas.db import sync_engine
+from koda_runtime.schemas.runs import export as runs_export
 from koda_runtime.settings import Settings
 from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.batch import RowBatch, run_day
@@ -44,13 +46,24 @@ PAGE = 5000
 OVERLAP_S = 600.0
 
 
+class Page(Protocol):
+    """One page of a table: the rows after key ``after``, created (or changed) at or
+    after ``since``, at most ``limit``, by primary key (read by its table group's
+    module in schemas/)."""
+
+    def __call__(
+        self, conn: Connection, *, after: str, since: datetime | None, limit: int
+    ) -> Sequence[Any]: ...
+
+
 @dataclass(frozen=True)
 class Source:
-    """One exported table: its query (``:after`` the last key, ``:since``, ``:n``) and
-    how a result row becomes a warehouse row (None: an erased user's, dropped)."""
+    """One exported table: how a page of it is read (``page(conn, after=, since=,
+    limit=)``) and how a result row becomes a warehouse row (None: an erased user's,
+    dropped)."""
 
     table: t.Table
-    query: TextClause
+    page: Page
     row: Callable[[Any, Erased], tuple[Any, ...] | None]
 
 
@@ -81,68 +94,10 @@ def _memories_row(r: Any, erased: Erased) -> tuple[Any, ...] | None:
 
 
 SOURCES = (
-    Source(
-        t.RUN_INPUTS,
-        text(
-            """
-            SELECT id, user_id, session_id, created_at, input::text AS input,
-                   metadata::text AS metadata, COALESCE(input_version, 0) AS version
-              FROM runs
-             WHERE id > :after
-               AND (CAST(:since AS timestamptz) IS NULL
-                    OR created_at >= CAST(:since AS timestamptz)
-                    OR id IN (SELECT run_id FROM run_merges
-                               WHERE created_at >= CAST(:since AS timestamptz)))
-             ORDER BY id LIMIT :n
-            """
-        ),
-        _inputs_row,
-    ),
-    Source(
-        t.RUN_MERGES,
-        text(
-            """
-            SELECT idempotency_key AS id, run_id, input_version, user_id,
-                   input::text AS input, created_at
-              FROM run_merges
-             WHERE idempotency_key > :after
-               AND (CAST(:since AS timestamptz) IS NULL
-                    OR created_at >= CAST(:since AS timestamptz))
-             ORDER BY idempotency_key LIMIT :n
-            """
-        ),
-        _merges_row,
-    ),
-    Source(
-        t.SCHEDULES,
-        text(
-            """
-            SELECT id, user_id, session_id, cron, timezone, input::text AS input, enabled,
-                   quiet_start, quiet_end, daily_cap, overlap, catchup_s, next_fire_at,
-                   last_fire_at, created_at, updated_at
-              FROM schedules
-             WHERE id > :after
-               AND (CAST(:since AS timestamptz) IS NULL
-                    OR updated_at >= CAST(:since AS timestamptz))
-             ORDER BY id LIMIT :n
-            """
-        ),
-        _schedules_row,
-    ),
-    Source(
-        t.MEMORIES,
-        text(
-            """
-            SELECT id, user_id, text, embedder, run_id, created_at
-              FROM memories
-             WHERE id > :after
-               AND (CAST(:since AS timestamptz) IS NULL
-                    OR created_at >= CAST(:since AS timestamptz))
-             ORDER BY id LIMIT :n
-            """
-        ),
-        _memories_row,
-    ),
+    Source(t.RUN_INPUTS, runs_export.inputs_page, _inputs_row),
+    Source(t.RUN_MERGES, runs_export.merges_page, _merges_row),
+    Source(t.SCHEDULES, schedules.export_page, _schedules_row),
+    Source(t.MEMORIES, memories.export_page, _memories_row),
 )
 
 
@@ -158,9 +113,7 @@ def export_batches(
             for source in SOURCES:
                 after = ""
                 while True:
-                    rows = conn.execute(
-                        source.query, {"after": after, "since": since, "n": page}
-                    ).all()
+                    rows = source.page(conn, after=after, since=since, limit=page)
                     conn.rollback()  # no transaction held open between pages
                     if not rows:
                         break

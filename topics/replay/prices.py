@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import ROUND_HALF_UP, Decimal
 
-from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from koda_runtime.schemas.db import sync_engine
+from koda_runtime.schemas.ledger import price_history
 from koda_runtime.settings import Settings
 
 log = logging.getLogger("koda.replay")
@@ -68,12 +68,7 @@ def load_prices(settings: Settings) -> PriceBook:
     engine = sync_engine(settings, pool_size=1)
     try:
         with engine.connect() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT model, effective_from, prompt_usd_per_mtok, completion_usd_per_mtok"
-                    " FROM prices ORDER BY model, effective_from"
-                )
-            ).all()
+            rows = price_history(conn)
     except SQLAlchemyError as exc:
         log.warning("event=prices_unavailable error=%s", type(exc).__name__)
         return PriceBook(loaded=False)

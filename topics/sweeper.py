@@ -8,7 +8,8 @@ same run twice at once), produces them again, and releases the claim of those
 that failed. A duplicate record is harmless: the worker's claim is a
 conditional update on the run's status in Postgres. A scheduled run's record
 carries its schedule and minute, as the scheduler's own publish does: the
-warehouse replay reads them from whichever record reaches the topic.
+warehouse replay reads them from whichever record reaches the topic. Every gateway and
+every scheduler replica runs one.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from datetime import UTC
 
 from koda_runtime import metrics
 from koda_runtime.errors import KodaError
-from koda_runtime.gateway.publisher import RunPublisher
-from koda_runtime.gateway.store import RunStore
+from koda_runtime.schemas.runs.admission import RunAdmission
+from koda_runtime.topics.kafka.publisher import RunPublisher
 from koda_runtime.topics.records.codec import RunRequested
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class Sweeper:
 
     def __init__(
         self,
-        store: RunStore,
+        store: RunAdmission,
         publisher: RunPublisher,
         *,
         after_s: float,

@@ -1,17 +1,26 @@
-"""The worker's Postgres adapter: fenced claims, transitions and chunk writes.
+"""The worker's writes to the runs table group: claims, transitions, chunks, finishes.
 
-Fencing (docs/design.md §6): every assignment of a runs partition bumps
-``partition_epochs.epoch``; the worker carries that epoch as its owner token. A
-write succeeds only while (a) the partition's epoch is still the worker's and
-(b) the run's ``fence`` column is that epoch. Writes take ``FOR SHARE`` locks on
-both rows, so a new owner's epoch bump or claim waits for an in-flight write of
-the old owner to finish and then sees it; afterwards the old owner's writes
+Every write is fenced (schemas/epochs.py): it succeeds only while the partition's
+epoch is still the worker's and the run's ``fence`` column is that epoch, and it locks
+both rows ``FOR SHARE``, so a new owner's epoch bump or claim waits for an in-flight
+write of the old owner to finish and then sees it; afterwards the old owner's writes
 match zero rows. A frozen worker that wakes up cannot write.
+
+Every statement works on a whole group of runs (``unnest`` of parallel arrays): a
+group of one is a group, so there is one statement per kind of write. Every value is
+a bound parameter; status and kind values come from :mod:`koda_runtime.lifecycle`. A
+status UPDATE never names its allowed source statuses: it is given the state
+machine's edges into its target statuses (:func:`edges`, asked of
+``koda_runtime.lifecycle.states``) and moves a row only along one of them.
+
+:class:`RunStore` runs them: its group write sends a group's statements through
+psycopg's pipeline on the driver connection (three round trips however many runs).
+The worker's executor sees it through the protocols of processors/ports.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -21,43 +30,214 @@ import psycopg
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from koda_runtime.batching import CoalescedReads
 from koda_runtime.errors import TransitionRejected
 from koda_runtime.lifecycle.chunks import Chunk, ChunkKind
 from koda_runtime.lifecycle.handler import Usage
 from koda_runtime.lifecycle.ledger import Exceeded, LedgerCall, exceeded
-from koda_runtime.lifecycle.states import ACTIVE, OPEN, RunStatus
-from koda_runtime.processors import sql
-from koda_runtime.processors.coalesce import CoalescedReads
-from koda_runtime.processors.memory.marks import MARK_DISTIL
-from koda_runtime.schemas import ledger
+from koda_runtime.lifecycle.states import ACTIVE, OPEN, RunStatus, can_transition
+from koda_runtime.schemas import epochs, ledger
 from koda_runtime.schemas.db import driver_connection, for_driver, send
+from koda_runtime.schemas.epochs import Fence
 from koda_runtime.schemas.erasures import user_digest
 from koda_runtime.schemas.ledger import PricedCall, insert_calls
+from koda_runtime.schemas.memories import MARK_DISTIL
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Fence:
-    """The owner token of one partition: carried into every conditional write."""
+def edges(targets: Iterable[RunStatus]) -> dict[str, list[str]]:
+    """The state machine's edges into ``targets``: the ``edge_from`` / ``edge_to``
+    parameters of a status UPDATE (a row moves only along one of them)."""
+    pairs = sorted(
+        (src.value, dst.value)
+        for dst in set(targets)
+        for src in RunStatus
+        if can_transition(src, dst)
+    )
+    return {"edge_from": [s for s, _ in pairs], "edge_to": [d for _, d in pairs]}
 
-    topic: str
-    partition: int
-    epoch: int
+
+# The predecessor test rides along: almost always false, and asking it here saves every
+# run a second query and connection checkout.
+LOAD_RUNS = text(
+    """
+    SELECT r.id, r.user_id, r.session_id, r.status, r.input, r.attempt, r.fence,
+           r.published_seq,
+           EXISTS (SELECT 1 FROM runs p WHERE p.user_id = r.user_id
+                      AND p.status = ANY(:open)
+                      AND (p.created_at, p.id) < (r.created_at, r.id)) AS older_unfinished
+      FROM runs r WHERE r.id = ANY(CAST(:ids AS text[]))
+    """
+)
+
+UNFINISHED_PREDECESSORS = text(
+    """
+    SELECT p.id, p.user_id, p.session_id, p.status, p.input, p.attempt, p.fence
+      FROM runs r JOIN runs p ON p.user_id = r.user_id
+     WHERE r.id = :id AND p.status = ANY(:open)
+       AND (p.created_at, p.id) < (r.created_at, r.id)
+     ORDER BY p.created_at, p.id
+     LIMIT :limit
+    """
+)
+
+RECORD_FAILURE = text(
+    """
+    UPDATE runs SET failures = COALESCE(failures, 0) + 1
+     WHERE id = :run_id AND fence = :epoch AND status = ANY(:active)
+       AND EXISTS (SELECT 1 FROM partition_epochs e
+                    WHERE e.topic = :topic AND e.partition = :partition
+                      AND e.epoch = :epoch FOR SHARE)
+    RETURNING failures
+    """
+)
+
+MESSAGES = text(
+    """
+    SELECT seq, kind, content, attempt FROM messages
+     WHERE run_id = :id AND (CAST(:below AS int) IS NULL OR seq < :below)
+     ORDER BY seq
+    """
+)
+
+# SKIP LOCKED: a row the compactor holds (it locks runs while compacting them) is left
+# unmarked rather than holding up the whole group; the completeness pass marks it later.
+MARK_PUBLISHED = text(
+    """
+    WITH free AS (
+        SELECT id FROM runs
+         WHERE id = ANY(:ids) AND finished_at IS NOT NULL AND published_seq IS NULL
+         ORDER BY id
+           FOR UPDATE SKIP LOCKED
+    )
+    UPDATE runs r SET published_seq = q.seq
+      FROM unnest(CAST(:ids AS text[]), CAST(:seqs AS int[])) AS q(run_id, seq), free
+     WHERE r.id = q.run_id AND r.id = free.id
+    """
+)
+
+# ``→ running`` with ``attempt + 1`` under the claimer's epoch, which must still be the
+# partition's (locked FOR SHARE, so an epoch bump waits for this transaction).
+CLAIM = text(
+    """
+    UPDATE runs r SET status = :to, attempt = r.attempt + 1,
+           fence = q.epoch, worker_id = q.worker, partition = q.partition,
+           started_at = COALESCE(r.started_at, now())
+      FROM unnest(CAST(:ids AS text[]), CAST(:topics AS text[]),
+                  CAST(:parts AS int[]), CAST(:epochs AS bigint[]),
+                  CAST(:workers AS text[]))
+           AS q(run_id, topic, partition, epoch, worker)
+     WHERE r.id = q.run_id AND r.fence <= q.epoch
+       AND EXISTS (SELECT 1 FROM unnest(CAST(:edge_from AS text[]), CAST(:edge_to AS text[]))
+                       AS a(src, dst) WHERE a.src = r.status AND a.dst = :to)
+       AND EXISTS (SELECT 1 FROM partition_epochs e
+                    WHERE e.topic = q.topic AND e.partition = q.partition
+                      AND e.epoch = q.epoch FOR SHARE)
+    RETURNING r.id, r.attempt, COALESCE(r.failures, 0) AS failures,
+              EXTRACT(EPOCH FROM r.started_at - r.created_at) AS queue_age_s,
+              r.input, COALESCE(r.input_version, 0) AS input_version,
+              r.cancel_requested_at IS NOT NULL AS cancel_requested, r.cancel_reason
+    """
+)
+
+# Read after the claim, in its transaction: under READ COMMITTED each statement takes a
+# new snapshot, so a previous owner's writes that the claim's row lock waited for are seen.
+NEXT_SEQS = text(
+    """
+    SELECT q.run_id, COALESCE(MAX(m.seq) + 1, 0) AS next_seq,
+           COUNT(m.seq) FILTER (WHERE m.kind = :chunk) AS chunks
+      FROM unnest(CAST(:ids AS text[])) AS q(run_id)
+      LEFT JOIN messages m ON m.run_id = q.run_id
+     GROUP BY q.run_id
+    """
+)
+
+# The parts whose fences still own their runs, locked FOR SHARE in (partition, run)
+# order (the order an epoch bump takes them: a group and a bump cannot deadlock), each
+# with what its run's row says of cancel and merge.
+OWNED = text(
+    """
+    SELECT q.i, r.cancel_requested_at IS NOT NULL AS cancel_requested,
+           r.cancel_reason, COALESCE(r.input_version, 0) AS input_version
+      FROM unnest(CAST(:topics AS text[]), CAST(:parts AS int[]),
+                  CAST(:epochs AS bigint[]), CAST(:ids AS text[]))
+           WITH ORDINALITY AS q(topic, partition, epoch, run_id, i)
+      JOIN partition_epochs e ON e.topic = q.topic
+       AND e.partition = q.partition AND e.epoch = q.epoch
+      JOIN runs r ON r.id = q.run_id AND r.fence = q.epoch
+       AND r.status = ANY(:active)
+     ORDER BY q.partition, q.run_id
+       FOR SHARE OF e, r
+    """
+)
+
+INSERT_CHUNKS = text(
+    """
+    INSERT INTO messages (run_id, seq, kind, content, attempt)
+    SELECT s.run_id, s.seq, s.kind, s.content, s.attempt
+      FROM unnest(CAST(:ids AS text[]), CAST(:seqs AS int[]), CAST(:kinds AS text[]),
+                  CAST(:contents AS text[]), CAST(:attempts AS int[]))
+           AS s(run_id, seq, kind, content, attempt)
+    ON CONFLICT (run_id, seq) DO NOTHING
+    RETURNING run_id, seq
+    """
+)
+
+# Each call priced from the newest price of its model in effect (0 without one).
+INSERT_USAGE = text(
+    """
+    INSERT INTO usage (run_id, call_index, model, prompt_tokens, completion_tokens, cost_usd)
+    SELECT u.run_id, u.idx, u.model, u.pt, u.ct,
+           COALESCE((SELECT (u.pt * p.prompt_usd_per_mtok
+                             + u.ct * p.completion_usd_per_mtok) / 1000000
+                       FROM prices p
+                      WHERE p.model = u.model AND p.effective_from <= now()
+                      ORDER BY p.effective_from DESC LIMIT 1), 0)
+      FROM unnest(CAST(:ids AS text[]), CAST(:idx AS int[]), CAST(:models AS text[]),
+                  CAST(:pt AS int[]), CAST(:ct AS int[]))
+           AS u(run_id, idx, model, pt, ct)
+    ON CONFLICT (run_id, call_index) DO NOTHING
+    RETURNING run_id, call_index, cost_usd
+    """
+)
+
+# The one transition statement: every run of the group that changes status (its first
+# output: → streaming; its finish: → a terminal status) moves in it, under its fence and
+# along an edge of the state machine. A terminal move also stamps finished_at and the
+# error; the run's first output stamps first_chunk_at.
+TRANSITION = text(
+    """
+    UPDATE runs r SET status = q.target,
+           finished_at = CASE WHEN q.terminal THEN now() ELSE r.finished_at END,
+           error = CASE WHEN q.terminal THEN q.error ELSE r.error END,
+           first_chunk_at = CASE WHEN q.first_output
+               THEN COALESCE(r.first_chunk_at, now()) ELSE r.first_chunk_at END
+      FROM unnest(CAST(:ids AS text[]), CAST(:epochs AS bigint[]),
+                  CAST(:targets AS text[]), CAST(:terminals AS bool[]),
+                  CAST(:errors AS text[]), CAST(:firsts AS bool[]))
+           AS q(run_id, epoch, target, terminal, error, first_output)
+     WHERE r.id = q.run_id AND r.fence = q.epoch
+       AND EXISTS (SELECT 1 FROM unnest(CAST(:edge_from AS text[]), CAST(:edge_to AS text[]))
+                       AS a(src, dst) WHERE a.src = r.status AND a.dst = q.target)
+    RETURNING r.id
+    """
+)
+
+ERASED = text("SELECT 1 FROM erasures WHERE user_digest = :digest LIMIT 1")
 
 
 # The group's statements as psycopg takes them (sent on the driver connection).
-_LOAD_RUNS = for_driver(sql.LOAD_RUNS)
-_MARK_PUBLISHED = for_driver(sql.MARK_PUBLISHED)
-_CLAIM = for_driver(sql.CLAIM)
-_NEXT_SEQS = for_driver(sql.NEXT_SEQS)
-_OWNED = for_driver(sql.OWNED)
-_INSERT_CHUNKS = for_driver(sql.INSERT_CHUNKS)
-_INSERT_USAGE = for_driver(sql.INSERT_USAGE)
-_TRANSITION = for_driver(sql.TRANSITION)
+_LOAD_RUNS = for_driver(LOAD_RUNS)
+_MARK_PUBLISHED = for_driver(MARK_PUBLISHED)
+_CLAIM = for_driver(CLAIM)
+_NEXT_SEQS = for_driver(NEXT_SEQS)
+_OWNED = for_driver(OWNED)
+_INSERT_CHUNKS = for_driver(INSERT_CHUNKS)
+_INSERT_USAGE = for_driver(INSERT_USAGE)
+_TRANSITION = for_driver(TRANSITION)
 _INSERT_CALLS = for_driver(ledger.INSERT_CALLS)
 _MARK_DISTIL = for_driver(MARK_DISTIL)
-_ERASED = text("SELECT 1 FROM erasures WHERE user_digest = :digest LIMIT 1")
 
 # What a statement queued in a pipeline gives once the pipeline has synced.
 Read = Callable[[], Awaitable[T]]
@@ -276,31 +456,20 @@ class RunStore:
     async def bump_epochs(
         self, topic: str, partitions: Sequence[int], worker_id: str
     ) -> dict[int, int]:
-        """Take ownership of ``partitions``: their epochs grow by one; returns the new ones."""
-        if not partitions:
-            return {}
-        async with self.engine.begin() as conn:
-            rows = await conn.execute(
-                sql.BUMP_EPOCHS,
-                {"topic": topic, "parts": sorted(partitions), "worker": worker_id},
-            )
-            return {int(p): int(e) for p, e in rows}
+        """Take ownership of ``partitions``: their epochs grow by one; returns the new ones
+        (schemas/epochs.py)."""
+        return await epochs.bump_epochs(self.engine, topic, partitions, worker_id)
 
     async def holds(self, fence: Fence) -> bool:
         """Whether ``fence`` is still its partition's epoch: no other worker has taken
-        the partition since this one did."""
-        async with self.engine.connect() as conn:
-            row = await conn.execute(
-                sql.HOLDS_EPOCH,
-                {"topic": fence.topic, "partition": fence.partition, "epoch": fence.epoch},
-            )
-            return row.first() is not None
+        the partition since this one did (schemas/epochs.py)."""
+        return await epochs.holds(self.engine, fence)
 
     async def load_run(self, run_id: str) -> RunRow | None:
         """The run's row, or None when there is no such run.
 
         The runs asked for while a read is in flight are read together by the next one
-        (processors/coalesce.py): a poll's runs cost a statement or two, not one each.
+        (koda/batching.py): a poll's runs cost a statement or two, not one each.
         """
         return await self._loads.get(run_id)
 
@@ -341,7 +510,7 @@ class RunStore:
         async with self.reader.connect() as conn:
             rows = (
                 await conn.execute(
-                    sql.UNFINISHED_PREDECESSORS, {"id": run.id, "limit": limit, "open": _OPEN}
+                    UNFINISHED_PREDECESSORS, {"id": run.id, "limit": limit, "open": _OPEN}
                 )
             ).all()
         return [
@@ -363,7 +532,7 @@ class RunStore:
             "active": _ACTIVE,
         }
         async with self.engine.begin() as conn:
-            row = (await conn.execute(sql.RECORD_FAILURE, params)).first()
+            row = (await conn.execute(RECORD_FAILURE, params)).first()
             return None if row is None else int(row.failures)
 
     async def write_group(self, writes: Sequence[GroupWrite]) -> list[GroupResult]:
@@ -473,7 +642,7 @@ class RunStore:
     async def messages(self, run_id: str, below: int | None = None) -> list[Chunk]:
         """The run's messages in seq order (only those with seq < ``below`` if given)."""
         async with self.reader.connect() as conn:
-            rows = await conn.execute(sql.MESSAGES, {"id": run_id, "below": below})
+            rows = await conn.execute(MESSAGES, {"id": run_id, "below": below})
             return [
                 Chunk(run_id, int(r.seq), ChunkKind(r.kind), r.content, r.attempt) for r in rows
             ]
@@ -482,7 +651,7 @@ class RunStore:
         """Whether an erasure of ``user_id`` was recorded (schemas/erasures.py). Asked
         only of a record whose run has no row."""
         async with self.reader.connect() as conn:
-            row = await conn.execute(_ERASED, {"digest": user_digest(user_id)})
+            row = await conn.execute(ERASED, {"digest": user_digest(user_id)})
             return row.first() is not None
 
 
@@ -516,7 +685,7 @@ async def _claim(
             "epochs": [w.fence.epoch for w in claims],
             "workers": [w.worker_id for w in claims],
             "to": RunStatus.RUNNING.value,
-            **sql.edges([RunStatus.RUNNING]),
+            **edges([RunStatus.RUNNING]),
         },
     )
     seqs = await send(raw, _NEXT_SEQS, {"ids": ids, "chunk": ChunkKind.CHUNK.value})
@@ -679,7 +848,7 @@ async def _transition(
                 "terminals": [t.terminal for t in targets],
                 "errors": [w.error if isinstance(w, FinishWrite) else None for w, _ in moves],
                 "firsts": [w.first_output for w, _ in moves],
-                **sql.edges(targets),
+                **edges(targets),
             },
         )
 

@@ -1,5 +1,8 @@
 """``koda traces show``: one run's trace, as its OTLP receiver stores it, on a terminal.
 
+The command itself is declared with the root app (cli/__init__.py); this module is
+what it draws and reads.
+
 The receiver is Jaeger (``koda services up --with-tracing`` starts one; a deployment
 names its own with ``--query``), read through its query API: ``GET /api/traces/<id>``
 answers ``{"data": [{"traceID", "spans": [...], "processes": {...}}]}``, each span with
@@ -23,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from koda_runtime.errors import KodaError
+from koda_runtime.schemas.runs.reads import RunNotFound, run_traceparent
 
 TRACE_ID_HEX = 32
 BAR_WIDTH = 24
@@ -159,18 +163,15 @@ def render(trace: dict[str, Any]) -> list[str]:
     return lines
 
 
-_RUN_TRACE = text("SELECT traceparent FROM runs WHERE id = :run_id")
-
-
 def run_trace_id(engine: Engine, run_id: str) -> str:
     """The trace id recorded for a run at admission (``runs.traceparent``)."""
-    with engine.connect() as conn:
-        row = conn.execute(_RUN_TRACE, {"run_id": run_id}).first()
-    if row is None:
-        raise TraceNotFound(f"no run {run_id}")
-    if not row.traceparent:
+    try:
+        traceparent = run_traceparent(engine, run_id)
+    except RunNotFound:
+        raise TraceNotFound(f"no run {run_id}") from None
+    if not traceparent:
         raise TraceNotFound(
             f"run {run_id} has no trace: the gateway that admitted it had tracing off "
             "and its client sent no traceparent"
         )
-    return trace_id_of(row.traceparent)
+    return trace_id_of(traceparent)

@@ -1,49 +1,30 @@
-"""Schedules in Postgres, and firing one scheduled minute as a run through the gateway's path.
+"""Schedules in Postgres: every read and write of the ``schedules`` table.
 
-:class:`ScheduleStore` is every read and write of the ``schedules`` table (the HTTP
-routes and ``koda scheduler`` share it). :func:`fire` turns a (schedule, minute) into a
-run with :meth:`RunStore.admit`, the very insert ``POST /v1/runs`` makes, under the
-idempotency key ``sched:<schedule_id>:<UTC minute>``: ``ON CONFLICT DO NOTHING`` is the
-arbiter, so any number of schedulers firing the same minute create one run, and only
-the one that created it publishes it (keyed by user, like the gateway).
-:func:`fire_many` does the same for a scheduler's batch with :meth:`RunStore.admit_many`,
-the same statement for many rows in one transaction.
-
-The cap on a user's active runs (KODA_MAX_ACTIVE_RUNS_PER_USER) refuses ``run-now``, a
-person's request answered 429 like ``POST /v1/runs`` (which also takes a token of the
-user's rate and checks the schedule's ``daily_cap``, gateway/schedules.py), but never
-the scheduler's fires:
-the scheduler advances ``next_fire_at`` past every minute it fired, so a refused fire
-would be lost. A cron fire is bounded by its schedule's own policies instead (one
-minute at most, ``overlap`` skip by default, ``daily_cap``), and its runs count toward
-the owner's cap for everything else the owner submits.
+:class:`ScheduleStore` is shared by the HTTP routes (gateway/schedules.py), ``koda
+schedules`` and ``koda scheduler``, and reads what the scheduler plans with (its owners'
+scheduled runs per day, a schedule's latest run, spent budgets). A fired minute becomes a
+run through admission's one insert (schemas/runs/admission.py) under the idempotency key
+:func:`fire_key`; topics/scheduled.py fires and publishes it.
 """
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Connection, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda_runtime import tracing
-from koda_runtime.errors import DatabaseError
-from koda_runtime.gateway.caps import SCHEDULES, CapReached
-from koda_runtime.gateway.exceptions import SessionNotOwned
-from koda_runtime.gateway.publisher import Delivery, RunPublisher
-from koda_runtime.gateway.store import AdmittedRun, NewRun, RunStore
-from koda_runtime.lifecycle.ids import uuid7
+from koda_runtime.caps import SCHEDULES, CapReached
+from koda_runtime.errors import SessionNotOwned
 from koda_runtime.lifecycle.states import TERMINAL
 from koda_runtime.scheduling import CronSpec, Overlap, Policy, QuietHours
 from koda_runtime.schemas import ledger
+from koda_runtime.schemas.db import failing_as
 from koda_runtime.schemas.tables import schedules, sessions
-from koda_runtime.topics.catalogue import partition_for_key
-from koda_runtime.topics.records.codec import RunRequested
 
 _COLUMNS = (
     "id",
@@ -167,11 +148,9 @@ class ScheduleStore:
         self.engine = engine
 
     async def _fetch(self, sql: Any, params: dict[str, Any]) -> list[Any]:
-        try:
+        with failing_as("a schedules query"):
             async with self.engine.begin() as conn:
                 return list((await conn.execute(sql, params)).all())
-        except SQLAlchemyError as exc:
-            raise DatabaseError(f"a schedules query failed: {type(exc).__name__}") from exc
 
     async def now(self) -> datetime:
         """Postgres's clock: every scheduler replica reads the same one."""
@@ -184,7 +163,7 @@ class ScheduleStore:
 
         With ``max_per_user`` (0: no cap) an owner who has that many schedules gets
         CapReached instead; the count is made under a per-owner lock."""
-        try:
+        with failing_as("creating a schedule"):
             async with self.engine.begin() as conn:
                 if max_per_user:
                     owner_id = values["user_id"]
@@ -217,8 +196,6 @@ class ScheduleStore:
                 row = (
                     await conn.execute(schedules.insert().values(**values).returning(*_SELECTED))
                 ).one()
-        except SQLAlchemyError as exc:
-            raise DatabaseError(f"creating a schedule failed: {type(exc).__name__}") from exc
         return _row(row)
 
     def _owned(self, schedule_id: str, user_id: str) -> Any:
@@ -291,11 +268,9 @@ class ScheduleStore:
 
     async def over_budget(self, users: list[str]) -> set[str]:
         """Those of ``users`` whose cost budget is spent (their fires are skipped)."""
-        try:
+        with failing_as("a schedules query"):
             async with self.engine.connect() as conn:
                 return await ledger.spent_users(conn, users)
-        except SQLAlchemyError as exc:
-            raise DatabaseError(f"a schedules query failed: {type(exc).__name__}") from exc
 
     async def latest_active(self, items: list[tuple[str, datetime]]) -> list[bool]:
         """For each (schedule, before): its latest run before that minute is not terminal."""
@@ -326,83 +301,25 @@ class ScheduleStore:
         return {r.id for r in rows}
 
 
-@dataclass(frozen=True)
-class Fired:
-    """A fire's run; ``delivery`` is set when this call created and published it."""
+# -- the replay's export (topics/replay/export.py) ----------------------------------
 
-    run: AdmittedRun
-    delivery: asyncio.Future[Delivery] | None
-
-
-def scheduled_run(
-    schedule: ScheduleRow, minute: datetime, *, partitions: int, key: str | None = None
-) -> NewRun:
-    """The run a (schedule, minute) fires: the schedule's owner, input and session policy."""
-    return NewRun(
-        run_id=uuid7(),
-        user_id=schedule.user_id,
-        session_id=schedule.session_id or uuid7(),
-        create_session=schedule.session_id is None,
-        idempotency_key=key or fire_key(schedule.id, minute),
-        input=schedule.input,
-        metadata=None,
-        partition=partition_for_key(schedule.user_id.encode(), partitions),
-        schedule_id=schedule.id,
-        scheduled_for=minute,
-        traceparent=tracing.traceparent(),  # the scheduler's fire span, when tracing
-    )
-
-
-def publish_scheduled(
-    publisher: RunPublisher, run: AdmittedRun, new: NewRun
-) -> asyncio.Future[Delivery]:
-    """Produce the run's ``run.requested`` record, keyed by user, with its schedule fields."""
-    assert new.scheduled_for is not None
-    return publisher.publish(
-        RunRequested(
-            run_id=run.run_id,
-            user_id=run.user_id,
-            session_id=run.session_id,
-            created_at=run.created_at.isoformat(),
-            schedule_id=new.schedule_id,
-            scheduled_for=new.scheduled_for.astimezone(UTC).isoformat(),
-        ),
-        traceparent=new.traceparent,
-    )
-
-
-async def fire_many(
-    store: RunStore, publisher: RunPublisher, batch: list[NewRun]
-) -> list[Fired | None]:
-    """:func:`fire` for many runs: one insert transaction, then a publish per created run
-    in ``batch`` order (a user's minutes oldest first); None where the key had a run."""
-    admitted = await store.admit_many(batch)
-    return [
-        None if run is None else Fired(run, publish_scheduled(publisher, run, new))
-        for run, new in zip(admitted, batch, strict=True)
-    ]
-
-
-async def fire(
-    store: RunStore,
-    publisher: RunPublisher,
-    schedule: ScheduleRow,
-    minute: datetime,
-    *,
-    partitions: int,
-    key: str | None = None,
-    budgets: bool = True,
-    max_active: int = 0,
-) -> Fired:
-    """Create the run of ``schedule`` for ``minute`` (once, whoever else tries) and publish it.
-
-    ``key`` defaults to :func:`fire_key`. Raises DatabaseError when Postgres fails,
-    OverBudget when the owner's budget is spent and TooManyActiveRuns when the owner has
-    ``max_active`` runs not yet ended (0: no cap); then nothing was written. A failed
-    publish leaves the run pending for the sweeper.
+_EXPORT = text(
     """
-    new = scheduled_run(schedule, minute, partitions=partitions, key=key)
-    run = await store.admit(new, budgets=budgets, max_active=max_active)
-    if not run.created:
-        return Fired(run, None)
-    return Fired(run, publish_scheduled(publisher, run, new))
+    SELECT id, user_id, session_id, cron, timezone, input::text AS input, enabled,
+           quiet_start, quiet_end, daily_cap, overlap, catchup_s, next_fire_at,
+           last_fire_at, created_at, updated_at
+      FROM schedules
+     WHERE id > :after
+       AND (CAST(:since AS timestamptz) IS NULL
+            OR updated_at >= CAST(:since AS timestamptz))
+     ORDER BY id LIMIT :n
+    """
+)
+
+
+def export_page(
+    conn: Connection, *, after: str, since: datetime | None, limit: int
+) -> Sequence[Any]:
+    """Schedules by id after ``after``, updated at or after ``since`` (None: all), at
+    most ``limit``; the columns in the order of the replay's ``schedules`` table."""
+    return conn.execute(_EXPORT, {"after": after, "since": since, "n": limit}).all()

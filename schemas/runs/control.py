@@ -1,8 +1,10 @@
-"""The gateway's Postgres side of run control: cancel, merge and a user's run history.
+"""Run control in Postgres: cancel, merge, and a user's run history.
 
-Every write is one conditional UPDATE on the run's row (expected status in the
-WHERE clause), so it cannot race the worker: the worker's fenced writes lock the row
-``FOR SHARE``, and its finish checks ``cancel_requested_at`` and ``input_version`` in
+A status write takes its source and target statuses from the state machine's edges
+(:func:`koda_runtime.lifecycle.states.edge`), bound as parameters: no statement here
+spells a status. Every write is one conditional UPDATE on the run's row (expected
+status in the WHERE clause), so it cannot race the worker: the worker's fenced writes
+lock the row ``FOR SHARE``, and its finish checks ``cancel_requested_at`` and ``input_version`` in
 the same transaction that ends the run. Whichever commits first wins; the other
 sees it.
 
@@ -20,17 +22,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda_runtime.errors import DatabaseError
-from koda_runtime.gateway.caps import MERGED_BYTES, MERGES, CapReached
-from koda_runtime.gateway.exceptions import OverBudget
+from koda_runtime.caps import MERGED_BYTES, MERGES, CapReached
 from koda_runtime.lifecycle.chunks import ChunkKind
 from koda_runtime.lifecycle.control import merge_inputs
-from koda_runtime.lifecycle.ledger import exceeded
-from koda_runtime.lifecycle.states import ACTIVE, RunStatus, sources_of
+from koda_runtime.lifecycle.ledger import OverBudget, exceeded
+from koda_runtime.lifecycle.states import ACTIVE, RunStatus, edge, sources_of
 from koda_runtime.schemas import ledger
+from koda_runtime.schemas.db import failing_as
 from koda_runtime.settings import Settings
 
 CANCELLED = "cancelled"  # pending → cancelled, here and now
@@ -101,7 +101,9 @@ class MergeOutcome:
 
 
 @dataclass(frozen=True)
-class RunSummary:
+class ListedRun:
+    """One run of a history listing, as read (the API's shape is gateway/models.py's)."""
+
     run_id: str
     user_id: str
     session_id: str
@@ -115,12 +117,13 @@ class RunSummary:
     scheduled_for: datetime | None
 
 
+# A pending run is cancelled here and now, along the state machine's edge.
+_CANCEL_NOW = edge(RunStatus.PENDING, RunStatus.CANCELLED)
 _CANCEL_PENDING = text(
     """
-    UPDATE runs SET status = 'cancelled', finished_at = now(),
+    UPDATE runs SET status = :target, finished_at = now(),
            cancel_requested_at = now(), cancel_reason = :reason
-     WHERE id = :run_id AND user_id = :user_id AND status = 'pending'
-       AND status = ANY(:sources)
+     WHERE id = :run_id AND user_id = :user_id AND status = :source
     RETURNING id, user_id, status, partition, attempt, cancel_reason, cancel_requested_at
     """
 )
@@ -132,9 +135,10 @@ _CANCEL_EVENT = text(
     RETURNING seq
     """
 )
-# A cancel request the worker acts on: a claimed run's, or a waiting one's (the worker
-# holding its partition resumes it and ends it cancelled; processors/tools/).
-_CANCELLABLE = ACTIVE | {RunStatus.WAITING}
+# A cancel request the worker acts on: every other status with an edge into cancelled,
+# a claimed run's, or a waiting one's (the worker holding its partition resumes it and
+# ends it cancelled; processors/tools/).
+_CANCELLABLE = sources_of(RunStatus.CANCELLED) - {_CANCEL_NOW[0]}
 _REQUEST_CANCEL = text(
     """
     UPDATE runs SET cancel_requested_at = now(), cancel_reason = :reason
@@ -206,7 +210,7 @@ _LIST_ALL_RUNS = text(
     )
 )
 _RUN_BY_KEY = text("SELECT 1 FROM runs WHERE idempotency_key = :key")
-# The run is whole on the chunk topic (see the worker's mark, processors/sql.py). The
+# The run is whole on the chunk topic (see the worker's mark, schemas/runs/worker.py). The
 # row is waited for, briefly: right after a submission the gateway's own
 # ``published_at`` flush (gateway/admission.py, ``PublishedMarks``) holds it for a few
 # milliseconds, and skipping it then left the mark unset and the cancelled event to be
@@ -222,10 +226,6 @@ _MARK_PUBLISHED = text(
 )
 
 
-def _db_error(what: str, exc: Exception) -> DatabaseError:
-    return DatabaseError(f"{what} failed: {type(exc).__name__}")
-
-
 class ControlStore:
     """Cancel and merge writes, and history reads; owner-only throughout."""
 
@@ -237,16 +237,16 @@ class ControlStore:
         if "\x00" in run_id:
             return None
         params = {"run_id": run_id, "user_id": user_id, "reason": reason}
-        try:
+        with failing_as("cancelling a run"):
             async with self.engine.begin() as conn:
                 row = (
                     await conn.execute(
                         _CANCEL_PENDING,
-                        {**params, "sources": [s.value for s in sources_of(RunStatus.CANCELLED)]},
+                        {**params, "source": _CANCEL_NOW[0].value, "target": _CANCEL_NOW[1].value},
                     )
                 ).first()
                 if row is not None:
-                    content = json.dumps({"status": "cancelled", "reason": reason})
+                    content = json.dumps({"status": RunStatus.CANCELLED.value, "reason": reason})
                     seq = (
                         await conn.execute(
                             _CANCEL_EVENT,
@@ -282,8 +282,6 @@ class ControlStore:
                     # Already requested (signal again: harmless) or already terminal.
                     active = RunStatus(row.status) in _CANCELLABLE
                     outcome = REQUESTED if active else UNCHANGED
-        except SQLAlchemyError as exc:
-            raise _db_error("cancelling a run", exc) from exc
         return CancelOutcome(
             row.id,
             row.user_id,
@@ -322,7 +320,7 @@ class ControlStore:
         first makes this a new run; a merge committed first makes the finish refuse.
         A key seen before answers the earlier outcome and appends nothing.
         """
-        try:
+        with failing_as("merging into a run"):
             async with self.engine.begin() as conn:
                 if (await conn.execute(_RUN_BY_KEY, {"key": idempotency_key})).first():
                     return None  # a replay of a run: the admission path answers it
@@ -384,8 +382,6 @@ class ControlStore:
                             await again.execute(_MERGE_BY_KEY, {"key": idempotency_key})
                         ).first()
                     return None if earlier is None else _replayed(earlier)
-        except SQLAlchemyError as exc:
-            raise _db_error("merging into a run", exc) from exc
         return MergeOutcome(
             latest.id,
             user_id,
@@ -400,15 +396,13 @@ class ControlStore:
         """Record that messages 0..``seq`` of the terminal run ``run_id`` are on the chunk
         topic, so neither the worker that skips its trigger nor the completeness pass
         produces them again."""
-        try:
+        with failing_as("marking a run published"):
             async with self.engine.begin() as conn:
                 await conn.execute(_MARK_LOCK_WAIT, {"wait": f"{MARK_LOCK_WAIT_MS}ms"})
                 await conn.execute(_MARK_PUBLISHED, {"run_id": run_id, "seq": seq})
-        except SQLAlchemyError as exc:
-            raise _db_error("marking a run published", exc) from exc
 
     async def session_owned(self, session_id: str, user_id: str) -> bool:
-        try:
+        with failing_as("reading a session"):
             async with self.engine.connect() as conn:
                 row = (
                     await conn.execute(
@@ -416,8 +410,6 @@ class ControlStore:
                         {"id": session_id, "user_id": user_id},
                     )
                 ).first()
-        except SQLAlchemyError as exc:
-            raise _db_error("reading a session", exc) from exc
         return row is not None
 
     async def cursor_position(
@@ -428,11 +420,9 @@ class ControlStore:
         sql = "SELECT created_at, id FROM runs WHERE id = :id"
         if user_id is not None:
             sql += " AND user_id = :u"
-        try:
+        with failing_as("reading a cursor"):
             async with self.engine.connect() as conn:
                 row = (await conn.execute(text(sql), {"id": run_id, "u": user_id})).first()
-        except SQLAlchemyError as exc:
-            raise _db_error("reading a cursor", exc) from exc
         return None if row is None else (row.created_at, row.id)
 
     async def list_runs(
@@ -444,7 +434,7 @@ class ControlStore:
         status: RunStatus | None,
         limit: int,
         before: tuple[datetime, str] | None,
-    ) -> list[RunSummary]:
+    ) -> list[ListedRun]:
         """The user's runs, newest first, (created_at, id) below ``before``. With
         ``every_user`` (operators) all users' runs, or ``user_id``'s when it is given."""
         params: dict[str, Any] = {
@@ -458,13 +448,11 @@ class ControlStore:
         if user_id is None and not every_user:
             raise ValueError("list_runs needs a user_id unless every_user is set")
         sql = _LIST_ALL_RUNS if every_user else _LIST_RUNS
-        try:
+        with failing_as("listing runs"):
             async with self.engine.connect() as conn:
                 rows = (await conn.execute(sql, params)).all()
-        except SQLAlchemyError as exc:
-            raise _db_error("listing runs", exc) from exc
         return [
-            RunSummary(
+            ListedRun(
                 r.id,
                 r.user_id,
                 r.session_id,

@@ -1,5 +1,6 @@
-"""The gateway's producer: ``run.requested`` records through the asyncio producer
-bridge (topics/kafka/producer.py).
+"""The producer of run records: ``run.requested`` records through the asyncio producer
+bridge (topics/kafka/producer.py), for the gateway's admission, the scheduler's fires
+and the sweeper (each process builds its own, with its own client role).
 
 The producer is idempotent with ``acks=all`` and the murmur2 partitioner
 (:func:`koda_runtime.kafka.producer_config`). Topic auto-creation is off: a run record for a
@@ -13,8 +14,7 @@ import time
 from typing import Any
 
 from koda_runtime import metrics
-from koda_runtime.errors import KodaError
-from koda_runtime.gateway.exceptions import PublishError
+from koda_runtime.errors import KodaError, PublishError
 from koda_runtime.kafka import producer_config
 from koda_runtime.settings import Settings
 from koda_runtime.topics.catalogue import RUNS

@@ -1,12 +1,13 @@
 """The per-user caps in the domain's terms: :class:`CapReached` and the settings' names.
 
-Kept apart from gateway/quotas.py (the HTTP answers, which need the web framework) so
-that the scheduler, which shares gateway/scheduled.py, loads no server module.
+In the core, apart from gateway/quotas.py (the HTTP answers, which need the web
+framework): the Postgres stores (schemas/) raise CapReached at a cap they check under a
+lock, and the scheduler loads no server module.
 """
 
 from __future__ import annotations
 
-from koda_runtime.gateway.exceptions import Refused
+from koda_runtime.errors import Refused
 
 SCHEDULES = "KODA_MAX_SCHEDULES_PER_USER"
 STREAMS_PER_USER = "KODA_SSE_MAX_STREAMS_PER_USER"
