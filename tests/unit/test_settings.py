@@ -1,7 +1,7 @@
 """Settings: each knob declared once, read by one loop, refused in one format.
 
 The declarations in koda/settings.py carry each variable's type, default, unit and
-bounds; these tests hold the loader, the refusals, README's table and the deploy
+bounds; these tests hold the loader, the refusals, docs/settings.md's table and the deploy
 files to them.
 """
 
@@ -167,13 +167,13 @@ def test_each_variable_is_declared_once() -> None:
 _COMPUTED = {"app_env", "kafka_security", "worker_id", "worker_id_source", "origins"}
 
 
-def test_the_readme_table_is_rendered_from_the_declarations(tmp_path: Path) -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_settings_table_is_rendered_from_the_declarations(tmp_path: Path) -> None:
+    readme = (ROOT / "docs" / "settings.md").read_text()
     assert settingsdoc.rendered(readme) == readme, "run python -m koda_runtime.settingsdoc"
     for *_, spec in ALL:
         assert f"| `{spec.env}` |" in readme
     # and the check notices a stale one
-    stale = tmp_path / "README.md"
+    stale = tmp_path / "settings.md"
     stale.write_text(readme.replace("| `KODA_PARTITIONS` | `32` |", "| `KODA_PARTITIONS` | `16` |"))
     assert settingsdoc.main(["--check", str(stale)]) == 1
     assert settingsdoc.main([str(stale)]) == 0
