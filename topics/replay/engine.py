@@ -52,7 +52,10 @@ from koda_runtime.topics.replay.writer import BatchWriter
 
 log = logging.getLogger("koda.replay")
 
-POLL_RECORDS = 20000  # a poll of chunk records is one DuckDB query (chunk_polls.py)
+# A poll of chunk records is one DuckDB query (chunk_polls.py), whose planning alone
+# takes some 3 ms: polls of 40,000 (a batch) replayed faster than polls of 20,000 in each
+# of 6 repetitions alternating the two in one process (make bench-replay's topic).
+POLL_RECORDS = 40_000
 POLL_TIMEOUT_S = 0.2
 # Records per sink transaction: each pays a commit and an outputs query over the run's
 # stored chunks, so fewer, larger ones replay faster (make bench-replay measures it:

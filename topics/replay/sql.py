@@ -16,18 +16,31 @@ from koda_runtime.topics.records.specs import Field
 from koda_runtime.topics.replay.tables import Table
 
 
-def create_table(table: Table, types: Mapping[str, str]) -> str:
-    """``CREATE TABLE IF NOT EXISTS`` with the natural key as the primary key."""
-    cols = ", ".join(f"{c.name} {types[c.type]}" for c in table.columns)
-    key = ", ".join(table.key)
-    return f"CREATE TABLE IF NOT EXISTS {table.name} ({cols}, PRIMARY KEY ({key}))"
+def create_table(table: Table, types: Mapping[str, str], *, primary_key: bool = True) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` with the natural key as the primary key, or (with
+    ``primary_key`` false) with the key's columns only NOT NULL: a table kept unique by
+    :func:`merge` instead of an index."""
+    if primary_key:
+        cols = ", ".join(f"{c.name} {types[c.type]}" for c in table.columns)
+        key = ", ".join(table.key)
+        return f"CREATE TABLE IF NOT EXISTS {table.name} ({cols}, PRIMARY KEY ({key}))"
+    cols = ", ".join(
+        f"{c.name} {types[c.type]}" + (" NOT NULL" if c.name in table.key else "")
+        for c in table.columns
+    )
+    return f"CREATE TABLE IF NOT EXISTS {table.name} ({cols})"
 
 
 def add_columns(table: Table, types: Mapping[str, str]) -> list[str]:
     """``ALTER TABLE ... ADD COLUMN IF NOT EXISTS`` for every column: a table created by
     an older release gains the columns added since (nullable, so old rows read NULL)."""
+    return [statement for _, statement in add_columns_by_name(table, types)]
+
+
+def add_columns_by_name(table: Table, types: Mapping[str, str]) -> list[tuple[str, str]]:
+    """:func:`add_columns` with the column each statement adds."""
     return [
-        f"ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {c.name} {types[c.type]}"
+        (c.name, f"ALTER TABLE {table.name} ADD COLUMN IF NOT EXISTS {c.name} {types[c.type]}")
         for c in table.columns
         if c.name not in table.key
     ]
@@ -41,6 +54,21 @@ def upsert(table: Table, source: str) -> str:
     return (
         f"INSERT INTO {table.name} AS cur ({cols}) SELECT {cols} FROM {source}"  # noqa: S608 - names
         f" ON CONFLICT ({key}) DO UPDATE SET {sets}"
+    )
+
+
+def merge(table: Table, source: str) -> str:
+    """:func:`upsert` for a table without a primary key (DuckDB's ``MERGE``): the same
+    merge rules, matched on the natural key. ``source`` must hold each key once (a key
+    twice would be inserted twice): the sinks pass one row per key."""
+    cols = ", ".join(table.names)
+    on = " AND ".join(f"cur.{k} = excluded.{k}" for k in table.key)
+    sets = table.update_sql("cur", "excluded")
+    values = ", ".join(f"excluded.{c}" for c in table.names)
+    return (
+        f"MERGE INTO {table.name} AS cur USING {source} AS excluded ON ({on})"  # noqa: S608 - names
+        f" WHEN MATCHED THEN UPDATE SET {sets}"
+        f" WHEN NOT MATCHED THEN INSERT ({cols}) VALUES ({values})"
     )
 
 
@@ -116,14 +144,19 @@ def decode_chunk_poll(poll: str) -> str:
     shape = "{" + ",".join(f'"{f.name}":"{_SQL_TYPES[f.type]}"' for f in fields) + "}"
     rules = [r for f in fields for r in _rules(f)]
     key = f"p.run_id || ':' || lpad(p.seq::VARCHAR, {SEQ_WIDTH}, '0')"
-    uuid_ms = "('0x' || substr(p.run_id, 1, 8) || substr(p.run_id, 10, 4))::BIGINT"
+    uuid_ms = "('0x' || substr(run_id, 1, 8) || substr(run_id, 10, 4))::BIGINT"
     # to_json(p) is what chunk_value writes for the parsed fields: the shape's fields (the
     # spec's, in order), no whitespace, each string as to_json writes one; one call where
     # a concatenation per field cost a fifth more. ``key`` is a string (chunk_polls.py).
+    # The run id's form and day are worked out once per run of the poll (a poll holds
+    # some 20 records of each run; the regex per record was a fifth of the query).
     # Every interpolated part is a code constant: names, numbers, the spec's rules.
     return f"""
         WITH parsed AS (
             SELECT pos, key, value, json_transform(value, '{shape}') AS p FROM {poll}
+        ), runs AS (
+            SELECT run_id, CASE WHEN regexp_full_match(run_id, '{UUID7}') THEN {uuid_ms} END AS ms
+            FROM (SELECT DISTINCT p.run_id AS run_id FROM parsed)
         ), checked AS (
             SELECT pos, p,
                 coalesce(
@@ -133,8 +166,8 @@ def decode_chunk_poll(poll: str) -> str:
                     AND value = to_json(p)::VARCHAR,
                     false
                 ) AS ok,
-                CASE WHEN regexp_full_match(p.run_id, '{UUID7}') THEN {uuid_ms} END AS ms
-            FROM parsed
+                runs.ms AS ms
+            FROM parsed LEFT JOIN runs ON runs.run_id = p.run_id
         )
         SELECT
             p.run_id AS run_id,

@@ -74,7 +74,7 @@ from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.arrow import arrow_schema
 from koda_runtime.topics.replay.errors import ReplayOptionError, SinkError
 from koda_runtime.topics.replay.rows import RowBatch
-from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink
+from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink, upsert_sql
 
 log = logging.getLogger("koda.replay")
 # pyiceberg's expression classes are pydantic models whose constructors mypy misreads.
@@ -356,7 +356,7 @@ class IcebergSink(DuckDBSink):
                 conn.register(HELD, held)
                 try:
                     # Into an empty table, keys unique: the upsert inserts every row.
-                    conn.execute(sql.upsert(t.BY_NAME[name], HELD)).fetchall()
+                    conn.execute(upsert_sql(t.BY_NAME[name], HELD)).fetchall()
                 finally:
                     conn.unregister(HELD)
 

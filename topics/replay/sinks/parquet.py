@@ -27,7 +27,7 @@ from koda_runtime.topics.replay import tables as t
 from koda_runtime.topics.replay.arrow import arrow_schema
 from koda_runtime.topics.replay.errors import SinkError
 from koda_runtime.topics.replay.rows import RowBatch
-from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink
+from koda_runtime.topics.replay.sinks.duckdb import DuckDBSink, upsert_sql
 
 STATE_FILE = "_state.duckdb"
 _DIRTY = (
@@ -56,7 +56,7 @@ class ParquetSink(DuckDBSink):
         # The days of these keys before and after the upsert (a row may move to another day).
         mark = sql.mark_days(table, source)
         self.conn.execute(mark)
-        self.conn.execute(sql.upsert(table, source))
+        self.conn.execute(upsert_sql(table, source))
         self.conn.execute(mark)
 
     def write(self, batch: RowBatch) -> dict[str, int]:
