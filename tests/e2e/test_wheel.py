@@ -118,7 +118,7 @@ def test_the_installed_cli_refuses_to_write_into_site_packages(venv: Path, tmp_p
     out = tmp_path / "json"
     run([koda, "schemas", "write", "--out", str(out)], cwd=tmp_path, env=bare_env())
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        p.name for p in (ROOT / "schemas" / "json").iterdir()
+        p.name for p in (ROOT / "topics" / "records" / "json").iterdir()
     )
 
 

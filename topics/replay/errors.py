@@ -1,15 +1,6 @@
-"""The errors of ``koda replay``, a branch of the KodaError tree (koda/errors.py).
-
-    ReplayError                 (koda_runtime.errors)
-    ├── ReplayOptionError       an option's value is wrong; nothing was read or written
-    │   ├── UnknownTopicError   not one of the replayable topics (the message lists them)
-    │   ├── BadTimestampError   --from-timestamp is not a time (the message lists formats)
-    │   └── OffsetsFileError    a --from-offsets line is malformed (the message names it)
-    ├── SinkError               the warehouse refused a write or cannot be reached; the
-    │                           message names the sink URL without its password
-    └── SourceError             koda's Postgres cannot be read (the erasures, the export)
-
-Each message says what was wrong and what to do; the CLI prints it and exits 2.
+"""The errors of ``koda replay``: the ReplayError branch of the one error tree, drawn
+with every other class in koda/errors.py's docstring. Each message says what was wrong
+and what to do; the CLI prints it and exits 2.
 """
 
 from __future__ import annotations
