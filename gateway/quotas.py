@@ -1,9 +1,10 @@
 """Caps on what one user may create or hold, and the answers a capped request gets.
 
-Where a user creates work or holds a resource there is a cap (ARCHITECTURE.md,
-"Per-user quotas"): schedules, open SSE streams (per user and per gateway), merges
-into one run and the merged input's size, memories (processors/memory/store.py), and
-``run-now`` goes through the same rate limiter and caps as ``POST /v1/runs``.
+Where a user creates work or holds a resource there is a cap
+(docs/decisions/0014-per-user-quotas.md): schedules, open SSE streams (per user and per
+gateway), merges into one run and the merged input's size, memories
+(processors/memory/store.py), and ``run-now`` goes through the same rate limiter and
+caps as ``POST /v1/runs``.
 
 Stores raise :class:`CapReached` (koda/caps.py, a domain refusal: nothing was
 written); the HTTP layer answers :func:`limit_reached`'s :class:`LimitReached`, whose

@@ -768,7 +768,8 @@ class Settings:
         None, "KODA_OPENAI_API_KEY", "the `openai` handler's API key", secret=True
     )
     openai_model: str = knob("gpt-4o-mini", "KODA_OPENAI_MODEL", "the `openai` handler's model")
-    # A model provider's faults (processors/handlers/provider.py, ARCHITECTURE.md).
+    # A model provider's faults (processors/handlers/provider.py,
+    # docs/decisions/0020-model-provider-faults.md).
     fallback_model: str | None = knob(
         None,
         "KODA_FALLBACK_MODEL",

@@ -1,5 +1,5 @@
 """OpenTelemetry traces: one trace per run, from the gateway through Kafka to the worker,
-the model and the viewers' streams (ARCHITECTURE.md, "Tracing").
+the model and the viewers' streams (docs/decisions/0026-tracing.md).
 
 :func:`setup` installs the SDK from the standard variables, read by koda/settings.py
 (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``, ``OTEL_TRACES_SAMPLER`` and

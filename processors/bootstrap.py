@@ -214,7 +214,7 @@ def use_event_loop(name: str) -> str:
 
     uvloop runs the selector, the transports and the ready queue in C (libuv): the
     worker's hot path is many small awaits on Postgres and Kafka sockets, and it takes
-    about 12 % less CPU per run there (ARCHITECTURE.md, "The event loop").
+    about 12 % less CPU per run there (docs/decisions/0016-composition-roots.md).
     """
     if name == "uvloop":
         import uvloop

@@ -5,7 +5,7 @@ without Faust's consumer, the start and stop order of the worker's services
 
 The runs topic is not consumed through Faust: aiokafka speaks only Kafka's eager
 rebalance protocol, under which every join or leave revokes every partition from every
-member (see ARCHITECTURE.md, "Rebalances"). Faust starts no consumer here
+member (docs/decisions/0003-incremental-rebalances.md). Faust starts no consumer here
 (:class:`ProducerBoot`); it runs the producer (chunks, events, heartbeats), the timers
 and the worker's lifecycle, and koda's group member joins through librdkafka on an
 incremental protocol (topics/kafka/intake.py). A partition that stays with its worker

@@ -285,7 +285,7 @@ async def search(
     first, each with its score (1 - cosine distance) at least ``min_score``. Superseded
     memories are never returned.
 
-    Plans (figures in ARCHITECTURE.md, "Long-term memory"), each reading only the
+    Plans (figures in docs/decisions/0021-long-term-memory.md), each reading only the
     user's current rows of the embedder:
 
     * ``exact``: the user's rows through ``ix_memories_current``, distances computed

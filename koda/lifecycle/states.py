@@ -4,7 +4,8 @@
     failed and cancelled are reachable from any non-terminal state.
     running/streaming → waiting → running (a tool call waits for a person's approval)
 
-``waiting`` (processors/tools/, ARCHITECTURE.md "Waiting"): the model called a tool
+``waiting`` (processors/tools/, docs/decisions/0022-tools-journal-and-waiting.md): the
+model called a tool
 declared ``approval=True``; the attempt ended and the run holds no worker slot until
 its approve or reject is recorded (or ``KODA_APPROVAL_TIMEOUT_S`` passes, or a cancel
 is requested). It is left by a fenced claim (``→ running``, ``attempt + 1``) of the

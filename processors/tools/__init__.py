@@ -1,4 +1,4 @@
-"""Tools users add (ARCHITECTURE.md, "Tools and the journal"; README, "Adding a tool").
+"""Tools users add (docs/decisions/0022-tools-journal-and-waiting.md; docs/memory-and-tools.md).
 
     from koda_runtime.processors.tools import ToolContext, tool
 

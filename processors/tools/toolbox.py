@@ -10,7 +10,7 @@ for the attempt's :class:`Steps`. A call's answer is always text for the model:
   times (same idempotency key), then an error result;
 * a value that is not JSON, or over :data:`MAX_RESULT_BYTES`: an error result.
 
-The journal rule (ARCHITECTURE.md, "Tools and the journal"): a side-effect (or
+The journal rule (docs/decisions/0022-tools-journal-and-waiting.md): a side-effect (or
 approval) tool's call is the next *position* of the run's live line of journaled
 calls. While the calls of a rerun match the live line in order (same tool, same
 arguments as canonical JSON) their results are replayed from the journal, or, for a
@@ -20,7 +20,8 @@ is superseded and new steps are recorded. Read-only tools are not journaled.
 
 A tool declared ``approval=True`` is journaled too. Its new step is recorded
 ``awaiting`` and the attempt stops with :class:`AwaitingApproval`: the executor makes
-the run ``waiting`` (ARCHITECTURE.md, "Waiting"). The resumed attempt replays up to
+the run ``waiting`` (docs/decisions/0022-tools-journal-and-waiting.md). The resumed
+attempt replays up to
 that step, then calls the tool if it was approved, or gives the model
 :data:`REJECTED` if it was rejected (:data:`TIMED_OUT` once ``KODA_APPROVAL_TIMEOUT_S``
 passed).
