@@ -26,7 +26,7 @@ from koda_runtime.settings import Settings
 
 CHILD_GRACE_S = 25.0
 DEV_WORKER_PORT = 9101  # worker i serves /livez, /readyz, /metrics on DEV_WORKER_PORT + i
-# The compactor's round interval, as ROLE=compactor runs it (cli/__init__.py's is the same).
+# The compactor's round interval, as ROLE=compactor runs it (cli/processes.py's is the same).
 DEV_COMPACTOR_EVERY_S = 60
 PREFIX_WIDTH = 10  # "scheduler" and "compactor" fit, then " | "
 

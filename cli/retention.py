@@ -9,20 +9,15 @@ inside ``koda chunks compact --every S``, so a deployment needs no process of it
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import typer
+
+from koda_runtime.cli.common import fail, friendly, load_settings
 
 retention_app = typer.Typer(no_args_is_help=True, help="Postgres retention (chunks, runs, ledger).")
 
 
-def register(app: typer.Typer, wrap: Callable[[Callable[..., None]], Callable[..., None]]) -> None:
-    """Add ``retention`` to ``app``; ``wrap`` turns KodaError into the CLI's one-line
-    message (koda_runtime.cli.friendly)."""
-    retention_app.command("sweep")(wrap(sweep))
-    app.add_typer(retention_app, name="retention")
-
-
+@retention_app.command("sweep")
+@friendly
 def sweep(
     every: float | None = typer.Option(
         None, "--every", min=1, help="Repeat every S seconds until interrupted."
@@ -32,7 +27,6 @@ def sweep(
     ),
 ) -> None:
     """Collapse expired chunks, delete expired runs and ledger months, in small batches."""
-    from koda_runtime.cli import fail, load_settings
     from koda_runtime.processors.retention import RetentionSweeper
 
     if every is not None and dry_run:

@@ -1,8 +1,5 @@
 """``koda traces show``: one run's trace, as its OTLP receiver stores it, on a terminal.
 
-The command itself is declared with the root app (cli/__init__.py); this module is
-what it draws and reads.
-
 The receiver is Jaeger (``koda services up --with-tracing`` starts one; a deployment
 names its own with ``--query``), read through its query API: ``GET /api/traces/<id>``
 answers ``{"data": [{"traceID", "spans": [...], "processes": {...}}]}``, each span with
@@ -23,13 +20,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-from sqlalchemy import Engine
+import typer
 
+from koda_runtime.cli.common import fail, friendly, load_settings
 from koda_runtime.errors import KodaError
-from koda_runtime.schemas.runs.reads import RunNotFound, run_traceparent
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+traces_app = typer.Typer(no_args_is_help=True, help="Read a run's trace from its receiver.")
 
 TRACE_ID_HEX = 32
 BAR_WIDTH = 24
@@ -80,6 +81,8 @@ def trace_id_of(traceparent: str) -> str:
 
 def fetch(query_url: str, trace_id: str, *, timeout_s: float = 10.0) -> dict[str, Any]:
     """The trace as the receiver's query API returns it."""
+    import httpx
+
     url = f"{query_url.rstrip('/')}/api/traces/{trace_id}"
     try:
         response = httpx.get(url, timeout=timeout_s)
@@ -165,6 +168,8 @@ def render(trace: dict[str, Any]) -> list[str]:
 
 def run_trace_id(engine: Engine, run_id: str) -> str:
     """The trace id recorded for a run at admission (``runs.traceparent``)."""
+    from koda_runtime.schemas.runs.reads import RunNotFound, run_traceparent
+
     try:
         traceparent = run_traceparent(engine, run_id)
     except RunNotFound:
@@ -175,3 +180,36 @@ def run_trace_id(engine: Engine, run_id: str) -> str:
             "and its client sent no traceparent"
         )
     return trace_id_of(traceparent)
+
+
+@traces_app.command("show")
+@friendly
+def traces_show(
+    run: str = typer.Argument(..., metavar="RUN_ID|TRACE_ID", help="A run id, or a trace id."),
+    query: str | None = typer.Option(
+        None,
+        "--query",
+        help="The receiver's query API (Jaeger's, e.g. http://jaeger:16686); default: the "
+        "Jaeger of `koda services up --with-tracing`.",
+    ),
+) -> None:
+    """Draw one run's trace (gateway, worker, model, viewers) as its receiver holds it."""
+    from koda_runtime.cli.services import DEFAULT_STATE_DIR
+    from koda_runtime.localstack import jaeger
+    from koda_runtime.schemas.db import sync_engine
+
+    if query is None:
+        ports = jaeger.load_ports(DEFAULT_STATE_DIR.resolve())
+        if ports is None:
+            fail("no --query and no local Jaeger: start one with `koda services up --with-tracing`")
+            return
+        query = ports.url
+    trace_id = run.lower()
+    if not is_trace_id(trace_id):
+        engine = sync_engine(load_settings(database=True))
+        try:
+            trace_id = run_trace_id(engine, run)
+        finally:
+            engine.dispose()
+    for line in render(fetch(query, trace_id)):
+        typer.echo(line)

@@ -70,7 +70,7 @@ drawn under the wrong parent, or not a KodaError without being listed under "Not
     ├── PriceRefused          schemas/ledger.py  a price rewriting history (also ValueError)
     ├── TooManyWebhooks       schemas/webhooks.py  the user has the most webhooks a user may have
     ├── RunNotFound           schemas/runs/reads.py  no run has that id (also LookupError)
-    ├── LedgerInputError      cli/ledger.py  a value the ledger commands cannot use
+    ├── LedgerInputError      cli/common.py  a value the ledger commands cannot use
     ├── MemberStalled         topics/kafka/intake.py  no broker (also RuntimeError)
     ├── CommitAbandoned       topics/kafka/intake.py  nobody waits for its answer
     └── ClientStalled         topics/kafka/tail.py  no broker: rebuild (also RuntimeError)

@@ -15,7 +15,7 @@ from koda_runtime.gateway.quotas import ClientGone, read_body_within
 
 def leaving_request() -> Request:
     """A POST whose client sends half of its declared body, then disconnects."""
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"type": "http.request", "body": b'{"input": ', "more_body": True},
         {"type": "http.disconnect"},
     ]

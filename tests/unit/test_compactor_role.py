@@ -21,6 +21,7 @@ from sqlalchemy.exc import OperationalError
 from typer.testing import CliRunner
 
 from koda_runtime import cli, metrics
+from koda_runtime.cli import chunks as cli_chunks
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors import compactor as compactor_module
 from koda_runtime.processors.compactor import (
@@ -254,7 +255,7 @@ def fake_role(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
     FakeCompactor.instances.clear()
     monkeypatch.setattr(compactor_module, "ChunkCompactor", FakeCompactor)
     monkeypatch.setattr(compactor_module, "serve_health", fake_serve)
-    monkeypatch.setattr(cli, "load_settings", lambda **_: SETTINGS)
+    monkeypatch.setattr(cli_chunks, "load_settings", lambda **_: SETTINGS)
     monkeypatch.setattr("koda_runtime.logs.configure_logging", lambda: None)
     return served
 
