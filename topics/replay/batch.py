@@ -51,6 +51,11 @@ class RowBatch:
         # The reader's next offset per (topic, partition) when the batch was cut: what a
         # sink that records offsets beside its rows stores (set by BatchWriter.submit).
         self.positions: dict[tuple[str, int], int] = {}
+        # True: a sink that defers the outputs rebuild (Sink.defer_outputs) only marks the
+        # batch's runs dirty; False (the default): every dirty run is rebuilt with it.
+        self.defer_outputs = False
+        # Written even when empty: it rebuilds the dirty runs (set by the engine).
+        self.flush_outputs = False
 
     def add(self, table: t.Table, row: tuple[Any, ...]) -> None:
         rows = self.rows[table.name]

@@ -61,6 +61,9 @@ POLL_TIMEOUT_S = 0.2
 # stored chunks, so fewer, larger ones replay faster (make bench-replay measures it:
 # 40,000 gave 0.21 of the raw consume rate where 20,000 gave 0.17).
 BATCH_RECORDS = 40_000
+# A sink that defers the outputs rebuild (sinks/duckdb.py) gets it from the last batch
+# of a bounded replay, and every OUTPUTS_S seconds of a following one.
+OUTPUTS_S = 2.0
 # A bounded replay cuts its last full batch early, so that the batch left for the end,
 # which nothing overlaps (the reader is done), is this fraction of a batch at most.
 TAIL_FRACTION = 8
@@ -115,6 +118,9 @@ class Replay:
         if options.dry_run:
             self.sink = None
         self.erased = Erased()
+        self._defers = self.sink is not None and self.sink.defer_outputs
+        # Runs may wait for an outputs rebuild (a killed replay's, or a batch's handed over).
+        self._dirty = self._defers
 
     def run(self) -> ReplaySummary:
         with held_back():  # quiet_gc.py: the collector walked the whole heap, 22 % of a replay
@@ -207,8 +213,8 @@ class Replay:
         positions = summary.positions
         positions.update(planned.starts)
         committed = dict(planned.committed)  # the job's group commits every partition once
-        batch, batch_born = RowBatch(), time.monotonic()
-        started = time.monotonic()
+        batch, batch_born = self._batch(), time.monotonic()
+        started = outputs_at = time.monotonic()
         tail = 0 if opts.follow else opts.batch_records // TAIL_FRACTION
         # The reader returns records of the partitions it was assigned only: with one
         # topic, every record's topic is known without asking each one.
@@ -246,13 +252,16 @@ class Replay:
                         or (tail and 0 < left <= tail < len(batch))
                     )
                 ):
-                    w.submit(batch, positions)  # written while the next one is read
-                    batch, batch_born = RowBatch(), now
+                    self._submit(w, batch, positions)  # written while the next is read
+                    batch, batch_born = self._batch(), now
                 if opts.follow:
                     w.settle_written()  # its offsets now, not at the next batch
+                if opts.follow and self._dirty and now - outputs_at >= OUTPUTS_S:
+                    self._submit(w, batch, positions, flush=True)
+                    batch, batch_born, outputs_at = self._batch(), now, now
                 if opts.follow and now - refreshed >= REFRESH_S:
-                    w.submit(batch, positions)  # the rows read so far, before the export's
-                    batch, batch_born = RowBatch(), now
+                    self._submit(w, batch, positions)  # the rows read so far, before the export's
+                    batch, batch_born = self._batch(), now
                     self.erased.update(*read_erased(self.settings))
                     if self._exports():
                         since, exported_at = refresh_since(exported_at), datetime.now(UTC)
@@ -263,10 +272,28 @@ class Replay:
                 self._throttle(started)
             summary.stopped = self.stop.is_set() and bool(reader.open) and not opts.follow
             decoder.close()  # nothing more to decode: its DuckDB closes while batches are written
-            w.submit(batch, positions)
+            # The last batch rebuilds every dirty run, those a killed replay left included.
+            self._submit(w, batch, positions, flush=True)
             w.finish()
         summary.seconds = time.monotonic() - started
         self.progress.update(summary, self._lag(reader, planned, positions), force=True)
+
+    def _batch(self) -> RowBatch:
+        batch = RowBatch()
+        batch.defer_outputs = self._defers
+        return batch
+
+    def _submit(
+        self, w: BatchWriter, batch: RowBatch, positions: dict[TP, int], *, flush: bool = False
+    ) -> None:
+        """Hand ``batch`` to the writer; ``flush``: it rebuilds the deferred outputs (an
+        empty one is written for it)."""
+        if flush and self._defers:
+            batch.defer_outputs, batch.flush_outputs = False, True
+            self._dirty = False
+        elif len(batch) and batch.defer_outputs:
+            self._dirty = True
+        w.submit(batch, positions)
 
     def _poll_size(self, batched: int, before_tail: int = 0, left: int | None = None) -> int:
         """Records to ask for: what the batch still takes (a batch is never larger than

@@ -49,10 +49,11 @@ class BatchWriter:
 
     def submit(self, batch: RowBatch, positions: dict[TP, int]) -> None:
         """Settle the batch in flight (raising its error), then start writing ``batch``,
-        whose offsets are ``positions``. An empty batch is not written; its positions
-        are committed at once (after the one before it)."""
+        whose offsets are ``positions``. An empty batch is not written (unless it
+        flushes the deferred outputs); its positions are committed at once (after the
+        one before it)."""
         self.settle()
-        if not len(batch):
+        if not len(batch) and not batch.flush_outputs:
             self._commit(dict(positions))
             return
         batch.positions = dict(positions)

@@ -28,6 +28,9 @@ class Sink(ABC):
     # Takes a batch's chunks rows as Arrow parts (RowBatch.chunk_table) without their
     # becoming tuples: the decoder then decodes chunk polls in DuckDB.
     arrow_chunks = False
+    # Rebuilds the outputs rows of a batch marked ``defer_outputs`` later (its runs are
+    # kept dirty in the same transaction as its rows): see sinks/duckdb.py.
+    defer_outputs = False
 
     @abstractmethod
     def open(self) -> None:

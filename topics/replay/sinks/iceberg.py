@@ -245,6 +245,7 @@ _TYPED = ("text", "int", "bigint")
 class IcebergSink(DuckDBSink):
     """Iceberg tables in one namespace of a catalog; batches merged in DuckDB in memory."""
 
+    defer_outputs = False  # each snapshot holds its batch's outputs
     key_order = False
 
     def __init__(self, config: CatalogConfig) -> None:

@@ -39,6 +39,8 @@ _DIRTY = (
 class ParquetSink(DuckDBSink):
     """Day-partitioned Parquet files under ``directory``."""
 
+    defer_outputs = False  # each batch's day files hold its outputs
+
     def __init__(self, directory: Path, display: str) -> None:
         super().__init__(directory / STATE_FILE, display)
         self.directory = directory
