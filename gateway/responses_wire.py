@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from koda_runtime.errors import KodaError
+from koda_runtime.gateway.intake import json_type
 from koda_runtime.schemas.runs.reads import RunState
 
 RESPONSE_PREFIX = "resp_"
@@ -118,25 +119,11 @@ class CreateRequest:
     metadata: dict[str, str] | None
 
 
-def _type_name(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return "null"
-
-
 def parse_create(body: Any, model: str) -> CreateRequest:
     """Validate a decoded body; ``model`` is :func:`served_model`. RequestError names the
     first field koda does not support or that is wrong."""
     if not isinstance(body, dict):
-        raise RequestError(f"the body must be a JSON object, got {_type_name(body)}", param=None)
+        raise RequestError(f"the body must be a JSON object, got {json_type(body)}", param=None)
     for name in body:
         if name not in FIELDS:
             raise RequestError(
@@ -154,7 +141,7 @@ def parse_create(body: Any, model: str) -> CreateRequest:
         )
     asked = given.get("model")
     if asked is not None and asked != model:
-        shown = asked[:64] if isinstance(asked, str) else _type_name(asked)
+        shown = asked[:64] if isinstance(asked, str) else json_type(asked)
         raise RequestError(
             f"model {shown!r} is not served here: this koda answers with {model!r} "
             "(omit model, or name that one)",
@@ -166,7 +153,7 @@ def parse_create(body: Any, model: str) -> CreateRequest:
     instructions = given.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise RequestError(
-            f"instructions must be a string, got {_type_name(instructions)}",
+            f"instructions must be a string, got {json_type(instructions)}",
             param="instructions",
         )
     previous = given.get("previous_response_id")
@@ -196,7 +183,7 @@ def parse_create(body: Any, model: str) -> CreateRequest:
 def _flag(given: Mapping[str, Any], name: str) -> bool:
     value = given.get(name, False)
     if not isinstance(value, bool):
-        raise RequestError(f"{name} must be a boolean, got {_type_name(value)}", param=name)
+        raise RequestError(f"{name} must be a boolean, got {json_type(value)}", param=name)
     return value
 
 
@@ -210,7 +197,7 @@ def _input_messages(raw: Any) -> list[dict[str, str]]:
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
         raise RequestError(
-            f"input must be a string or a non-empty list of messages, got {_type_name(raw)}",
+            f"input must be a string or a non-empty list of messages, got {json_type(raw)}",
             param="input",
         )
     if len(raw) > MAX_INPUT_ITEMS:
@@ -258,7 +245,7 @@ def _content(raw: Any, where: str) -> str:
     for j, part in enumerate(raw):
         at = f"{where}.content[{j}]"
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
-            kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+            kind = part.get("type") if isinstance(part, dict) else json_type(part)
             raise RequestError(
                 f"{at} of type {str(kind)[:64]!r} is not supported: koda takes text parts "
                 "(input_text) only",
@@ -277,7 +264,7 @@ def _metadata(raw: Any) -> dict[str, str] | None:
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise RequestError(f"metadata must be an object, got {_type_name(raw)}", param="metadata")
+        raise RequestError(f"metadata must be an object, got {json_type(raw)}", param="metadata")
     if len(raw) > MAX_METADATA_PAIRS:
         raise RequestError(
             f"metadata holds {len(raw)} pairs, at most {MAX_METADATA_PAIRS}", param="metadata"
