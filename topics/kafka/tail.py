@@ -59,6 +59,9 @@ TAIL_FETCH_WAIT_MS = 500
 MAX_BATCH = 500
 MAX_PENDING_BATCHES = 16
 METADATA_TIMEOUT_S = 5.0
+# Reads of a partition's end at start-up that may fail (no leader yet) before the tail
+# starts at librdkafka's lazily resolved end instead: about 10 s at one try per 0.5 s.
+END_TRIES = 20
 ERROR_LOG_INTERVAL_S = 10.0
 RESTART_BACKOFF_MAX_S = 10.0
 # A tail whose metadata requests have all failed for this long rebuilds its consumer;
@@ -187,6 +190,7 @@ class TopicTail(Generic[T]):
         self._assigned: set[int] = set()
         self._positions: dict[int, int] = {}
         self._start_offsets: dict[int, int] = {}
+        self._end_misses = 0
         self._initialised = False
         self._announced = False
         self._last_error_log = 0.0
@@ -317,7 +321,15 @@ class TopicTail(Generic[T]):
         new = sorted(set(topic.partitions) - self._assigned)
         if not new:
             return True
-        assignment = [TopicPartition(self.topic, p, self._offset_for(consumer, p)) for p in new]
+        known = {p: self._offset_for(consumer, p) for p in new}
+        offsets = [(p, o) for p, o in known.items() if o is not None]
+        if len(offsets) < len(new):
+            # A partition's end is not known yet (a topic just created has no leader
+            # for a moment): assign nothing and ask again at the next discovery, 0.5 s
+            # while nothing is assigned. Ready before the ends are known would let the
+            # records produced meanwhile slip past a lazily resolved end.
+            return True
+        assignment = [TopicPartition(self.topic, p, offset) for p, offset in offsets]
         consumer.incremental_assign(assignment)
         self._assigned.update(new)
         if self._initialised:
@@ -340,7 +352,9 @@ class TopicTail(Generic[T]):
         except RuntimeError:
             pass  # the loop closed under us: the owner is stopping
 
-    def _offset_for(self, consumer: Consumer, partition: int) -> int:
+    def _offset_for(self, consumer: Consumer, partition: int) -> int | None:
+        """Where ``partition`` starts; None while its end cannot be read yet (asked again
+        at the next discovery, up to ``END_TRIES`` times, then left to librdkafka)."""
         if partition in self._positions:
             return self._positions[partition]
         if partition not in self._start_offsets:
@@ -353,7 +367,13 @@ class TopicTail(Generic[T]):
                         TopicPartition(self.topic, partition), timeout=METADATA_TIMEOUT_S
                     )
                     self._start_offsets[partition] = high
-                except Exception:  # noqa: BLE001 - resolved lazily by librdkafka instead
+                except Exception as exc:  # noqa: BLE001 - the partition may have no leader yet
+                    self._end_misses += 1
+                    if self._end_misses < END_TRIES:
+                        return None
+                    # Resolved lazily by librdkafka: records produced before it resolves
+                    # are not seen by this tail (their viewers resume from Postgres).
+                    self._log_error(f"partition {partition}'s end is unknown: {exc}")
                     self._start_offsets[partition] = OFFSET_END
         return self._start_offsets[partition]
 
