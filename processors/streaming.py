@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -65,6 +66,25 @@ log = logging.getLogger("koda.worker")
 
 _END = object()
 _STOP = object()  # a cancel or a merge stopped the attempt
+_TICK = object()  # a window or the attempt's deadline came: look at the clock
+
+
+def window_end(now: float, window_s: float) -> float:
+    """When a batch opened at ``now`` is flushed: on the worker's ticks, every half
+    window of the event loop's clock, the first at least half a window away. Every run
+    of a worker then flushes on the same ticks, and the group writer commits their
+    batches together: a transaction per tick, not one per run and window. A chunk
+    waits between half a window and a window (before: always a whole one), and a run
+    that streams without pause still flushes once per window."""
+    if window_s <= 0:
+        return now
+    half = window_s / 2
+    return math.ceil((now + half) / half) * half
+
+
+def _on_loop_clock(loop: asyncio.AbstractEventLoop, monotonic_at: float) -> float:
+    """``monotonic_at`` (``time.monotonic()``) on ``loop``'s clock."""
+    return loop.time() + (monotonic_at - time.monotonic())
 
 
 class OutputRefused(RunFailed):
@@ -338,6 +358,13 @@ async def stream(
     """
     queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=4 * batcher.max_size)
     pump = asyncio.create_task(_pump(source, queue))
+    loop = asyncio.get_running_loop()
+
+    def wake() -> None:
+        # A loop blocked on an empty queue takes this and looks at the clock; a full
+        # queue means it is not blocked, and it looks at the clock per item anyway.
+        with contextlib.suppress(asyncio.QueueFull):
+            queue.put_nowait(_TICK)
 
     def stop() -> None:
         log.info("attempt stopped run_id=%s by=%s", ctx.run_id, ctx.cancel.reason)
@@ -346,35 +373,40 @@ async def stream(
             queue.put_nowait(_STOP)
 
     async def flush() -> None:
+        nonlocal deadline, timer
+        deadline = None
+        if timer is not None:
+            timer.cancel()
+            timer = None
         await batcher.flush()
         if batcher.spent is not None:  # this batch's calls spent the user's budget
             raise budget_spent(batcher.spent)
 
     control.on_stop(stop)
+    # When the pending batch is flushed (loop.time()); None: nothing is pending. One
+    # timer per window, not one per token: a token costs a queue hop and no more.
     deadline: float | None = None
+    timer: asyncio.TimerHandle | None = None
     ends = None if limits is None else limits.deadline  # the attempt's own deadline
+    ends_timer = None if ends is None else loop.call_at(_on_loop_clock(loop, ends), wake)
     output = 0  # bytes of output so far, against limits.max_output_bytes
     first = True
     try:
         while True:
             if limits is not None and time.monotonic() >= limits.deadline:
                 raise limits.past_deadline()
-            try:
-                # What the handler already queued is taken without a wait_for task
-                # and without yielding to the loop per chunk: on a busy worker each
-                # yield could outlast the window and split the batch.
-                item = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                wake = min((t for t in (deadline, ends) if t is not None), default=None)
-                timeout = None if wake is None else max(0.0, wake - time.monotonic())
-                try:
-                    item = await asyncio.wait_for(queue.get(), timeout)
-                except TimeoutError:
-                    if ends is not None and time.monotonic() >= ends:
-                        continue  # the attempt's deadline, raised above
-                    await flush()
-                    deadline = None
-                    continue
+            # Due: chunks are flushed even while the handler keeps the queue full (a
+            # coalesced chunk never fills a batch); calls alone wait for a pause, and
+            # ride the next batch or the finish if one is near.
+            if (
+                deadline is not None
+                and loop.time() >= deadline
+                and (batcher.pending or queue.empty())
+            ):
+                await flush()
+            item = await queue.get()
+            if item is _TICK:
+                continue  # the clock is read at the top of the loop
             if item is _END or item is _STOP or control.stopping:
                 if control.stopping:
                     held = [item] if isinstance(item, Usage) else []
@@ -391,7 +423,8 @@ async def stream(
                 # The call goes to the ledger with the window's batch, or alone when
                 # no chunk follows within the window (a tool call, a slow next step).
                 if deadline is None:
-                    deadline = time.monotonic() + window_s
+                    deadline = window_end(loop.time(), window_s)
+                    timer = loop.call_at(deadline, wake)
                 continue
             if isinstance(item, ToolActivity):
                 kind, content = ChunkKind.TOOL, item.content
@@ -415,13 +448,16 @@ async def stream(
             # wait a user feels, and the window would add up to window_s to it.
             if batcher.full or window_s == 0 or batcher.first_output_pending:
                 await flush()
-                deadline = None
             elif deadline is None:
-                deadline = time.monotonic() + window_s
+                deadline = window_end(loop.time(), window_s)
+                timer = loop.call_at(deadline, wake)
         # The last batch is not flushed here: the finish writes it with the terminal
         # event in one transaction. A short run then costs one commit (and its
         # fsync) fewer, and the batch is produced no later than before.
     finally:
+        for t in (timer, ends_timer):
+            if t is not None:
+                t.cancel()
         if not pump.done():
             pump.cancel()
             await asyncio.gather(pump, return_exceptions=True)
