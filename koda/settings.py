@@ -745,7 +745,8 @@ class Settings:
     chunk_batch_ms: int = knob(
         20,
         "KODA_CHUNK_BATCH_MS",
-        "how long a chunk waits for its batch",
+        "how long a chunk waits for its batch at most (windows close on the worker's ticks,"
+        " every half window)",
         unit="ms",
         lo=0,
         hi=10_000,
