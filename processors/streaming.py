@@ -359,6 +359,10 @@ async def stream(
     queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=4 * batcher.max_size)
     pump = asyncio.create_task(_pump(source, queue))
     loop = asyncio.get_running_loop()
+    # When the pending batch is flushed (loop.time()); None: nothing is pending. One
+    # timer per window, not one per token: a token costs a queue hop and no more.
+    deadline: float | None = None
+    timer: asyncio.TimerHandle | None = None
 
     def wake() -> None:
         # A loop blocked on an empty queue takes this and looks at the clock; a full
@@ -383,10 +387,6 @@ async def stream(
             raise budget_spent(batcher.spent)
 
     control.on_stop(stop)
-    # When the pending batch is flushed (loop.time()); None: nothing is pending. One
-    # timer per window, not one per token: a token costs a queue hop and no more.
-    deadline: float | None = None
-    timer: asyncio.TimerHandle | None = None
     ends = None if limits is None else limits.deadline  # the attempt's own deadline
     ends_timer = None if ends is None else loop.call_at(_on_loop_clock(loop, ends), wake)
     output = 0  # bytes of output so far, against limits.max_output_bytes

@@ -209,23 +209,31 @@ TURN_STATUSES = [RunStatus.DONE.value, RunStatus.CANCELLED.value]
 # of its last attempt.
 _EARLIER_TURNS = text(
     f"""
-    WITH me AS (SELECT id, session_id, user_id, created_at FROM runs WHERE id = :run_id),
+    WITH me AS (
+        SELECT q.ord, q.lim, r.id, r.session_id, r.user_id, r.created_at
+          FROM unnest(CAST(:ids AS text[]), CAST(:limits AS int[]))
+               WITH ORDINALITY AS q(id, lim, ord)
+          JOIN runs r ON r.id = q.id
+    ),
     earlier AS (
-        SELECT r.id, r.status, r.input, r.attempt, r.created_at
-          FROM runs r JOIN me ON r.session_id = me.session_id AND r.user_id = me.user_id
-         WHERE (r.created_at, r.id) < (me.created_at, me.id)
-           AND r.status = ANY(CAST(:statuses AS text[]))
-         ORDER BY r.created_at DESC, r.id DESC
-         LIMIT :limit
+        SELECT me.ord, x.id, x.status, x.input, x.attempt, x.created_at
+          FROM me CROSS JOIN LATERAL (
+               SELECT r.id, r.status, r.input, r.attempt, r.created_at
+                 FROM runs r
+                WHERE r.session_id = me.session_id AND r.user_id = me.user_id
+                  AND (r.created_at, r.id) < (me.created_at, me.id)
+                  AND r.status = ANY(CAST(:statuses AS text[]))
+                ORDER BY r.created_at DESC, r.id DESC
+                LIMIT me.lim) x
     )
-    SELECT e.id, e.status, e.input,
+    SELECT e.ord, e.id, e.status, e.input,
            {visible_output_sql("e.id")} AS answer,
            COALESCE((SELECT sum(l.completion_tokens) FROM ledger l
                       WHERE l.run_id = e.id AND l.attempt = e.attempt
                         AND l.kind = :chat_call),
                     0) AS answer_tokens
       FROM earlier e
-     ORDER BY e.created_at, e.id
+     ORDER BY e.ord, e.created_at, e.id
     """  # noqa: S608 - fixed texts, rendered from constants
 )
 _SESSION_OWNER = text("SELECT 1 FROM sessions WHERE id = :session_id AND user_id = :user_id")
@@ -276,11 +284,28 @@ async def earlier_turns(
 ) -> Sequence[Turn]:
     """The turns before ``run_id`` in its session, oldest first (one statement): the
     context a run is loaded with (rules in koda/lifecycle/turns.py)."""
+    return (await earlier_turns_of(conn, [(run_id, limit)]))[0]
+
+
+async def earlier_turns_of(
+    conn: AsyncConnection, wanted: Sequence[tuple[str, int]]
+) -> list[list[Turn]]:
+    """:func:`earlier_turns` of several runs in one statement: for each ``(run_id,
+    limit)`` of ``wanted``, in order, its turns oldest first (none for a run that is
+    not there)."""
     rows = await conn.execute(
         _EARLIER_TURNS,
-        {"run_id": run_id, "limit": limit, "statuses": TURN_STATUSES, "chat_call": _CHAT_CALL},
+        {
+            "ids": [run_id for run_id, _ in wanted],
+            "limits": [limit for _, limit in wanted],
+            "statuses": TURN_STATUSES,
+            "chat_call": _CHAT_CALL,
+        },
     )
-    return [turn_of(row) for row in rows]
+    out: list[list[Turn]] = [[] for _ in wanted]
+    for row in rows:
+        out[int(row.ord) - 1].append(turn_of(row))
+    return out
 
 
 # --- the Responses API -----------------------------------------------------------------

@@ -75,4 +75,3 @@ async def test_runs_started_apart_share_their_flushes() -> None:
         f"{written} window batches in {len(batches)} groups ({per_group:.1f} per "
         "group): the runs do not flush on shared ticks"
     )
-
