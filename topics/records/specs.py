@@ -13,6 +13,8 @@ documentation for data teams, not checks a decoder applies.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -118,9 +120,10 @@ class RecordSpec:
         """The ``schema`` header value, e.g. ``run.chunk/1``."""
         return f"{self.name}/{self.version}"
 
-    @property
+    @functools.cached_property
     def names(self) -> tuple[str, ...]:
-        """The common fields' names in wire order."""
+        """The common fields' names in wire order (computed once: every chunk record
+        asks for them)."""
         return tuple(f.name for f in self.fields)
 
     def variant(self, value: str) -> Variant:
