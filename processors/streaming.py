@@ -363,12 +363,27 @@ async def stream(
     # timer per window, not one per token: a token costs a queue hop and no more.
     deadline: float | None = None
     timer: asyncio.TimerHandle | None = None
+    # A timer that fired says so itself: the loop may run it a hair before its time by
+    # the clock (the selector's rounding), and a clock-only check would then miss it and
+    # wait for the handler's next item, or, at the attempt's deadline, for ever.
+    due = False  # the window's timer fired
+    over = False  # the attempt's deadline timer fired
 
     def wake() -> None:
-        # A loop blocked on an empty queue takes this and looks at the clock; a full
-        # queue means it is not blocked, and it looks at the clock per item anyway.
+        # A loop blocked on an empty queue takes this and looks again; a full queue
+        # means it is not blocked, and it looks per item anyway.
         with contextlib.suppress(asyncio.QueueFull):
             queue.put_nowait(_TICK)
+
+    def window_due() -> None:
+        nonlocal due
+        due = True
+        wake()
+
+    def attempt_over() -> None:
+        nonlocal over
+        over = True
+        wake()
 
     def stop() -> None:
         log.info("attempt stopped run_id=%s by=%s", ctx.run_id, ctx.cancel.reason)
@@ -377,8 +392,8 @@ async def stream(
             queue.put_nowait(_STOP)
 
     async def flush() -> None:
-        nonlocal deadline, timer
-        deadline = None
+        nonlocal deadline, timer, due
+        deadline, due = None, False
         if timer is not None:
             timer.cancel()
             timer = None
@@ -388,19 +403,19 @@ async def stream(
 
     control.on_stop(stop)
     ends = None if limits is None else limits.deadline  # the attempt's own deadline
-    ends_timer = None if ends is None else loop.call_at(_on_loop_clock(loop, ends), wake)
+    ends_timer = None if ends is None else loop.call_at(_on_loop_clock(loop, ends), attempt_over)
     output = 0  # bytes of output so far, against limits.max_output_bytes
     first = True
     try:
         while True:
-            if limits is not None and time.monotonic() >= limits.deadline:
+            if limits is not None and (over or time.monotonic() >= limits.deadline):
                 raise limits.past_deadline()
             # Due: chunks are flushed even while the handler keeps the queue full (a
             # coalesced chunk never fills a batch); calls alone wait for a pause, and
             # ride the next batch or the finish if one is near.
             if (
                 deadline is not None
-                and loop.time() >= deadline
+                and (due or loop.time() >= deadline)
                 and (batcher.pending or queue.empty())
             ):
                 await flush()
@@ -424,7 +439,7 @@ async def stream(
                 # no chunk follows within the window (a tool call, a slow next step).
                 if deadline is None:
                     deadline = window_end(loop.time(), window_s)
-                    timer = loop.call_at(deadline, wake)
+                    timer = loop.call_at(deadline, window_due)
                 continue
             if isinstance(item, ToolActivity):
                 kind, content = ChunkKind.TOOL, item.content
@@ -450,7 +465,7 @@ async def stream(
                 await flush()
             elif deadline is None:
                 deadline = window_end(loop.time(), window_s)
-                timer = loop.call_at(deadline, wake)
+                timer = loop.call_at(deadline, window_due)
         # The last batch is not flushed here: the finish writes it with the terminal
         # event in one transaction. A short run then costs one commit (and its
         # fsync) fewer, and the batch is produced no later than before.

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
 
 from koda_runtime.lifecycle.handler import CancelToken
 from koda_runtime.processors.streaming import window_end
 from koda_runtime.schemas.runs.worker import ChunkWrite
+from tests.support import loop_until
 from tests.unit.test_executor import World, record
 from tests.unit.worker_fakes import ScriptedHandler
 
@@ -75,3 +78,61 @@ async def test_runs_started_apart_share_their_flushes() -> None:
         f"{written} window batches in {len(batches)} groups ({per_group:.1f} per "
         "group): the runs do not flush on shared ticks"
     )
+
+
+class EarlyTimers(asyncio.SelectorEventLoop):
+    """An event loop that runs every timer 3 ms before its time by its own clock, as a
+    selector's rounding may. A timer's callback must count as its time having come."""
+
+    def call_at(self, when, callback, *args, context=None):  # type: ignore[no-untyped-def,override]
+        return super().call_at(when - 0.003, callback, *args, context=context)
+
+
+def _on_early_timers(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    loop = EarlyTimers()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def test_a_window_whose_timer_runs_early_is_still_flushed() -> None:
+    """The handler says two things and then waits: the second must be written when its
+    window's timer runs, not when the handler next speaks (here: never, until freed)."""
+
+    async def main() -> None:
+        hold = asyncio.Event()
+        w = World(
+            ScriptedHandler(["first", "second", hold.wait]),
+            chunk_batch_ms=40,
+            chunk_batch_size=100,
+        )
+        w.store.add("r1")
+        running = asyncio.create_task(w.run("r1"))
+        try:
+            await loop_until(
+                lambda: len(w.store.kinds("r1")) == 2, timeout=3, what="the window's flush"
+            )
+        finally:
+            hold.set()
+            await running
+            await w.executor.writer.close()
+            World.made.remove(w)
+        assert w.store.kinds("r1") == ["chunk", "chunk", "done"]
+
+    _on_early_timers(main)
+
+
+def test_an_attempt_whose_deadline_timer_runs_early_still_ends() -> None:
+    async def main() -> None:
+        w = World(ScriptedHandler(["a", asyncio.Event().wait]), max_run_s=0.3)
+        w.store.add("r1")
+        try:
+            await asyncio.wait_for(w.run("r1"), 5)
+        finally:
+            await w.executor.writer.close()
+            World.made.remove(w)
+        row = w.store.runs["r1"]
+        assert row.error is not None and row.error.startswith("deadline:"), row.error
+
+    _on_early_timers(main)
