@@ -82,11 +82,6 @@ def window_end(now: float, window_s: float) -> float:
     return math.ceil((now + half) / half) * half
 
 
-def _on_loop_clock(loop: asyncio.AbstractEventLoop, monotonic_at: float) -> float:
-    """``monotonic_at`` (``time.monotonic()``) on ``loop``'s clock."""
-    return loop.time() + (monotonic_at - time.monotonic())
-
-
 class OutputRefused(RunFailed):
     """Postgres or Kafka refused the attempt's output (or its ledger rows) for what it
     is: the same bytes would be refused on every attempt, so the run ends ``failed``
@@ -385,6 +380,11 @@ async def stream(
         over = True
         wake()
 
+    def open_window() -> None:
+        nonlocal deadline, timer
+        deadline = window_end(loop.time(), window_s)
+        timer = loop.call_at(deadline, window_due)
+
     def stop() -> None:
         log.info("attempt stopped run_id=%s by=%s", ctx.run_id, ctx.cancel.reason)
         pump.cancel()
@@ -402,8 +402,11 @@ async def stream(
             raise budget_spent(batcher.spent)
 
     control.on_stop(stop)
-    ends = None if limits is None else limits.deadline  # the attempt's own deadline
-    ends_timer = None if ends is None else loop.call_at(_on_loop_clock(loop, ends), attempt_over)
+    ends_timer = (  # the attempt's own deadline
+        None
+        if limits is None
+        else loop.call_later(max(0.0, limits.deadline - time.monotonic()), attempt_over)
+    )
     output = 0  # bytes of output so far, against limits.max_output_bytes
     first = True
     try:
@@ -438,8 +441,7 @@ async def stream(
                 # The call goes to the ledger with the window's batch, or alone when
                 # no chunk follows within the window (a tool call, a slow next step).
                 if deadline is None:
-                    deadline = window_end(loop.time(), window_s)
-                    timer = loop.call_at(deadline, window_due)
+                    open_window()
                 continue
             if isinstance(item, ToolActivity):
                 kind, content = ChunkKind.TOOL, item.content
@@ -464,8 +466,7 @@ async def stream(
             if batcher.full or window_s == 0 or batcher.first_output_pending:
                 await flush()
             elif deadline is None:
-                deadline = window_end(loop.time(), window_s)
-                timer = loop.call_at(deadline, window_due)
+                open_window()
         # The last batch is not flushed here: the finish writes it with the terminal
         # event in one transaction. A short run then costs one commit (and its
         # fsync) fewer, and the batch is produced no later than before.

@@ -14,7 +14,6 @@ documentation for data teams, not checks a decoder applies.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
