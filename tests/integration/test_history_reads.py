@@ -22,10 +22,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from koda_runtime.localstack import StackInfo
 from koda_runtime.processors.history import SessionHistory
 from koda_runtime.schemas.db import async_engine
-from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.schemas.runs.reads import earlier_turns, earlier_turns_of
 from koda_runtime.settings import Settings
-from tests.fixtures.namespaces import drop_schema, make_settings
+from tests.fixtures.namespaces import make_settings, migrated
 
 # (user, session): the runs of each, oldest first.
 SESSIONS = {
@@ -37,12 +36,8 @@ SESSIONS = {
 
 @pytest.fixture(scope="module")
 def schema(stack: StackInfo) -> Iterator[Settings]:
-    settings = make_settings(stack)
-    upgrade(settings)
-    try:
+    with migrated(make_settings(stack)) as settings:
         yield settings
-    finally:
-        drop_schema(settings)
 
 
 @pytest.fixture

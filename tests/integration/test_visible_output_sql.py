@@ -21,10 +21,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from koda_runtime.lifecycle.chunks import ChunkKind, visible_output
 from koda_runtime.localstack import StackInfo
 from koda_runtime.schemas.db import async_engine
-from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.schemas.runs.reads import RunReads, earlier_turns, visible_output_sql
 from koda_runtime.settings import Settings
-from tests.fixtures.namespaces import drop_schema, make_settings
+from tests.fixtures.namespaces import make_settings, migrated
 
 USER = "visible-user"
 SESSION = "visible-session"
@@ -33,12 +32,8 @@ KINDS = [k.value for k in ChunkKind]
 
 @pytest.fixture(scope="module")
 def schema(stack: StackInfo) -> Iterator[Settings]:
-    settings = make_settings(stack)
-    upgrade(settings)
-    try:
+    with migrated(make_settings(stack)) as settings:
         yield settings
-    finally:
-        drop_schema(settings)
 
 
 @pytest.fixture
