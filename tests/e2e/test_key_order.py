@@ -236,14 +236,24 @@ class CommitWatch:
 
 
 def many_users_in_flight(env: Settings, sub: Submitter) -> dict[str, list[str]]:
-    """800 runs of 400 users (2 each, about 4 s apiece), submitted at once: each worker
-    has about 200 users' runs streaming at the same time."""
-    inp = {"text": "four seconds", "demo": {"tokens": 10, "delay_ms": 400}}
+    """Two runs (about 8 s apiece) for each of 416 users, submitted in one burst, the
+    users spread evenly over the partitions: a worker holding half of them has about
+    200 users' runs streaming at once, whichever half it holds."""
+    inp = {"demo": {"tokens": 10, "delay_ms": 800}}
+    quota = -(-416 // env.partitions)
+    per: dict[int, list[str]] = defaultdict(list)
+    i = 0
+    while sum(len(v) for v in per.values()) < quota * env.partitions:
+        user = f"many-{i}"
+        p = partition_for_key(user.encode(), env.partitions)
+        if len(per[p]) < quota:
+            per[p].append(user)
+        i += 1
+    users = [u for p in sorted(per) for u in per[p]]
+    turns = [(u, {**inp, "text": f"{u} turn {k}"}) for k in range(2) for u in users]
     by_user: dict[str, list[str]] = defaultdict(list)
-    users = [f"many-{i}" for i in range(400)]
-    for k in range(2):
-        for u in users:
-            by_user[u].append(sub.submit(u, {**inp, "text": f"{u} turn {k}"}))
+    for (user, _), run_id in zip(turns, sub.submit_many(turns), strict=True):
+        by_user[user].append(run_id)
     return by_user
 
 
@@ -257,29 +267,31 @@ def test_a_worker_stopped_with_hundreds_of_runs_in_flight_loses_none(
     watch = CommitWatch(env, submitter)
     sampler = threading.Thread(target=watch.run, daemon=True)
     sampler.start()
-    by_user = many_users_in_flight(env, submitter)
-    every = [r for ids in by_user.values() for r in ids]
+    try:
+        by_user = many_users_in_flight(env, submitter)
+        every = [r for ids in by_user.values() for r in ids]
 
-    def on_a() -> int:
-        return len(
-            submitter.query(
-                "SELECT id FROM runs WHERE worker_id = 'a' AND status = 'streaming'"
-                " AND id = ANY(:ids)",
-                ids=every,
+        def on_a() -> int:
+            return len(
+                submitter.query(
+                    "SELECT id FROM runs WHERE worker_id = 'a' AND status = 'streaming'"
+                    " AND id = ANY(:ids)",
+                    ids=every,
+                )
             )
-        )
 
-    wait_until(lambda: on_a() >= 150, timeout=60, what="a streaming many runs")
-    held = on_a()
-    if how == "kill":
-        a.kill()
-    else:
-        a.signal(signal.SIGTERM)
-        assert a.proc is not None and a.proc.wait(60) == 0, a.log()[-3000:]
-    wait_terminal(submitter, every, 120.0, b)
-    time.sleep(1.5)  # the last commits of the survivor, sampled
-    watch.stop.set()
-    sampler.join(10)
+        wait_until(lambda: on_a() >= 150, timeout=60, what="a streaming many runs")
+        held = on_a()
+        if how == "kill":
+            a.kill()
+        else:
+            a.signal(signal.SIGTERM)
+            assert a.proc is not None and a.proc.wait(60) == 0, a.log()[-3000:]
+        wait_terminal(submitter, every, 120.0, b)
+        time.sleep(1.5)  # the last commits of the survivor, sampled
+    finally:
+        watch.stop.set()
+        sampler.join(10)
     print(f"{how}: a held {held} runs streaming; {len(watch.samples)} commit samples")
     table = rows(submitter, every)
     assert {r.status for r in table.values()} == {"done"}
