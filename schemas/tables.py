@@ -446,9 +446,7 @@ tool_steps = Table(
     Column("decided_by", Text, nullable=True),
     Column("decided_at", DateTime(timezone=True), nullable=True),
     PrimaryKeyConstraint("run_id", "step", name="pk_tool_steps"),
-    CheckConstraint(
-        "status IN ('initiated', 'finished', 'awaiting')", name="ck_tool_steps_status"
-    ),
+    CheckConstraint("status IN ('initiated', 'finished', 'awaiting')", name="ck_tool_steps_status"),
     CheckConstraint("decision IN ('approved', 'rejected')", name="ck_tool_steps_decision"),
     CheckConstraint("step >= 1 AND position >= 1", name="ck_tool_steps_step"),
 )

@@ -611,8 +611,10 @@ class Chaos:
         # to finish what is pending (a distillation that gave up stays, and the memory
         # check reports its run).
         wait_until(
-            lambda: not self.db.query(
-                "SELECT 1 FROM memory_distillations WHERE gave_up_at IS NULL LIMIT 1"
+            lambda: (
+                not self.db.query(
+                    "SELECT 1 FROM memory_distillations WHERE gave_up_at IS NULL LIMIT 1"
+                )
             ),
             timeout=300,
             what="pending memory distillations",

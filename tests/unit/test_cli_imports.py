@@ -29,8 +29,7 @@ def _loaded_after(statements: str) -> list[str]:
 def test_the_gateway_clients_import_no_server_module() -> None:
     assert (
         _loaded_after(
-            "import koda_runtime.cli.runs, koda_runtime.cli.schedules, "
-            "koda_runtime.cli.memories"
+            "import koda_runtime.cli.runs, koda_runtime.cli.schedules, koda_runtime.cli.memories"
         )
         == []
     )

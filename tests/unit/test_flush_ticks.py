@@ -20,7 +20,7 @@ from koda_runtime.processors.streaming import window_end
 from koda_runtime.schemas.runs.worker import ChunkWrite
 from tests.support import loop_until
 from tests.unit.test_executor import World, record
-from tests.unit.worker_fakes import ScriptedHandler
+from tests.unit.worker_fakes import ScriptedHandler, Step
 
 
 @pytest.mark.parametrize("window_s", [0.02, 0.05, 0.2, 1.0])
@@ -45,8 +45,8 @@ async def test_runs_started_apart_share_their_flushes() -> None:
     40 ms window: flushing on ticks, several runs' batches share each group; each run
     opening its own window would give about one batch per group."""
 
-    def script() -> list[object]:
-        steps: list[object] = ["first"]
+    def script() -> list[Step]:
+        steps: list[Step] = ["first"]
         for i in range(120):
             steps += [lambda: asyncio.sleep(0.002), f"t{i} "]
         return steps
@@ -84,7 +84,7 @@ class EarlyTimers(asyncio.SelectorEventLoop):
     """An event loop that runs every timer 3 ms before its time by its own clock, as a
     selector's rounding may. A timer's callback must count as its time having come."""
 
-    def call_at(self, when, callback, *args, context=None):  # type: ignore[no-untyped-def,override]
+    def call_at(self, when, callback, *args, context=None):  # type: ignore[override]
         return super().call_at(when - 0.003, callback, *args, context=context)
 
 
