@@ -25,11 +25,9 @@ from koda_runtime.client import ApiError, AsyncClient, BatchItem, Client, Event
 from koda_runtime.gateway.app import create_app
 from koda_runtime.naming import AppEnv
 from koda_runtime.processors.handlers.demo import demo_tokens
-from koda_runtime.schemas.migrate import upgrade
 from koda_runtime.settings import ServiceToken, Settings
-from koda_runtime.topics.admin import apply_topics
 from tests.fixtures.gateway import db_rows, serve_app
-from tests.fixtures.namespaces import delete_topics, drop_schema, make_settings
+from tests.fixtures.namespaces import make_settings, prepared_namespace
 from tests.fixtures.processes import GatewayProcess, WorkerProcess
 from tests.support import wait_until
 
@@ -75,13 +73,8 @@ class Dev:
 @pytest.fixture(scope="module")
 def dev_env(stack: Any) -> Iterator[Settings]:
     settings = make_settings(stack, rate_per_s=1000.0, rate_burst=1000)
-    upgrade(settings)
-    apply_topics(settings)
-    try:
+    with prepared_namespace(settings):
         yield settings
-    finally:
-        delete_topics(settings)
-        drop_schema(settings)
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +86,8 @@ def prod(dev_env: Settings) -> Iterator[Prod]:
         service_tokens=SERVICES,
         batch_max_runs=5,
     )
-    upgrade(settings)
-    apply_topics(settings)
-    try:
-        with serve_app(create_app(settings)) as url:
-            yield Prod(settings, url)
-    finally:
-        delete_topics(settings)
-        drop_schema(settings)
+    with prepared_namespace(settings), serve_app(create_app(settings)) as url:
+        yield Prod(settings, url)
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from koda_runtime.localstack import StackInfo
 from koda_runtime.processors.history import SessionHistory
 from koda_runtime.schemas.db import async_engine
 from koda_runtime.schemas.runs.reads import earlier_turns, earlier_turns_of
 from koda_runtime.settings import Settings
-from tests.fixtures.namespaces import make_settings, migrated
 
 # (user, session): the runs of each, oldest first.
 SESSIONS = {
@@ -34,15 +32,9 @@ SESSIONS = {
 }
 
 
-@pytest.fixture(scope="module")
-def schema(stack: StackInfo) -> Iterator[Settings]:
-    with migrated(make_settings(stack)) as settings:
-        yield settings
-
-
 @pytest.fixture
-async def engine(schema: Settings) -> AsyncIterator[AsyncEngine]:
-    db = async_engine(schema, pool_size=2)
+async def engine(module_database: Settings) -> AsyncIterator[AsyncEngine]:
+    db = async_engine(module_database, pool_size=2)
     try:
         await fill(db)
         yield db

@@ -12,33 +12,25 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from koda_runtime.lifecycle.chunks import ChunkKind, visible_output
-from koda_runtime.localstack import StackInfo
 from koda_runtime.schemas.db import async_engine
 from koda_runtime.schemas.runs.reads import RunReads, earlier_turns, visible_output_sql
 from koda_runtime.settings import Settings
-from tests.fixtures.namespaces import make_settings, migrated
 
 USER = "visible-user"
 SESSION = "visible-session"
 KINDS = [k.value for k in ChunkKind]
 
 
-@pytest.fixture(scope="module")
-def schema(stack: StackInfo) -> Iterator[Settings]:
-    with migrated(make_settings(stack)) as settings:
-        yield settings
-
-
 @pytest.fixture
-async def engine(schema: Settings) -> AsyncIterator[AsyncEngine]:
-    db = async_engine(schema, pool_size=2)
+async def engine(module_database: Settings) -> AsyncIterator[AsyncEngine]:
+    db = async_engine(module_database, pool_size=2)
     try:
         yield db
     finally:
